@@ -1,0 +1,116 @@
+"""Timelines: intervals of stage work, drawn as a Gantt PNG or exported as a Chrome/Perfetto trace.
+
+Shared by the simulator (predicted intervals) and the runtime (measured intervals); this module does not know where
+its intervals came from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+__all__ = ["Interval", "COLORS", "draw_timeline", "save_timeline_png", "to_chrome_trace", "write_chrome_trace"]
+
+
+class Interval(NamedTuple):
+    """``kind`` is an action kind (``F``, ``B``, ``OPT``) or a wait (``WAIT_F``, ``WAIT_B``); times in seconds or
+    simulator units."""
+
+    stage: int
+    kind: str
+    microbatch: int | None
+    start: float
+    end: float
+
+
+COLORS: dict[str, str] = {
+    "F": "#4C78A8",  # forward: blue
+    "B": "#54A24B",  # backward: green
+    "OPT": "#E45756",  # optimizer step: red
+    "WAIT_F": "#D9D9D9",  # waiting for an activation: light grey
+    "WAIT_B": "#BDBDBD",  # waiting for a gradient: grey
+}
+_IDLE_COLOR = "#F2F2F2"
+
+
+def draw_timeline(
+    intervals: Sequence[Interval],
+    num_stages: int,
+    *,
+    title: str = "",
+    time_unit: str = "time",
+    figure_width: float | None = None,
+) -> Any:
+    """Return a matplotlib ``Figure``: one row per stage (stage 0 on top), forward / backward / optimizer step /
+    waits in distinct colours, idle as the pale background, micro-batch numbers written inside wide-enough boxes."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    end = max((iv.end for iv in intervals), default=1.0)
+    start = min((iv.start for iv in intervals), default=0.0)
+    span = max(end - start, 1e-12)
+    width = figure_width or min(40.0, max(8.0, 0.09 * len(intervals) / max(num_stages, 1) + 6))
+    fig, ax = plt.subplots(figsize=(width, 0.6 * num_stages + 1.6))
+    ax.barh(range(num_stages), [span] * num_stages, left=start, height=0.8, color=_IDLE_COLOR, edgecolor="none")
+    min_label_width = span / (width * 9.0)  # about one character at the figure's scale
+    for iv in intervals:
+        row = iv.stage
+        if iv.end - iv.start <= 0.0:  # an instantaneous event (a zero-cost optimizer step): a marker line
+            ax.plot([iv.start, iv.start], [row - 0.4, row + 0.4], color=COLORS.get(iv.kind, "#999999"), linewidth=2.5)
+            continue
+        ax.barh(row, iv.end - iv.start, left=iv.start, height=0.8, color=COLORS.get(iv.kind, "#999999"),
+                edgecolor="white", linewidth=0.4)
+        if iv.microbatch is not None and iv.kind in ("F", "B") and iv.end - iv.start >= min_label_width * len(str(iv.microbatch)):
+            ax.text((iv.start + iv.end) / 2, row, str(iv.microbatch), ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(num_stages), [f"stage {s}" for s in range(num_stages)])
+    ax.invert_yaxis()
+    ax.set_xlim(start, end)
+    ax.set_xlabel(time_unit)
+    if title:
+        ax.set_title(title)
+    present = [kind for kind in COLORS if any(iv.kind == kind for iv in intervals)]
+    names = {"F": "forward", "B": "backward", "OPT": "optimizer step", "WAIT_F": "wait: activation", "WAIT_B": "wait: gradient"}
+    handles = [Patch(color=COLORS[k], label=names[k]) for k in present] + [Patch(color=_IDLE_COLOR, label="idle")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if num_stages < 4 else -0.18),
+              ncol=len(handles), frameon=False, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def save_timeline_png(intervals: Sequence[Interval], num_stages: int, path: str | Path, **kwargs: Any) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = draw_timeline(intervals, num_stages, **kwargs)
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def to_chrome_trace(intervals: Sequence[Interval], *, time_scale: float = 1e6) -> dict[str, Any]:
+    """Chrome/Perfetto trace events (``chrome://tracing``, ui.perfetto.dev): one thread row per stage.
+
+    ``time_scale`` converts interval times to microseconds (1e6 for seconds).
+    """
+    events: list[dict[str, Any]] = []
+    for stage in sorted({iv.stage for iv in intervals}):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": stage, "args": {"name": f"stage {stage}"}})
+    for iv in intervals:
+        name = iv.kind if iv.microbatch is None else f"{iv.kind}{iv.microbatch}"
+        events.append({
+            "name": name, "cat": iv.kind, "ph": "X", "pid": 0, "tid": iv.stage,
+            "ts": iv.start * time_scale, "dur": max(0.0, (iv.end - iv.start) * time_scale),
+            "args": {"microbatch": iv.microbatch},
+        })
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(intervals: Sequence[Interval], path: str | Path, *, time_scale: float = 1e6) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(to_chrome_trace(intervals, time_scale=time_scale)))
+    return path

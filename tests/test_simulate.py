@@ -1,0 +1,109 @@
+"""The discrete-event simulator and its command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_paci.schedules import build, drift_bound, static_drift
+from lightning_paci.simulate import main, simulate
+
+
+@pytest.mark.parametrize("num_stages", [2, 4, 8, 16])
+@pytest.mark.parametrize("accumulation", [1, 2, 4, 8, 16])
+def test_simulated_paci_drift_is_tight_at_the_bound(num_stages, accumulation):
+    num_minibatches = max(4, 2 + 4 * accumulation // num_stages)
+    result = simulate(build("paci", num_stages, num_stages, accumulation, num_minibatches))
+    for report in result.stages:
+        assert report.max_drift == drift_bound(num_stages, report.stage, accumulation)
+        assert report.drift_bound == report.max_drift
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_flush_schedules_show_zero_drift(name):
+    result = simulate(build(name, 8, 8, 8, 4))
+    assert all(report.max_drift == 0 and report.drift_bound == 0 for report in result.stages)
+
+
+def test_simulated_drift_equals_the_static_drift_of_the_lists():
+    schedule = build("paci", 4, 6, 3, 5)
+    result = simulate(schedule, forward_cost=[1, 3, 1, 2], backward_cost=[2, 1, 4, 2], comm_cost=0.5)
+    for report in result.stages:
+        assert report.drift == static_drift(schedule.actions[report.stage])
+
+
+@pytest.mark.parametrize("num_stages,num_microbatches,total", [(4, 4, 4), (8, 8, 4), (8, 4, 4), (4, 2, 5)])
+def test_peak_inflight(num_stages, num_microbatches, total):
+    paci = simulate(build("paci", num_stages, num_microbatches, num_microbatches, total))
+    flush = simulate(build("1f1b", num_stages, num_microbatches, num_microbatches, total))
+    gpipe = simulate(build("gpipe", num_stages, num_microbatches, num_microbatches, total))
+    for s in range(num_stages):
+        assert paci.stages[s].peak_inflight == min(num_stages - s, num_microbatches * total)
+        assert flush.stages[s].peak_inflight == min(num_stages - s, num_microbatches)
+        assert gpipe.stages[s].peak_inflight == num_microbatches
+
+
+@pytest.mark.parametrize("num_stages,num_microbatches", [(8, 8), (4, 4), (4, 8), (8, 16)])
+def test_steady_bubble_paci_zero_flush_schedules_analytic(num_stages, num_microbatches):
+    expected = (num_stages - 1) / (num_microbatches + num_stages - 1)
+    paci = simulate(build("paci", num_stages, num_microbatches, num_microbatches, 6))
+    assert all(report.steady_bubble_fraction == 0.0 for report in paci.stages)
+    for name in ("1f1b", "gpipe"):
+        result = simulate(build(name, num_stages, num_microbatches, num_microbatches, 6))
+        for report in result.stages:
+            assert report.steady_bubble_fraction == pytest.approx(expected)
+            assert report.startup_idle + report.steady_idle + report.drain_idle == pytest.approx(report.idle)
+
+
+def test_steady_bubble_n8_m8_is_0467():
+    result = simulate(build("1f1b", 8, 8, 8, 4))
+    assert [round(r.steady_bubble_fraction, 3) for r in result.stages] == [0.467] * 8
+
+
+@pytest.mark.parametrize("num_stages,num_microbatches", [(8, 8), (4, 4), (4, 8), (2, 4), (8, 16)])
+def test_makespan_ratio_matches_the_flush_overhead(num_stages, num_microbatches):
+    flush = simulate(build("1f1b", num_stages, num_microbatches, num_microbatches, 32))
+    paci = simulate(build("paci", num_stages, num_microbatches, num_microbatches, 32))
+    ideal = (num_microbatches + num_stages - 1) / num_microbatches
+    assert flush.makespan / paci.makespan == pytest.approx(ideal, rel=0.03)
+
+
+def test_per_stage_costs_and_comm_cost_lengthen_the_run():
+    base = simulate(build("paci", 4, 4, 4, 4))
+    slow = simulate(build("paci", 4, 4, 4, 4), forward_cost=[1, 1, 3, 1], comm_cost=0.5)
+    assert slow.makespan > base.makespan
+    # the slowest stage sets the pace: it is never idle in steady state
+    assert slow.stages[2].steady_bubble_fraction == 0.0
+
+
+def test_wrong_number_of_per_stage_costs_is_rejected():
+    with pytest.raises(ValueError, match="`forward_cost` has 3 per-stage costs but the schedule has 4 stages"):
+        simulate(build("paci", 4, 4, 4, 2), forward_cost=[1, 1, 1])
+
+
+def test_cli_json(capsys):
+    assert main(["--schedule", "paci", "--stages", "8", "--microbatches", "8", "--accumulation", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [s["max_drift"] for s in data["stages"]] == [1] * 7 + [0]
+    assert {"stage", "max_drift", "drift_bound", "bubble_fraction", "steady_bubble_fraction", "peak_inflight"} <= set(data["stages"][0])
+    assert data["makespan"] > 0 and data["throughput"] > 0
+
+
+def test_cli_table_and_timeline(tmp_path):
+    png = tmp_path / "t.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_paci.simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "4",
+         "--minibatches", "3", "--timeline", str(png)],
+        capture_output=True, text=True, check=True,
+    )
+    assert "steady_bubble" in out.stdout and "RuntimeWarning" not in out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rejects_bad_input_with_the_argument_name():
+    out = subprocess.run([sys.executable, "-m", "lightning_paci.simulate", "--stages", "0", "--microbatches", "4"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "`num_stages` must be >= 1, got 0" in out.stderr
