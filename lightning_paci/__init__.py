@@ -5,9 +5,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lightning_paci.partition import PartitionPlan, plan_partition
+from lightning_paci.reference import ReferencePipeline
 from lightning_paci.schedules import Action, Schedule, ScheduleError, build, drift_bound, validate
+from lightning_paci.strategy import PACIStrategy  # registers "paci", "paci_fork", "paci_spawn"
 
 __all__ = [
+    "PACIStrategy",
+    "PartitionPlan",
+    "ReferencePipeline",
+    "plan_partition",
     "Action",
     "Schedule",
     "ScheduleError",

@@ -40,6 +40,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "SCHEDULE_NAMES",
+    "assign_rounds",
     "build",
     "derived_drift_bound",
     "drift_bound",
@@ -444,3 +445,46 @@ def stage_lists_from_text(rows: Mapping[int, str] | Iterable[str]) -> list[list[
     for stage, text in items:
         table[stage] = parse_actions(text)
     return [table[s] for s in range(max(table) + 1)] if table else []
+
+
+def assign_rounds(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+    """The Lightning call ("round") in which each action can run, for every stage.
+
+    Round ``k`` is the training call that delivers mini-batch ``k``. An action's round is the smallest one that is
+    at least its predecessor's on the same stage, at least ``microbatch // m`` for a forward (its data arrives
+    then), and at least the round of the send it receives. Each stage executes, in call ``k``, exactly its actions
+    of round ``k``: it never waits for data a later call brings, and free-runs otherwise (no flush per call).
+    In a list built for ``K`` mini-batches the rounds ``0 .. K-2`` are those of any longer list (the cool-down
+    only starts after the last forward, which is in round ``K-1``).
+    """
+    lists = schedule.actions
+    m = schedule.num_microbatches
+    n = schedule.num_stages
+    rounds: list[list[int]] = [[] for _ in range(n)]
+    current = [0] * n
+    posted: dict[tuple[int, int, int | None], int] = {}
+    waiting: dict[tuple[int, int, int | None], int] = {}
+    ready = deque(range(n))
+    while ready:
+        s = ready.popleft()
+        stage_actions, out = lists[s], rounds[s]
+        while len(out) < len(stage_actions):
+            action = stage_actions[len(out)]
+            kind = action.kind
+            if kind is RECV_F or kind is RECV_B:
+                key = (s, kind is RECV_B, action.microbatch)
+                if key not in posted:
+                    waiting[key] = s
+                    break
+                current[s] = max(current[s], posted[key])
+            elif kind is SEND_F or kind is SEND_B:
+                key = (s + 1 if kind is SEND_F else s - 1, kind is SEND_B, action.microbatch)
+                posted[key] = current[s]
+                if key in waiting:
+                    ready.append(waiting.pop(key))
+            elif kind is F:
+                current[s] = max(current[s], action.microbatch // m)  # type: ignore[operator]
+            out.append(current[s])
+    if any(len(rounds[s]) < len(lists[s]) for s in range(n)):
+        raise ScheduleError("cannot assign rounds: the schedule deadlocks; run validate() for the grid")
+    return tuple(tuple(r) for r in rounds)

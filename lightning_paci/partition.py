@@ -1,0 +1,345 @@
+"""Partition an unchanged module into pipeline stages, in place, keeping every parameter's name.
+
+[Note: stage boundaries are block inputs]
+A model's ``forward`` is left as the user wrote it. Stage ``s`` owns the blocks ``start .. end-1`` of the repeated-
+block container (an ``nn.Sequential``, or an ``nn.ModuleList`` that ``forward`` loops over); every other block is
+replaced by a parameter-free ``_Placeholder`` so that the union of the stages' state dicts is the full state dict.
+Two forward pre-hooks mark the boundaries:
+
+* ingress (stage ``s > 0``, on block ``start``): replaces that block's ``(args, kwargs)`` by the ones received from
+  stage ``s - 1``;
+* egress (stage ``s < N - 1``, on the placeholder at block ``end``): captures the ``(args, kwargs)`` the next stage's
+  first block would get and ends the forward by raising ``StageDone``.
+
+What crosses a boundary is therefore exactly what the next block is called with: hidden states, attention masks,
+rotary position embeddings, ``None`` caches, ints. Modules with parameters registered before the container (an
+embedding) live on stage 0, those registered after it (final norm, LM head) on the last stage; parameter-free
+modules stay everywhere. On other stages they are placeholders that pass their first argument through, which the
+ingress hook then replaces::
+
+    stage 0:  embed -> [b0 b1] -> (egress: capture args of b2, stop)
+    stage 1:  (placeholder) -> [pass pass] -> (ingress: args of b2) b2 b3 -> norm -> head -> loss
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+__all__ = ["PartitionPlan", "StageCarve", "StageDone", "carve_stage", "find_block_container", "plan_partition"]
+
+PartitionSpec = Literal["balanced", "uniform"] | Sequence[int]
+
+
+class StageDone(BaseException):
+    """Raised by the egress hook to end a non-last stage's forward inside the user's code.
+
+    A ``BaseException`` so that a user's ``except Exception`` cannot swallow it.
+    """
+
+
+class _Placeholder(nn.Module):
+    """Parameter-free stand-in for a module another stage owns: passes its first argument through."""
+
+    def __init__(self, owner: str) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            return args[0]
+        return next(iter(kwargs.values()), None)
+
+    def extra_repr(self) -> str:
+        return f"lives on {self.owner}"
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_block_container(module: nn.Module, path: str | None = None) -> tuple[str, nn.Sequential | nn.ModuleList]:
+    """The repeated-block container: ``path`` if given, else the ``nn.Sequential``/``nn.ModuleList`` with at least
+    two children that holds the most parameters (the shallowest one on a tie)."""
+    if path is not None:
+        try:
+            found = module.get_submodule(path)
+        except AttributeError as err:
+            raise ValueError(
+                f"`block_container={path!r}` does not name a submodule of {type(module).__name__}: {err}. "
+                f"Give the dotted attribute path of the nn.Sequential or nn.ModuleList holding the blocks, "
+                f"e.g. 'model.transformer.h'."
+            ) from None
+        if not isinstance(found, (nn.Sequential, nn.ModuleList)):
+            raise ValueError(
+                f"`block_container={path!r}` is a {type(found).__name__}, not an nn.Sequential or nn.ModuleList. "
+                f"Name the container whose children are the repeated blocks."
+            )
+        return path, found
+    candidates = [
+        (name, sub) for name, sub in module.named_modules()
+        if isinstance(sub, (nn.Sequential, nn.ModuleList)) and len(sub) >= 2 and _num_params(sub) > 0
+    ]
+    if not candidates:
+        raise ValueError(
+            f"{type(module).__name__} has no repeated-block container: no nn.Sequential or nn.ModuleList with at "
+            f"least two children and parameters. Pipeline stages are cut between blocks of such a container; hold "
+            f"the blocks in one (e.g. `self.blocks = nn.ModuleList([...])` looped over in `forward`) and pass "
+            f"`PACIStrategy(block_container='blocks')` if it is not found automatically."
+        )
+    best = max(_num_params(sub) for _, sub in candidates)
+    name, container = min(((n, c) for n, c in candidates if _num_params(c) == best), key=lambda nc: nc[0].count("."))
+    return name, container  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """Which blocks and outside modules each stage owns. ``boundaries[s] .. boundaries[s+1]-1`` are stage ``s``'s
+    blocks; ``before`` modules live on stage 0, ``after`` modules on the last stage (dotted names)."""
+
+    container: str
+    num_blocks: int
+    boundaries: tuple[int, ...]
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    stage_params: tuple[int, ...] = field(default=())
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.boundaries) - 1
+
+    def blocks(self, stage: int) -> range:
+        return range(self.boundaries[stage], self.boundaries[stage + 1])
+
+    def describe(self) -> str:
+        parts = []
+        for s in range(self.num_stages):
+            blocks = self.blocks(s)
+            extra = (" + " + ", ".join(self.before) if s == 0 and self.before else "") + (
+                " + " + ", ".join(self.after) if s == self.num_stages - 1 and self.after else "")
+            count = f", {self.stage_params[s]:,} params" if self.stage_params else ""
+            parts.append(f"stage {s}: {self.container}[{blocks.start}:{blocks.stop}]{extra}{count}")
+        return "; ".join(parts)
+
+
+def _outside_modules(root: nn.Module, container_path: str) -> tuple[list[str], list[str]]:
+    """Parameterized modules outside the container, split by registration order relative to the path to it."""
+    before: list[str] = []
+    after: list[str] = []
+    parts = container_path.split(".") if container_path else []
+    node, prefix = root, ""
+    for depth, part in enumerate(parts):
+        if any(True for _ in node.parameters(recurse=False)):
+            raise ValueError(
+                f"Module `{prefix or type(root).__name__}` on the path to the block container `{container_path}` "
+                f"holds parameters directly ({', '.join(n for n, _ in node.named_parameters(recurse=False))}); "
+                f"they cannot be assigned to one stage. Move them into a submodule (e.g. an nn.Embedding)."
+            )
+        seen_path = False
+        for name, child in node.named_children():
+            if name == part:
+                seen_path = True
+                continue
+            if _num_params(child) == 0:
+                continue  # parameter-free modules (dropout, rotary tables) run on every stage
+            (after if seen_path else before).append(f"{prefix}{name}")
+        node = getattr(node, part)
+        prefix = f"{prefix}{part}."
+        del depth
+    return before, after
+
+
+def _balanced_boundaries(costs: Sequence[float], first_extra: float, last_extra: float, num_stages: int) -> list[int]:
+    """Contiguous split minimising the largest stage cost (stage 0 also pays ``first_extra``, the last stage
+    ``last_extra``), every stage at least one block. Exact dynamic programme, O(N * L^2): L is tens of blocks."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: minimal max cost placing blocks [0, i) on stages [0, k); choice[k][i]: start of stage k-1
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                cost = prefix[i] - prefix[j] + (first_extra if k == 1 else 0.0) + (last_extra if k == num_stages else 0.0)
+                value = max(best[k - 1][j], cost)
+                if value < best[k][i]:
+                    best[k][i], choice[k][i] = value, j
+    bounds = [n]
+    i = n
+    for k in range(num_stages, 0, -1):
+        i = choice[k][i]
+        bounds.append(i)
+    return bounds[::-1]
+
+
+def plan_partition(
+    module: nn.Module,
+    num_stages: int,
+    *,
+    container: str | None = None,
+    partition: PartitionSpec = "balanced",
+    block_costs: Sequence[float] | None = None,
+) -> PartitionPlan:
+    """Plan the split of ``module`` into ``num_stages`` stages.
+
+    ``partition``: ``"balanced"`` (default; minimises the largest stage's parameter count, or ``block_costs`` when
+    given, counting the outside modules on the first and last stage), ``"uniform"`` (equal block counts), or the
+    ``num_stages - 1`` block indices where stages 1..N-1 start.
+    """
+    path, blocks = find_block_container(module, container)
+    num_blocks = len(blocks)
+    if num_blocks < num_stages:
+        raise ValueError(
+            f"Cannot split `{path}` ({type(blocks).__name__} of {num_blocks} blocks) of {type(module).__name__} into "
+            f"{num_stages} stages: every stage needs at least one block. Use at most {num_blocks} devices, or a model "
+            f"with more blocks."
+        )
+    before, after = _outside_modules(module, path)
+    first_extra = sum(_num_params(module.get_submodule(n)) for n in before)
+    last_extra = sum(_num_params(module.get_submodule(n)) for n in after)
+    if isinstance(partition, str):
+        if partition == "uniform":
+            bounds = [round(s * num_blocks / num_stages) for s in range(num_stages + 1)]
+        elif partition == "balanced":
+            costs = list(block_costs) if block_costs is not None else [float(_num_params(b)) for b in blocks]
+            bounds = _balanced_boundaries(costs, float(first_extra), float(last_extra), num_stages)
+        else:
+            raise ValueError(f"`partition` must be 'balanced', 'uniform' or a list of {num_stages - 1} split indices, "
+                             f"got {partition!r}.")
+    else:
+        splits = list(partition)
+        bounds = [0, *splits, num_blocks]
+        if len(splits) != num_stages - 1 or any(not isinstance(b, int) for b in splits) or any(
+            bounds[i] >= bounds[i + 1] for i in range(num_stages)
+        ):
+            raise ValueError(
+                f"`partition={partition!r}` must list the {num_stages - 1} strictly increasing block indices where "
+                f"stages 1..{num_stages - 1} start, each in 1..{num_blocks - 1} (e.g. {[round(s * num_blocks / num_stages) for s in range(1, num_stages)]})."
+            )
+    stage_params = []
+    for s in range(num_stages):
+        count = sum(_num_params(blocks[i]) for i in range(bounds[s], bounds[s + 1]))
+        count += first_extra if s == 0 else 0
+        count += last_extra if s == num_stages - 1 else 0
+        stage_params.append(count)
+    empty = [s for s, c in enumerate(stage_params) if c == 0]
+    if empty:
+        raise ValueError(
+            f"Stage(s) {empty} of the split {bounds} of `{path}` own no parameters (their blocks are parameter-free, "
+            f"e.g. activations), so their optimizer would be empty. Use `partition='balanced'` or give explicit "
+            f"split indices that put at least one parameterized block on every stage."
+        )
+    return PartitionPlan(container=path, num_blocks=num_blocks, boundaries=tuple(bounds), before=tuple(before),
+                         after=tuple(after), stage_params=tuple(stage_params))
+
+
+@dataclass
+class BoundaryState:
+    """Per-forward state the hooks share with the runtime."""
+
+    incoming: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # (args, kwargs) for the first local block
+    outgoing: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # captured (args, kwargs) for the next stage
+
+
+@dataclass
+class StageCarve:
+    """A module carved down to one stage, with what is needed to put it back together."""
+
+    plan: PartitionPlan
+    stage: int
+    boundary: BoundaryState
+    removed: dict[str, nn.Module]
+    handles: list[Any]
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.plan.num_stages - 1
+
+    def restore(self, module: nn.Module, full_state: dict[str, torch.Tensor] | None = None) -> None:
+        """Remove the hooks and put the removed modules back (materialised from ``full_state`` when given)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        for name, original in self.removed.items():
+            parent_name, _, child = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            placeholder = parent._modules[child]
+            device = next((p.device for p in module.parameters() if p.device.type != "meta"), torch.device("cpu"))
+            original.to_empty(device=device)
+            parent._modules[child] = original
+            del placeholder
+        self.removed.clear()
+        if full_state is not None:
+            module.load_state_dict(full_state, strict=False)
+
+
+def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarve:
+    """Keep only ``stage``'s parameters in ``module`` (in place) and install the boundary hooks.
+
+    Removed modules are moved to the meta device (their memory is freed) and kept for :meth:`StageCarve.restore`.
+    """
+    container = module.get_submodule(plan.container)
+    last = plan.num_stages - 1
+    keep = set(plan.blocks(stage))
+    removed: dict[str, nn.Module] = {}
+
+    def swap(name: str, owner: str) -> None:
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        original = parent._modules[child]
+        assert original is not None
+        removed[name] = original.to("meta")
+        parent._modules[child] = _Placeholder(owner)
+
+    for i in range(plan.num_blocks):
+        if i not in keep:
+            owner = next(s for s in range(plan.num_stages) if i in plan.blocks(s))
+            swap(f"{plan.container}.{i}" if plan.container else str(i), f"stage {owner}")
+    if stage != 0:
+        for name in plan.before:
+            swap(name, "stage 0")
+    if stage != last:
+        for name in plan.after:
+            swap(name, f"stage {last}")
+    _check_no_shared_parameters(module, removed)
+
+    boundary = BoundaryState()
+    handles = []
+    blocks = plan.blocks(stage)
+    if stage > 0:
+        def ingress(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            if boundary.incoming is None:
+                raise AssertionError(f"stage {stage}: block {blocks.start} ran without a received input")
+            return boundary.incoming
+
+        handles.append(container[blocks.start].register_forward_pre_hook(ingress, with_kwargs=True))
+    if stage < last:
+        def egress(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            boundary.outgoing = (tuple(args), dict(kwargs))
+            raise StageDone
+
+        handles.append(container[blocks.stop].register_forward_pre_hook(egress, with_kwargs=True))
+    return StageCarve(plan=plan, stage=stage, boundary=boundary, removed=removed, handles=handles)
+
+
+def _check_no_shared_parameters(module: nn.Module, removed: dict[str, nn.Module]) -> None:
+    # A parameter used by two stages (tied embedding / LM head) would have been moved to meta under the other user.
+    meta = [name for name, p in module.named_parameters(remove_duplicate=False) if p.device.type == "meta"]
+    if meta:
+        raise ValueError(
+            f"Parameters {meta[:4]} are shared with modules another stage owns ({', '.join(sorted(removed)[:4])}...): "
+            f"tied weights across pipeline stages are not supported yet. Untie them (e.g. "
+            f"`config.tie_word_embeddings=False`) or keep both users on one stage."
+        )

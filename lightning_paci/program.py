@@ -1,0 +1,101 @@
+"""Run one micro-batch of an unchanged LightningModule's step on one pipeline stage.
+
+The user's ``training_step(batch, batch_idx)`` is called as written. On a non-last stage it stops inside the model,
+at the egress hook (see [Note: stage boundaries are block inputs] in partition.py), so its loss and logging code
+never runs there; on the last stage it runs to the end and returns the loss. ``self.log`` calls are recorded
+instead of logged: the strategy replays them on every rank once the records have travelled upstream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+
+from lightning_paci.partition import StageCarve, StageDone
+from lightning_paci.runtime import ForwardOutput, LogRecord, microbatch_size
+
+__all__ = ["LightningStageProgram", "extract_loss"]
+
+_LOG_OPTIONS = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph", "add_dataloader_idx")
+
+
+def extract_loss(output: Any, step_name: str) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    raise ValueError(
+        f"`{step_name}` must return the loss tensor or a dict with a 'loss' tensor on the last pipeline stage, got "
+        f"{type(output).__name__}. Returning None to skip a batch is not supported in pipeline training: every "
+        f"stage has already run its part of the micro-batch."
+    )
+
+
+class LightningStageProgram:
+    """:class:`~lightning_paci.runtime.StageProgram` for an unchanged LightningModule carved to one stage."""
+
+    def __init__(
+        self,
+        module: LightningModule,
+        carve: StageCarve,
+        *,
+        step_name: str = "training_step",
+        context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        self.module = module
+        self.carve = carve
+        self.step_name = step_name
+        self.context = context
+
+    @contextlib.contextmanager
+    def _recording_logs(self, records: list[LogRecord], size: int) -> Iterator[None]:
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if args:
+                raise TypeError("lightning_paci records `self.log(name, value, **options)`: pass options by keyword.")
+            if hasattr(value, "compute") and hasattr(value, "update"):  # a torchmetrics Metric object
+                raise TypeError(
+                    f"`self.log({name!r}, <Metric>)` in `{self.step_name}` under pipeline training: log the metric's "
+                    f"value (`metric(preds, target)` returns it) instead of the Metric object; the object lives on "
+                    f"the last stage only."
+                )
+            value = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+            batch_size = int(kwargs.get("batch_size") or size)
+            options = tuple(sorted((k, kwargs[k]) for k in _LOG_OPTIONS if k in kwargs))
+            records.append(LogRecord(name, value, batch_size, options))
+
+        self.module.log = log  # type: ignore[method-assign]  # instance attribute shadows the method
+        try:
+            yield
+        finally:
+            del self.module.log
+
+    def forward(self, data: Any, *step_args: Any, received: Any | None) -> ForwardOutput:
+        """Run the step on one micro-batch. ``step_args`` follow the batch (``batch_idx``, ``dataloader_idx``)."""
+        boundary = self.carve.boundary
+        boundary.incoming = received
+        boundary.outgoing = None
+        records: list[LogRecord] = []
+        step = getattr(self.module, self.step_name)
+        try:
+            with self._recording_logs(records, microbatch_size(data)), self.context():
+                output = step(data, *step_args)
+        except StageDone:
+            if boundary.outgoing is None:
+                raise AssertionError("egress hook stopped the forward without capturing the block inputs") from None
+            outgoing, boundary.outgoing = boundary.outgoing, None
+            return ForwardOutput(outgoing=outgoing)
+        finally:
+            boundary.incoming = None
+        if not self.carve.is_last:
+            raise RuntimeError(
+                f"Stage {self.carve.stage}: `{self.step_name}` returned before reaching block "
+                f"{self.carve.plan.boundaries[self.carve.stage + 1]} of `{self.carve.plan.container}`, where the next "
+                f"stage begins. Every step must run the model's forward through all blocks."
+            )
+        if self.step_name == "training_step":
+            return ForwardOutput(loss=extract_loss(output, self.step_name), logs=records)
+        return ForwardOutput(result=output, logs=records)

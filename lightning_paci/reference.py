@@ -1,0 +1,107 @@
+"""The one-process reference executor: all stages' action lists in a single process, same stage code.
+
+Tests compare every multi-process run against it, and it is the easiest place to debug a schedule: it runs the
+exact lists the distributed runtime runs, interleaving the stages in one process (a stage runs until its next
+action is a receive whose message has not been sent yet). Because each stage's order is fixed by its list, any
+interleaving gives bit-identical results.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+
+from lightning_paci.comm import LocalComm
+from lightning_paci.partition import PartitionPlan, carve_stage
+from lightning_paci.program import LightningStageProgram
+from lightning_paci.runtime import StageOptimizer, StageRuntime, loss_scale_for, split_microbatches
+from lightning_paci.schedules import RECV_B, RECV_F, Action, Schedule, validate
+
+__all__ = ["ReferencePipeline", "run_lists"]
+
+
+def run_lists(runtimes: Sequence[StageRuntime], lists: Sequence[Sequence[Action]]) -> None:
+    """Execute every stage's list to the end in one process."""
+    positions = [0] * len(runtimes)
+    progress = True
+    while progress:
+        progress = False
+        for s, runtime in enumerate(runtimes):
+            actions = lists[s]
+            while positions[s] < len(actions):
+                action = actions[positions[s]]
+                if action.kind is RECV_F and not runtime.comm.ready(s - 1):
+                    break
+                if action.kind is RECV_B and not runtime.comm.ready(s + 1):
+                    break
+                runtime.execute(action)
+                positions[s] += 1
+                progress = True
+    if any(positions[s] < len(lists[s]) for s in range(len(runtimes))):
+        validate(lists)  # raises with the grid
+        raise AssertionError("reference executor stalled on a list the validator accepts")
+
+
+class ReferencePipeline:
+    """N carved deep copies of a LightningModule, each with its stage optimizer, wired by in-process mailboxes.
+
+    ``optimizer_factory(module)`` returns ``(optimizer, schedulers)`` for a carved copy; by default it calls the
+    module's own ``configure_optimizers`` (a single optimizer, optionally with step-interval schedulers).
+    """
+
+    def __init__(
+        self,
+        module: LightningModule,
+        plan: PartitionPlan,
+        *,
+        optimizer_factory: Callable[[LightningModule], tuple[torch.optim.Optimizer, list[Any]]] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.modules: list[LightningModule] = []
+        self.runtimes: list[StageRuntime] = []
+        self._accumulation = 1
+        comms = LocalComm.network(plan.num_stages)
+        factory = optimizer_factory or _configured_optimizer
+        for stage in range(plan.num_stages):
+            copy_ = copy.deepcopy(module)
+            carve = carve_stage(copy_, plan, stage)
+            optimizer, schedulers = factory(copy_)
+            stage_optimizer = StageOptimizer(optimizer, list(copy_.parameters()), schedulers=schedulers)
+            runtime = StageRuntime(stage, plan.num_stages, LightningStageProgram(copy_, carve), comms[stage],
+                                   stage_optimizer, loss_scale=1.0)
+            self.modules.append(copy_)
+            self.runtimes.append(runtime)
+
+    def run(self, schedule: Schedule, batches: Sequence[Any], *, accumulation_scale: int | None = None) -> None:
+        """Feed ``batches`` (one per mini-batch) and run the schedule's lists to the end."""
+        if len(batches) != schedule.num_minibatches:
+            raise ValueError(f"{len(batches)} batches for a schedule of {schedule.num_minibatches} mini-batches")
+        scale = loss_scale_for(accumulation_scale or schedule.accumulation)
+        base = self.runtimes[0].microbatch_base
+        for runtime in self.runtimes:
+            runtime.loss_scale = scale
+            for k, batch in enumerate(batches):
+                for i, part in enumerate(split_microbatches(batch, schedule.num_microbatches)):
+                    runtime.add_microbatch(k * schedule.num_microbatches + i, part, k)
+        run_lists(self.runtimes, schedule.actions)
+        for runtime in self.runtimes:
+            runtime.microbatch_base = base + schedule.total_microbatches
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The union of the stages' state dicts: the full model's keys."""
+        full: dict[str, torch.Tensor] = {}
+        for module in self.modules:
+            for key, value in module.state_dict().items():
+                if value.device.type != "meta":
+                    full[key] = value
+        return full
+
+
+def _configured_optimizer(module: LightningModule) -> tuple[torch.optim.Optimizer, list[Any]]:
+    from lightning_paci.strategy import optimizer_and_step_schedulers
+
+    return optimizer_and_step_schedulers(module.configure_optimizers())

@@ -1,0 +1,624 @@
+"""``PACIStrategy``: train an unchanged LightningModule with asynchronous pipeline parallelism.
+
+``import lightning_paci`` registers ``Trainer(strategy="paci")`` (processes started like ``ddp``), ``"paci_fork"``
+(forked, for CPU tests and notebooks) and ``"paci_spawn"``.
+
+[Note: no flush per Lightning batch]
+Lightning calls ``training_step`` once per batch. Each stage runs, in call ``k``, its actions of round ``k``
+(see ``schedules.assign_rounds``): everything it can do before it needs mini-batch ``k + 1``. Stages then return to
+Lightning at different moments and never wait for each other except for real data dependencies, so the pipeline
+stays full across batches. Two per-batch synchronisations would turn this into a flush and are avoided:
+
+* Lightning >= 2.5.2 broadcasts a SIGTERM flag from rank 0 before every batch (a full barrier on gloo). The strategy
+  owns SIGTERM handling instead: the broadcast is replaced by a local check (Lightning's launchers deliver the
+  signal to every process).
+* Logged values live on the last stage. Instead of a broadcast per batch, ``self.log`` records travel upstream
+  with the gradients, and each rank replays them with the real ``self.log`` once all micro-batches of a mini-batch
+  have reached it (one call later on stage 0 than on the last stage under ``"paci"``).
+
+The pipeline drains (runs the cool-down of the current stream) only inside the last call before validation, at the
+end of an epoch, at ``max_steps``, and before a checkpoint or teardown.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_paci.comm import DistComm, flatten
+from lightning_paci.partition import PartitionPlan, PartitionSpec, StageCarve, carve_stage, plan_partition
+from lightning_paci.program import LightningStageProgram
+from lightning_paci.runtime import (
+    LOSS_KEY,
+    LogRecord,
+    StageOptimizer,
+    StageRuntime,
+    StreamCursor,
+    loss_scale_for,
+    split_microbatches,
+)
+from lightning_paci.schedules import SCHEDULE_NAMES
+
+__all__ = ["PACIStrategy", "optimizer_and_step_schedulers"]
+
+log = logging.getLogger(__name__)
+
+_SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "64-true")
+
+
+def optimizer_and_step_schedulers(output: Any) -> tuple[torch.optim.Optimizer, list[Any]]:
+    """The single optimizer and the per-step LR schedulers of a ``configure_optimizers`` return value (used by the
+    reference executor; the strategy reads Lightning's parsed configuration)."""
+    if isinstance(output, torch.optim.Optimizer):
+        return output, []
+    if isinstance(output, dict):
+        scheduler = output.get("lr_scheduler")
+        if isinstance(scheduler, dict):
+            scheduler = scheduler["scheduler"]
+        return output["optimizer"], [scheduler] if scheduler is not None else []
+    if isinstance(output, (list, tuple)) and len(output) == 2 and isinstance(output[0], (list, tuple)):
+        return output[0][0], [s["scheduler"] if isinstance(s, dict) else s for s in output[1]]
+    if isinstance(output, (list, tuple)) and len(output) == 1:
+        return optimizer_and_step_schedulers(output[0])
+    raise ValueError(f"Unsupported `configure_optimizers` return value for pipeline training: {type(output).__name__}.")
+
+
+class _Stream:
+    """State of the current stream (the run between two drains) on this stage."""
+
+    def __init__(self, cursor: StreamCursor) -> None:
+        self.cursor = cursor
+        self.calls = 0  # Lightning calls (mini-batches) fed into this stream
+
+
+class PACIStrategy(ParallelStrategy):
+    """Pipeline-parallel training with PACI's asynchronous, flush-free 1F1B schedule (one process per stage).
+
+    Args:
+        schedule: ``"paci"`` (default; no flush, a local optimizer step every ``accumulation`` backwards),
+            ``"1f1b"`` (synchronous 1F1B with a flush per batch: the baseline) or ``"gpipe"``.
+        microbatches: micro-batches per Lightning batch (default: the number of stages). Batch sizes that do not
+            divide evenly are allowed (the first ``B mod m`` micro-batches get one sample more).
+        accumulation: local backwards per optimizer step on every stage (default: ``microbatches``, i.e. one step
+            per batch per stage). ``Trainer(accumulate_grad_batches=k)`` multiplies it.
+        partition: ``"balanced"`` (default; by parameter count), ``"uniform"``, or the block indices where stages
+            1..N-1 start.
+        block_container: dotted path of the ``nn.Sequential``/``nn.ModuleList`` holding the repeated blocks
+            (default: found automatically).
+        timeout: process-group timeout; a stage waiting longer for a neighbour fails instead of hanging.
+
+    Raises:
+        ValueError: at construction for bad options, at setup for modules or Trainer settings that cannot run.
+
+    Gradient clipping (``Trainer(gradient_clip_val=...)``) is applied per stage to the stage's own gradients; there
+    is no cross-stage global norm (that would need a per-step collective). ``on_before_backward`` /
+    ``on_after_backward`` / ``on_before_optimizer_step`` hooks are not called: backwards and steps happen inside
+    the schedule.
+
+    Example::
+
+        import lightning as L, lightning_paci
+        trainer = L.Trainer(strategy="paci", devices=4)
+        trainer.fit(model)
+    """
+
+    strategy_name = "paci"
+
+    def __init__(
+        self,
+        *,
+        schedule: Literal["paci", "1f1b", "gpipe"] = "paci",
+        microbatches: int | None = None,
+        accumulation: int | None = None,
+        partition: PartitionSpec = "balanced",
+        block_container: str | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        if schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"`schedule` must be one of {', '.join(map(repr, SCHEDULE_NAMES))}, got {schedule!r}.")
+        for name, value in (("microbatches", microbatches), ("accumulation", accumulation)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"`{name}` must be an int >= 1 (or None for the default), got {value!r}. "
+                                 f"Use e.g. `PACIStrategy({name}=8)`.")
+        self._schedule = schedule
+        self._microbatches = microbatches
+        self._accumulation = accumulation
+        self._partition = partition
+        self._block_container = block_container
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._p2p_group: dist.ProcessGroup | None = None
+        self._plan: PartitionPlan | None = None
+        self._carve: StageCarve | None = None
+        self._runtime: StageRuntime | None = None
+        self._stream: _Stream | None = None
+        self._trainer: Trainer | None = None
+        self._owned_schedulers: list[Any] = []
+        self._last_loss = float("nan")
+        self._logged_minibatches: set[int] = set()
+        self._patched: list[tuple[Any, str]] = []
+        self._eval_comm: DistComm | None = None
+
+    # -- topology -------------------------------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @property
+    def stage_index(self) -> int:
+        return self.global_rank
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # pure pipeline parallelism: every stage must see the same batches
+        return {"num_replicas": 1, "rank": 0}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        return True
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._microbatches or self.num_stages
+
+    @property
+    def accumulation(self) -> int:
+        """Local backwards per optimizer step, Trainer's ``accumulate_grad_batches`` included."""
+        base = self._accumulation or self.num_microbatches
+        factor = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
+        return base * factor
+
+    @property
+    def runtime(self) -> StageRuntime:
+        if self._runtime is None:
+            raise RuntimeError("PACIStrategy.runtime is only available after `trainer.fit` has set up the stage.")
+        return self._runtime
+
+    @property
+    def plan(self) -> PartitionPlan:
+        if self._plan is None:
+            raise RuntimeError("PACIStrategy.plan is only available after setup.")
+        return self._plan
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        if self._process_group_backend is None:
+            self._process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        # pipeline messages on their own communicator, apart from Lightning's collectives
+        self._p2p_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- collectives (never per training batch) -------------------------------------------------------------------
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src)
+        return holder[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        # Pure pipeline parallelism has one data-parallel replica: a reduce over it is the identity. Logged values
+        # are already identical on every rank (see [Note: no flush per Lightning batch]).
+        return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if not _distributed_is_initialized():
+            return decision
+        value = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return bool(value == self.world_size) if all else bool(value > 0)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
+
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    # -- setup ----------------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+        self._check_trainer(trainer)
+        module = self.lightning_module
+        assert module is not None
+        if self._carve is None:
+            self._plan = plan_partition(module, self.num_stages, container=self._block_container,
+                                        partition=self._partition)
+            rank_zero_info(f"lightning_paci: {self.num_stages} stages, schedule={self._schedule!r}, "
+                           f"microbatches={self.num_microbatches}, accumulation={self.accumulation}; "
+                           f"{self._plan.describe()}")
+            self._carve = carve_stage(module, self._plan, self.stage_index)
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._setup_training(trainer)
+
+    def _check_trainer(self, trainer: Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+            raise MisconfigurationException(
+                "`PACIStrategy` supports automatic optimization only (`self.automatic_optimization = True`): in "
+                "manual optimization the non-last stages never reach your `optimizer.step()`. Remove "
+                "`self.automatic_optimization = False` and return the loss from `training_step`."
+            )
+        precision = str(trainer.precision)
+        if precision not in _SUPPORTED_PRECISION:
+            raise MisconfigurationException(
+                f"`Trainer(precision={precision!r})` is not supported by `PACIStrategy`: 16-bit mixed precision keeps "
+                f"one GradScaler per optimizer, so every stage would scale differently. Use one of "
+                f"{', '.join(_SUPPORTED_PRECISION)} (bf16-mixed is the recommended low-precision setting)."
+            )
+        if self.num_stages < 2:
+            raise MisconfigurationException(f"`PACIStrategy` needs at least 2 devices (stages), got {self.num_stages}.")
+
+    def _setup_training(self, trainer: Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None and self._carve is not None
+        if len(self.optimizers) != 1:
+            raise MisconfigurationException(
+                f"`configure_optimizers` returned {len(self.optimizers)} optimizers; `PACIStrategy` steps exactly one "
+                f"optimizer per stage. Return a single optimizer (param groups may differ per submodule)."
+            )
+        optimizer = self.optimizers[0]
+        self._owned_schedulers = [cfg.scheduler for cfg in self.lr_scheduler_configs if cfg.interval == "step"]
+        clip = self._clip_function(trainer)
+        stage_optimizer = StageOptimizer(optimizer, list(module.parameters()), schedulers=self._owned_schedulers,
+                                         clip=clip)
+        program = LightningStageProgram(module, self._carve, context=self.precision_plugin.train_step_context)
+        ranks = list(range(self.world_size))
+        comm = DistComm(ranks, group=self._p2p_group, device=self.root_device)
+        self._runtime = StageRuntime(self.stage_index, self.num_stages, program, comm, stage_optimizer,
+                                     loss_scale=loss_scale_for(self.accumulation))
+        self._stream = None
+        self._logged_minibatches.clear()
+        # Lightning steps "step"-interval schedulers after each of its optimizer steps; ours step per local update.
+        owned = self._owned_schedulers
+        original = module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+            if not any(scheduler is s for s in owned):
+                original(scheduler, metric)
+
+        self._patch(module, "lr_scheduler_step", lr_scheduler_step)
+        # see [Note: no flush per Lightning batch]: no per-batch SIGTERM broadcast
+        self._patch(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", self._local_sigterm_check)
+
+    def _patch(self, obj: Any, name: str, value: Any) -> None:
+        setattr(obj, name, value)  # instance attribute shadows the class attribute; undone in teardown
+        self._patched.append((obj, name))
+
+    def _local_sigterm_check(self) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if self._trainer is not None and getattr(self._trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    @staticmethod
+    def _clip_function(trainer: Trainer) -> Callable[[list[torch.nn.Parameter]], None] | None:
+        value = trainer.gradient_clip_val
+        if not value:
+            return None
+        algorithm = trainer.gradient_clip_algorithm or "norm"
+
+        def clip(params: list[torch.nn.Parameter]) -> None:
+            if algorithm == "value":
+                torch.nn.utils.clip_grad_value_(params, value)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, value)
+
+        return clip
+
+    # -- training -------------------------------------------------------------------------------------------------
+    def _new_stream(self) -> _Stream:
+        runtime = self.runtime
+        done = runtime.microbatch_base  # backwards run so far on every stage (streams end drained)
+        cursor = StreamCursor(self._schedule, self.num_stages, self.num_microbatches, self.accumulation,
+                              self.stage_index, backward_offset=done % self.accumulation)
+        return _Stream(cursor)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        batch = kwargs.get("batch", args[0] if args else None)
+        batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
+        runtime = self.runtime
+        if self._stream is None:
+            self._stream = self._new_stream()
+        stream = self._stream
+        m = self.num_microbatches
+        for i, part in enumerate(split_microbatches(batch, m)):
+            runtime.add_microbatch(stream.calls * m + i, part, batch_idx)
+        stream.calls += 1
+        if self._must_drain(batch_idx):
+            self._drain()
+        else:
+            runtime.run(stream.cursor.segment(stream.calls - 1))
+        self._emit_logs()
+        return torch.tensor(self._last_loss, device=self.root_device)
+
+    def _must_drain(self, batch_idx: int) -> bool:
+        """Whether this call is the last before validation, an epoch end or the end of training."""
+        trainer = self._trainer
+        assert trainer is not None
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if trainer.should_stop or epoch_loop.batch_progress.is_last_batch:
+            return True
+        if batch_idx + 1 >= trainer.num_training_batches:
+            return True
+        if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step + 1 >= trainer.max_steps:
+            return True
+        try:
+            return bool(epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+        except Exception:  # a private Lightning API: if it changes, the on_validation_start drain still holds
+            return False
+
+    def _drain(self) -> None:
+        """Run the cool-down of the current stream on this stage and wait for its sends."""
+        stream, runtime = self._stream, self._runtime
+        if stream is None or runtime is None:
+            return
+        runtime.run(stream.cursor.drain(stream.calls))
+        runtime.comm.flush()
+        if runtime.held or runtime.data:
+            raise AssertionError(f"stage {self.stage_index}: drain left {len(runtime.held)} micro-batches in flight")
+        runtime.microbatch_base += stream.calls * self.num_microbatches
+        self._stream = None
+
+    def _emit_logs(self) -> None:
+        """Replay the last stage's ``self.log`` records of every mini-batch complete on this rank, once per key."""
+        runtime = self._runtime
+        module = self.lightning_module
+        if runtime is None or module is None:
+            return
+        m = self.num_microbatches
+        complete = sorted({mb // m for mb in runtime.logs} - self._logged_minibatches)
+        complete = [k for k in complete if all(k * m + i in runtime.logs for i in range(m))]
+        if not complete:
+            return
+        records: list[LogRecord] = []
+        for k in complete:
+            for i in range(m):
+                records.extend(runtime.logs.pop(k * m + i))
+            self._logged_minibatches.add(k)
+        loss = _replay_logs(module, records)
+        if loss is not None:
+            self._last_loss = loss
+
+    # -- evaluation -----------------------------------------------------------------------------------------------
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("test_step", args, kwargs)
+
+    def _evaluate(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Forward-only pipeline over the batch's micro-batches (stage s works on micro-batch i while stage s+1
+        works on i-1). Evaluation is synchronous, so the last stage shares its log records with one broadcast."""
+        module, carve = self.lightning_module, self._carve
+        assert module is not None and carve is not None
+        batch = kwargs.pop("batch", args[0] if args else None)
+        rest = args[1:] if args else tuple(kwargs.values())
+        program = LightningStageProgram(module, carve, step_name=step_name, context=self.precision_plugin.val_step_context)
+        if self._eval_comm is None:
+            self._eval_comm = DistComm(list(range(self.world_size)), group=self._p2p_group, device=self.root_device)
+        comm = self._eval_comm
+        size = flatten(batch)[1][0].shape[0] if flatten(batch)[1] else 1
+        parts = split_microbatches(batch, max(1, min(self.num_microbatches, size)))
+        results, records = [], []
+        for part in parts:
+            received = comm.recv(self.stage_index - 1) if not carve.is_first else None
+            out = program.forward(part, *rest, received=received)
+            if carve.is_last:
+                results.append(out.result)
+                records.extend(out.logs)
+            else:
+                comm.send(out.outgoing, self.stage_index + 1)
+        comm.flush()
+        records = self.broadcast(records, src=self.num_stages - 1)
+        _replay_logs(module, records)
+        if not carve.is_last:
+            return None
+        return results[0] if len(results) == 1 else results
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        # the schedule already ran every backward inside training_step
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        # the stage optimizer steps inside the schedule (OPT actions); Lightning's closure runs training_step
+        return closure()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._drain()
+
+    @override
+    def on_train_end(self) -> None:
+        self._drain()
+
+    # -- checkpoint state -----------------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._drain()
+        module = self.lightning_module
+        assert module is not None
+        local = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        if not _distributed_is_initialized():
+            return local
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, local)
+        full: dict[str, Any] = {}
+        for part in gathered:
+            full.update(part)
+        return full if self.is_global_zero else {}
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        self._drain()
+        local = super().optimizer_state(optimizer)
+        if not _distributed_is_initialized():
+            return local
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, local)
+        return {"paci_stage_states": gathered} if self.is_global_zero else {}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    # -- teardown -------------------------------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        try:
+            self._drain()
+        except Exception as err:  # a failing neighbour: do not mask the original error
+            log.warning(f"lightning_paci: drain at teardown failed: {err}")
+        for obj, name in reversed(self._patched):
+            if name in vars(obj):
+                delattr(obj, name)
+        self._patched.clear()
+        if module is not None and self._carve is not None:
+            full = None
+            if _distributed_is_initialized():
+                local = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+                gathered: list[Any] = [None] * self.world_size
+                try:
+                    dist.all_gather_object(gathered, local)
+                    full = {k: v for part in gathered for k, v in part.items()}
+                except Exception as err:
+                    log.warning(f"lightning_paci: could not gather the full weights at teardown: {err}")
+            self._carve.restore(module, full)
+            self._carve = None
+        self._runtime = None
+        self._stream = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        entries = (
+            ("paci", "popen", "PACI asynchronous pipeline parallelism, one process per stage"),
+            ("paci_spawn", "spawn", "PACI, processes started with spawn"),
+            ("paci_fork", "fork", "PACI, processes forked (CPU tests, notebooks)"),
+        )
+        for name, start_method, description in entries:
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, start_method=start_method)
+
+
+def _replay_logs(module: LightningModule, records: list[LogRecord]) -> float | None:
+    """Call the real ``self.log`` once per key with the batch-size-weighted mean; return the loss record's mean."""
+    totals: dict[str, list[Any]] = {}
+    for record in records:
+        entry = totals.setdefault(record.name, [0.0, 0, record.options])
+        entry[0] += record.value * record.batch_size
+        entry[1] += record.batch_size
+    loss = None
+    for name, (weighted, size, options) in totals.items():
+        if name == LOSS_KEY:
+            loss = weighted / size
+            continue
+        module.log(name, weighted / size, batch_size=size, **dict(options))
+    return loss
+
+
+PACIStrategy.register_strategies(StrategyRegistry)
+

@@ -1,0 +1,91 @@
+"""Shared helpers: a fork-launched Trainer run and a callback that dumps each stage's runtime records."""
+
+from __future__ import annotations
+
+import gc
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_paci import PACIStrategy
+
+
+def _parameter_storages() -> dict[int, int]:
+    alive: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Parameter) and obj.device.type != "meta":
+            alive[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    return alive
+
+
+class DumpStageRecords(Callback):
+    """On every rank: version gaps, peak in-flight, and whether any parameter storage appeared while micro-batches
+    were in flight (a weight stash or copy would). A forked rank also holds its parent's objects, hence the
+    baseline taken at the start of training rather than an absolute count."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.extra_bytes = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.baseline = _parameter_storages()
+        own = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
+        optimized = {p.untyped_storage().data_ptr() for g in trainer.optimizers[0].param_groups for p in g["params"]}
+        self.optimizer_shares_storage = optimized == own
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        extra = {k: v for k, v in _parameter_storages().items() if k not in self.baseline}
+        self.extra_bytes = max(self.extra_bytes, sum(extra.values()))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        runtime = trainer.strategy.runtime
+        record = {
+            "stage": trainer.strategy.stage_index,
+            "gaps": {str(k): v for k, v in runtime.version_gaps.items()},
+            "peak_inflight": runtime.peak_inflight,
+            "own_param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
+            "extra_param_bytes_in_flight": self.extra_bytes,
+            "optimizer_shares_storage": self.optimizer_shares_storage,
+            "optimizer_steps": runtime.version,
+        }
+        (self.directory / f"stage{record['stage']}.json").write_text(json.dumps(record))
+
+
+def read_stage_records(directory: Path, num_stages: int) -> list[dict[str, Any]]:
+    return [json.loads((Path(directory) / f"stage{s}.json").read_text()) for s in range(num_stages)]
+
+
+def fit(model: L.LightningModule, loader: Any, *, devices: int, max_steps: int = 5, callbacks: list[Any] | None = None,
+        trainer_kwargs: dict[str, Any] | None = None, **strategy_kwargs: Any) -> L.Trainer:
+    strategy = PACIStrategy(start_method="fork", timeout=timedelta(seconds=60), **strategy_kwargs)
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu", devices=devices, max_steps=max_steps, enable_checkpointing=False, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        use_distributed_sampler=False, callbacks=callbacks or [],
+    )
+    kwargs.update(trainer_kwargs or {})
+    trainer = L.Trainer(strategy=strategy, **kwargs)
+    trainer.fit(model, loader)
+    return trainer
+
+
+class RecordLosses(Callback):
+    """Rank 0 appends ``callback_metrics[key]`` after every batch to ``directory/losses.txt`` (forked ranks cannot
+    hand Python objects back to the test)."""
+
+    def __init__(self, directory: Path, key: str = "train_loss") -> None:
+        self.path = Path(directory) / "losses.txt"
+        self.key = key
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.is_global_zero and self.key in trainer.callback_metrics:
+            with self.path.open("a") as fh:
+                fh.write(f"{float(trainer.callback_metrics[self.key])}\n")
+
+    def values(self) -> list[float]:
+        return [float(line) for line in self.path.read_text().split()] if self.path.exists() else []

@@ -1,0 +1,145 @@
+"""A tiny model zoo for the tests: LightningModules written as for one device, never changed for the pipeline."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class SequentialMLP(LightningModule):
+    """An ``nn.Sequential`` regression MLP."""
+
+    def __init__(self, width: int = 16, depth: int = 4, lr: float = 0.1) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(8, width), nn.Tanh()]
+        for _ in range(depth - 2):
+            layers += [nn.Linear(width, width), nn.Tanh()]
+        layers.append(nn.Linear(width, 4))
+        self.net = nn.Sequential(*layers)
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def regression_loader(num_batches: int = 6, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_batches * batch_size, 8, generator=g)
+    w = torch.randn(8, 4, generator=g)
+    y = torch.tanh(x @ w)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+class _Block(nn.Module):
+    """Pre-norm transformer block with causal self-attention; takes a keyword ``mask``."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class LoopTransformer(LightningModule):
+    """A hand-written causal LM whose ``forward`` loops over an ``nn.ModuleList``."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 2, layers: int = 4, seq: int = 8, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, dim)
+        self.pos_emb = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList([_Block(dim, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.lr = lr
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        _, t = idx.shape  # batch, sequence length
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)
+        mask = torch.triu(torch.full((t, t), float("-inf"), device=idx.device), diagonal=1)
+        for block in self.blocks:
+            x = block(x, mask=mask)
+        return self.head(self.ln_f(x))  # (B, T, vocab)
+
+    def training_step(self, batch, batch_idx):
+        (idx,) = batch
+        logits = self(idx[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def token_loader(num_batches: int = 8, batch_size: int = 8, seq: int = 9, vocab: int = 32, seed: int = 0) -> DataLoader:
+    # a learnable sequence: each token is the previous one plus a per-sequence stride, modulo the vocabulary
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (num_batches * batch_size, 1), generator=g)
+    stride = torch.randint(1, 4, (num_batches * batch_size, 1), generator=g)
+    idx = (start + stride * torch.arange(seq)) % vocab
+    return DataLoader(TensorDataset(idx), batch_size=batch_size, shuffle=False)
+
+
+def no_block_container() -> LightningModule:
+    class Flat(SequentialMLP):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = None  # type: ignore[assignment]
+            self.a = nn.Linear(8, 16)
+            self.b = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    return Flat()
+
+
+def reference_accumulation(module: LightningModule, batches, num_microbatches: int, num_steps: int) -> LightningModule:
+    """Single-device gradient accumulation over the same micro-batches: the exactness baseline."""
+    optimizer = module.configure_optimizers()
+    for batch in batches[:num_steps]:
+        tensors = [torch.tensor_split(t, num_microbatches) for t in batch]
+        for parts in zip(*tensors):
+            loss = _loss(module, list(parts))
+            (loss / num_microbatches).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return module
+
+
+def _loss(module: LightningModule, batch) -> torch.Tensor:
+    logged = module.log
+    module.log = lambda *a, **k: None  # no trainer here
+    try:
+        return module.training_step(batch, 0)
+    finally:
+        module.log = logged
+        del module.log
+
+
+assert math  # keep import for readers computing expected values

@@ -1,0 +1,163 @@
+"""PACIStrategy through the real Lightning Trainer (fork-launched gloo ranks) against one-process references."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import lightning as L
+import pytest
+import torch
+
+import lightning_paci
+from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
+from lightning_paci.schedules import drift_bound
+
+from helpers import DumpStageRecords, RecordLosses, fit, read_stage_records
+from models import LoopTransformer, SequentialMLP, no_block_container, reference_accumulation, regression_loader, token_loader
+
+pytestmark = pytest.mark.distributed
+
+
+def _assert_state_close(actual, expected, rtol):
+    actual, expected = actual.state_dict(), expected if isinstance(expected, dict) else expected.state_dict()
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=1e-7, msg=lambda m: f"{key}: {m}")
+
+
+def test_import_registers_strategy_names():
+    registry = L.pytorch.strategies.StrategyRegistry
+    for name in ("paci", "paci_fork", "paci_spawn"):
+        assert name in registry
+        assert isinstance(registry.get(name), PACIStrategy)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("devices", [2, 4])
+def test_flush_schedules_equal_single_device_gradient_accumulation(schedule, devices):
+    torch.manual_seed(0)
+    model = SequentialMLP(depth=4)
+    reference = copy.deepcopy(model)
+    loader = regression_loader(num_batches=6)
+    fit(model, loader, devices=devices, schedule=schedule, microbatches=4)
+    reference_accumulation(reference, list(loader), num_microbatches=4, num_steps=5)
+    _assert_state_close(model, reference, rtol=1e-5)
+
+
+def test_paci_with_accumulation_beyond_the_run_equals_gradient_accumulation():
+    # a = 20 = all micro-batches of the run (5 batches x 4): one step per stage at the very end, no drift
+    torch.manual_seed(1)
+    model = SequentialMLP(depth=4)
+    reference = copy.deepcopy(model)
+    loader = regression_loader(num_batches=6)
+    fit(model, loader, devices=4, schedule="paci", microbatches=4, accumulation=20)
+    optimizer = reference.configure_optimizers()
+    batches = list(loader)[:5]
+    for batch in batches:
+        for parts in zip(*(torch.tensor_split(t, 4) for t in batch)):
+            (torch.nn.functional.mse_loss(reference(parts[0]), parts[1]) / 20).backward()
+    optimizer.step()
+    _assert_state_close(model, reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_paci_equals_reference_executor_and_drift_is_at_the_bound(tmp_path, accumulation):
+    torch.manual_seed(2)
+    num_stages, m, steps = 4, 4, 5
+    model = SequentialMLP(depth=4)
+    initial = copy.deepcopy(model)
+    loader = regression_loader(num_batches=6)
+    fit(model, loader, devices=num_stages, schedule="paci", microbatches=m, accumulation=accumulation,
+        max_steps=steps, callbacks=[DumpStageRecords(tmp_path)])
+    plan = plan_partition(initial, num_stages)
+    reference = ReferencePipeline(initial, plan)
+    reference.run(build("paci", num_stages, m, accumulation, steps), list(loader)[:steps])
+    _assert_state_close(model, reference.state_dict(), rtol=1e-6)
+    for record in read_stage_records(tmp_path, num_stages):
+        s = record["stage"]
+        assert max(record["gaps"].values()) == drift_bound(num_stages, s, accumulation) == math.ceil((num_stages - 1 - s) / accumulation)
+        # the same gaps the reference executor measured for the same lists
+        assert {int(k): v for k, v in record["gaps"].items()} == reference.runtimes[s].version_gaps
+        assert record["peak_inflight"] <= num_stages - s
+        assert record["peak_inflight"] == min(num_stages - s, m * steps)
+        # no copies: the optimizer steps the module's own storage, and no parameter storage appears while
+        # micro-batches are in flight (a weight stash would)
+        assert record["optimizer_shares_storage"]
+        assert record["extra_param_bytes_in_flight"] == 0
+        assert record["own_param_bytes"] == 4 * plan.stage_params[s]
+
+
+def test_same_seed_same_losses(tmp_path):
+    losses = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        model = SequentialMLP()
+        trainer = fit(model, regression_loader(), devices=4, schedule="paci", microbatches=4, accumulation=2)
+        losses.append(float(trainer.callback_metrics["train_loss"]))
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("model_name", ["mlp", "transformer"])
+def test_unchanged_modules_train_with_decreasing_loss(tmp_path, model_name, devices):
+    torch.manual_seed(4)
+    if model_name == "mlp":
+        model, loader = SequentialMLP(depth=4, lr=0.3), regression_loader(num_batches=8, batch_size=16)
+    else:
+        model, loader = LoopTransformer(layers=4, lr=1e-2), token_loader(num_batches=8)
+
+    losses = RecordLosses(tmp_path)
+    fit(model, loader, devices=devices, max_steps=-1, trainer_kwargs={"max_epochs": 6}, callbacks=[losses],
+        schedule="paci", microbatches=4)
+    # rank 0 is the process whose callback the parent sees; its train_loss comes from the last stage's records
+    values = losses.values()
+    assert len(values) >= 6
+    assert values[-1] < 0.8 * values[0]
+
+
+def test_module_without_block_container_fails_with_a_fix():
+    with pytest.raises(Exception, match="block_container"):
+        fit(no_block_container(), regression_loader(), devices=2)
+
+
+def test_manual_optimization_is_rejected_at_setup():
+    class Manual(SequentialMLP):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(Exception, match="automatic optimization"):
+        fit(Manual(), regression_loader(), devices=2)
+
+
+def test_two_optimizers_are_rejected_at_setup():
+    class Two(SequentialMLP):
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.SGD(self.parameters(), lr=0.1)]
+
+    with pytest.raises(Exception, match="optimizer"):
+        fit(Two(), regression_loader(), devices=2)
+
+
+def test_bad_strategy_options_name_the_argument():
+    with pytest.raises(ValueError, match="`microbatches` must be an int >= 1"):
+        PACIStrategy(microbatches=0)
+    with pytest.raises(ValueError, match="`accumulation` must be an int >= 1"):
+        PACIStrategy(accumulation=-1)
+    with pytest.raises(ValueError, match="`schedule` must be one of"):
+        PACIStrategy(schedule="zb")
+
+
+def test_uneven_microbatch_split_is_accepted():
+    # batch 10 into 4 micro-batches: sizes 3, 3, 2, 2 -- weights equal accumulation over the same split
+    torch.manual_seed(5)
+    model = SequentialMLP()
+    reference = copy.deepcopy(model)
+    loader = regression_loader(num_batches=6, batch_size=10)
+    fit(model, loader, devices=2, schedule="1f1b", microbatches=4)
+    reference_accumulation(reference, list(loader), num_microbatches=4, num_steps=5)
+    _assert_state_close(model, reference, rtol=1e-5)
+
+
+assert lightning_paci
