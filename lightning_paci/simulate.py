@@ -42,7 +42,7 @@ from lightning_paci.schedules import (
 )
 from lightning_paci.timeline import Interval, save_timeline_png
 
-__all__ = ["StageReport", "SimulationResult", "simulate", "main"]
+__all__ = ["StageReport", "SimulationResult", "measured_phases", "simulate", "main"]
 
 
 @dataclass
@@ -198,6 +198,44 @@ def simulate(
                             _starts=starts, _costs=(fwd, bwd, optimizer_cost))
 
 
+def _phases(starts: list[float], ends: list[float], t0: float, t_end: float, num_minibatches: int,
+            first_backward: float | None, last_forward_end: float | None, first_forward_mb1: float | None,
+            first_forward_last_mb: float | None) -> tuple[float, float, float, float]:
+    """(start-up idle, steady idle, drain idle, steady idle fraction) of one stage over ``[t0, t_end]``; see the
+    module docstring for the phase boundaries. Shared by the simulator and measured timelines."""
+    busy = _busy_within(starts, ends, t0, t_end)
+    idle = (t_end - t0) - busy
+    lo = hi = t0
+    if num_minibatches >= 3 and None not in (first_backward, last_forward_end, first_forward_mb1, first_forward_last_mb):
+        lo = max(first_backward, first_forward_mb1)  # type: ignore[type-var]
+        hi = min(last_forward_end, first_forward_last_mb)  # type: ignore[type-var]
+    if hi <= lo:
+        return 0.0, idle, 0.0, idle / (t_end - t0) if t_end > t0 else 0.0
+    startup_idle = (lo - t0) - _busy_within(starts, ends, t0, lo)
+    steady_idle = (hi - lo) - _busy_within(starts, ends, lo, hi)
+    return startup_idle, steady_idle, idle - startup_idle - steady_idle, steady_idle / (hi - lo)
+
+
+def measured_phases(intervals: Sequence[Interval], num_microbatches: int, num_minibatches: int,
+                    t0: float, t_end: float) -> dict[str, float]:
+    """Phase split of one stage's *measured* intervals (F / B / OPT; waits are idle), same rules as the simulator.
+    Micro-batch ``j`` belongs to mini-batch ``j // num_microbatches``."""
+    compute = sorted((iv for iv in intervals if iv.kind in COMPUTE_KINDS), key=lambda iv: iv.start)
+    starts = [iv.start for iv in compute]
+    ends = [iv.end for iv in compute]
+    forwards = {iv.microbatch: iv for iv in compute if iv.kind == F}
+    backwards = [iv for iv in compute if iv.kind == B]
+    last_f = max(forwards.values(), key=lambda iv: iv.end, default=None)
+    mb1 = forwards.get(num_microbatches)
+    last_mb = forwards.get((num_minibatches - 1) * num_microbatches)
+    startup, steady, drain, fraction = _phases(
+        starts, ends, t0, t_end, num_minibatches, backwards[0].start if backwards else None,
+        last_f.end if last_f else None, mb1.start if mb1 else None, last_mb.start if last_mb else None)
+    busy = _busy_within(starts, ends, t0, t_end)
+    return {"busy": busy, "idle": (t_end - t0) - busy, "startup_idle": startup, "steady_idle": steady,
+            "drain_idle": drain, "steady_bubble_fraction": fraction}
+
+
 def _stage_report(schedule: Schedule, s: int, starts: list[float], f_cost: float, b_cost: float,
                   optimizer_cost: float, makespan: float) -> StageReport:
     """One pass over the stage's compute actions: busy time, drift, in-flight depth and the phase boundaries."""
@@ -237,18 +275,8 @@ def _stage_report(schedule: Schedule, s: int, starts: list[float], f_cost: float
             version += 1
             step_while_held = step_while_held or held > 0
     idle = makespan - busy
-    lo = hi = 0.0
-    if k_total >= 3 and first_b is not None and last_f_end is not None and t_first is not None and t_last is not None:
-        lo, hi = max(first_b, t_first), min(last_f_end, t_last)
-    if hi > lo:
-        busy_before = _busy_within(starts, ends, 0.0, lo)
-        startup_idle = lo - busy_before
-        steady_idle = (hi - lo) - _busy_within(starts, ends, lo, hi)
-        drain_idle = idle - startup_idle - steady_idle
-        steady_fraction = steady_idle / (hi - lo)
-    else:
-        startup_idle, steady_idle, drain_idle = 0.0, idle, 0.0
-        steady_fraction = idle / makespan if makespan else 0.0
+    startup_idle, steady_idle, drain_idle, steady_fraction = _phases(
+        starts, ends, 0.0, makespan, k_total, first_b, last_f_end, t_first, t_last)
     values = drift.values()
     return StageReport(
         stage=s, busy=busy, idle=idle, bubble_fraction=idle / makespan if makespan else 0.0,

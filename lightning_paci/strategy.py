@@ -437,7 +437,9 @@ class PACIStrategy(ParallelStrategy):
             return True
         if batch_idx + 1 >= trainer.num_training_batches:
             return True
-        if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step + 1 >= trainer.max_steps:
+        # Lightning counts a step every `accumulate_grad_batches` batches (aligned to the epoch start)
+        closes_step = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        if trainer.max_steps is not None and trainer.max_steps >= 0 and closes_step and trainer.global_step + 1 >= trainer.max_steps:
             return True
         try:
             return bool(epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))

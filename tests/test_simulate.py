@@ -107,3 +107,16 @@ def test_cli_rejects_bad_input_with_the_argument_name():
     out = subprocess.run([sys.executable, "-m", "lightning_paci.simulate", "--stages", "0", "--microbatches", "4"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "`num_stages` must be >= 1, got 0" in out.stderr
+
+
+@pytest.mark.parametrize("name", ["paci", "1f1b"])
+def test_measured_phases_agree_with_the_simulator_on_its_own_intervals(name):
+    from lightning_paci.simulate import measured_phases
+
+    result = simulate(build(name, 4, 4, 4, 5), forward_cost=[1, 2, 1, 1], comm_cost=0.25)
+    for report in result.stages:
+        mine = [iv for iv in result.intervals if iv.stage == report.stage]
+        phases = measured_phases(mine, 4, 5, 0.0, result.makespan)
+        assert phases["steady_bubble_fraction"] == pytest.approx(report.steady_bubble_fraction)
+        assert phases["startup_idle"] == pytest.approx(report.startup_idle)
+        assert phases["drain_idle"] == pytest.approx(report.drain_idle)

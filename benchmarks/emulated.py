@@ -1,0 +1,103 @@
+"""An emulated accelerator cluster on a 2-core machine: each block's forward and backward are padded by a fixed
+sleep, so N stage processes do not compete for the CPU while the loss is still computed for real.
+
+Shared by the benchmarks; ``run_emulated`` trains through the real Lightning Trainer and returns every stage's
+measured intervals.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_paci import PACIStrategy
+from lightning_paci.timeline import Interval
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        time.sleep(forward_s)
+        ctx.backward_s = backward_s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SleepBlock(nn.Module):
+    def __init__(self, dim: int, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(torch.tanh(self.linear(x)), self.forward_s, self.backward_s)
+
+
+class EmulatedModel(L.LightningModule):
+    """A plain regression model: ``self.blocks`` is an ``nn.Sequential`` of sleep-padded blocks."""
+
+    def __init__(self, num_blocks: int, forward_s: float, backward_s: float, dim: int = 32, lr: float = 0.05) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[SleepBlock(dim, forward_s, backward_s) for _ in range(num_blocks)])
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.blocks(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def emulated_loader(num_batches: int, batch_size: int, dim: int = 32, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_batches * batch_size, dim, generator=g)
+    return DataLoader(TensorDataset(x, torch.tanh(x.flip(-1))), batch_size=batch_size, shuffle=False)
+
+
+class DumpIntervals(Callback):
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        runtime = trainer.strategy.runtime
+        data = [list(iv) for iv in runtime.intervals]
+        (self.directory / f"stage{trainer.strategy.stage_index}.json").write_text(json.dumps(data))
+
+
+def run_emulated(*, num_stages: int, schedule: str, num_microbatches: int, num_minibatches: int,
+                 blocks_per_stage: int = 2, forward_ms: float = 10.0, backward_ms: float = 20.0,
+                 callbacks: list[Callback] | None = None) -> list[list[Interval]]:
+    """Train ``num_minibatches`` batches through ``Trainer(strategy=PACIStrategy(...))`` (forked ranks) and return
+    each stage's measured intervals."""
+    torch.manual_seed(0)
+    model = EmulatedModel(num_stages * blocks_per_stage, forward_ms / 1e3, backward_ms / 1e3)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = L.Trainer(
+            strategy=PACIStrategy(schedule=schedule, microbatches=num_microbatches, start_method="fork",  # type: ignore[arg-type]
+                                  timeout=timedelta(seconds=120)),
+            accelerator="cpu", devices=num_stages, max_steps=num_minibatches, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+            callbacks=[DumpIntervals(Path(tmp)), *(callbacks or [])],
+        )
+        trainer.fit(model, emulated_loader(num_minibatches, batch_size=num_microbatches * 2))
+        return [[Interval(*iv) for iv in json.loads((Path(tmp) / f"stage{s}.json").read_text())]
+                for s in range(num_stages)]
