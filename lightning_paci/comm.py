@@ -67,10 +67,20 @@ def flatten(structure: Any) -> tuple[Any, list[torch.Tensor]]:
         if isinstance(node, (list, tuple)):
             return type(node)(walk(v) for v in node)
         if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
+            return _rebuild_mapping(node, {k: walk(v) for k, v in node.items()})
         return node
 
     return walk(structure), tensors
+
+
+def _rebuild_mapping(original: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
+    """Keep dict subclasses (e.g. transformers' ModelOutput) when their constructor accepts the items."""
+    if type(original) is dict:
+        return items
+    try:
+        return type(original)(**items)
+    except TypeError:
+        return items
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
@@ -84,7 +94,7 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
         if isinstance(node, (list, tuple)):
             return type(node)(walk(v) for v in node)
         if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
+            return _rebuild_mapping(node, {k: walk(v) for k, v in node.items()})
         return node
 
     return walk(skeleton)

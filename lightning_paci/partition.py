@@ -43,19 +43,59 @@ class StageDone(BaseException):
 
 
 class _Placeholder(nn.Module):
-    """Parameter-free stand-in for a module another stage owns: passes its first argument through."""
+    """Parameter-free stand-in for a module another stage owns.
 
-    def __init__(self, owner: str) -> None:
+    It must return what the real module would return in *form* (structure, shapes, dtypes), or the user's code
+    between it and this stage's first block may fail (an embedding's output dtype feeds mask construction, a block
+    may return a tuple). It runs the original module on the meta device -- no compute, no memory -- and returns
+    zeros of that form. A block whose output has the form of its first argument is learned once and passed through
+    afterwards (its value is replaced at this stage's ingress anyway).
+    """
+
+    def __init__(self, owner: str, shadow: nn.Module | None = None, *, may_pass_through: bool = False) -> None:
         super().__init__()
         self.owner = owner
+        # kept outside nn.Module registration: the shadow's meta parameters must not appear in state_dict()
+        self.__dict__["_shadow"] = shadow
+        self._may_pass_through = may_pass_through
+        self._pass_through = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            return args[0]
-        return next(iter(kwargs.values()), None)
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        shadow = self.__dict__["_shadow"]
+        if shadow is None or self._pass_through:
+            return first
+        from lightning_paci.comm import map_tensors
+
+        device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
+        try:
+            with torch.no_grad():
+                out = shadow(*map_tensors(args, _to_meta), **map_tensors(kwargs, _to_meta))
+        except Exception as err:  # an op without a meta kernel: fall back to passing the input through
+            raise RuntimeError(
+                f"Could not infer the output form of {type(shadow).__name__} (owned by {self.owner}) on the meta "
+                f"device: {err}. Move the code that uses its output into a module on the same stage, or place the "
+                f"module explicitly with `partition=`."
+            ) from err
+        if self._may_pass_through and isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor) and (
+            out.shape == first.shape and out.dtype == first.dtype
+        ):
+            self._pass_through = True
+            return first
+        return map_tensors(out, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device))
 
     def extra_repr(self) -> str:
         return f"lives on {self.owner}"
+
+
+def _to_meta(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("meta")
+
+
+def _tensors(structure: Any) -> list[torch.Tensor]:
+    from lightning_paci.comm import flatten
+
+    return flatten(structure)[1]
 
 
 def _num_params(module: nn.Module) -> int:
@@ -295,18 +335,18 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
     keep = set(plan.blocks(stage))
     removed: dict[str, nn.Module] = {}
 
-    def swap(name: str, owner: str) -> None:
+    def swap(name: str, owner: str, *, is_block: bool = False) -> None:
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         original = parent._modules[child]
         assert original is not None
         removed[name] = original.to("meta")
-        parent._modules[child] = _Placeholder(owner)
+        parent._modules[child] = _Placeholder(owner, removed[name], may_pass_through=is_block)
 
     for i in range(plan.num_blocks):
         if i not in keep:
             owner = next(s for s in range(plan.num_stages) if i in plan.blocks(s))
-            swap(f"{plan.container}.{i}" if plan.container else str(i), f"stage {owner}")
+            swap(f"{plan.container}.{i}" if plan.container else str(i), f"stage {owner}", is_block=True)
     if stage != 0:
         for name in plan.before:
             swap(name, "stage 0")

@@ -44,7 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_paci.comm import DistComm, flatten
+from lightning_paci.comm import DistComm, flatten, unflatten
 from lightning_paci.partition import PartitionPlan, PartitionSpec, StageCarve, carve_stage, plan_partition
 from lightning_paci.program import LightningStageProgram
 from lightning_paci.runtime import (
@@ -487,6 +487,10 @@ class PACIStrategy(ParallelStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._evaluate("test_step", args, kwargs)
 
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("predict_step", args, kwargs)
+
     def _evaluate(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Forward-only pipeline over the batch's micro-batches (stage s works on micro-batch i while stage s+1
         works on i-1). Evaluation is synchronous, so the last stage shares its log records with one broadcast."""
@@ -509,12 +513,19 @@ class PACIStrategy(ParallelStrategy):
                 records.extend(out.logs)
             else:
                 comm.send(out.outgoing, self.stage_index + 1)
+        output = _merge_microbatch_outputs(results) if carve.is_last else None
+        if step_name == "predict_step":
+            # predictions are returned on global rank 0 (stage 0), in order: one message from the last stage
+            if carve.is_last and not carve.is_first:
+                comm.send(output, 0)
+            elif carve.is_first and not carve.is_last:
+                output = comm.recv(self.num_stages - 1)
+            comm.flush()
+            return output if carve.is_first else None
         comm.flush()
         records = self.broadcast(records, src=self.num_stages - 1)
         _replay_logs(module, records)
-        if not carve.is_last:
-            return None
-        return results[0] if len(results) == 1 else results
+        return output
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -604,6 +615,23 @@ class PACIStrategy(ParallelStrategy):
         for name, start_method, description in entries:
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, start_method=start_method)
+
+
+def _merge_microbatch_outputs(results: list[Any]) -> Any:
+    """Concatenate the micro-batches' step outputs along dim 0 (tensors, possibly nested); anything else is returned
+    as the list of per-micro-batch outputs."""
+    if len(results) == 1:
+        return results[0]
+    skeletons = [flatten(r) for r in results]
+    first_skeleton, first_tensors = skeletons[0]
+    if first_tensors and all(len(t) == len(first_tensors) for _, t in skeletons) and all(
+        t.dim() > 0 for t in first_tensors
+    ):
+        try:
+            return unflatten(first_skeleton, [torch.cat(parts, dim=0) for parts in zip(*(t for _, t in skeletons))])
+        except RuntimeError:
+            pass
+    return results
 
 
 def _replay_logs(module: LightningModule, records: list[LogRecord]) -> float | None:

@@ -36,6 +36,9 @@ class SequentialMLP(LightningModule):
         x, y = batch
         self.log("val_loss", F.mse_loss(self(x), y))
 
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
@@ -143,3 +146,50 @@ def _loss(module: LightningModule, batch) -> torch.Tensor:
 
 
 assert math  # keep import for readers computing expected values
+
+
+class HFCausalLM(LightningModule):
+    """A transformers causal LM wrapped the ordinary way; ``training_step`` returns ``self.model(...).loss``."""
+
+    def __init__(self, kind: str = "gpt2", *, layers: int = 4, tied: bool = False, lr: float = 3e-3, vocab: int = 64) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+        if kind == "gpt2":
+            config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=layers, n_head=2, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied)
+            self.model = GPT2LMHeadModel(config)
+        else:  # llama with grouped-query attention (4 query heads, 2 key/value heads) and rotary embeddings
+            config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=tied)
+            self.model = LlamaForCausalLM(config)
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        (ids,) = batch
+        self.log("val_loss", self.model(input_ids=ids, labels=ids).loss)
+
+    def predict_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.model(input_ids=ids).logits
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def hf_reference_accumulation(module: LightningModule, batches, num_microbatches: int) -> LightningModule:
+    """Single-device gradient accumulation for ``HFCausalLM`` (mean of micro-batch losses per step)."""
+    optimizer = module.configure_optimizers()
+    for (ids,) in batches:
+        for part in torch.tensor_split(ids, num_microbatches):
+            (module.model(input_ids=part, labels=part).loss / num_microbatches).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return module

@@ -18,3 +18,4 @@ def test_paci_strategy_string_launches_a_script_and_rank_zero_ends_with_full_wei
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK rank0 keys=8" in out.stdout
+    assert "OK predict" in out.stdout

@@ -21,3 +21,13 @@ if __name__ == "__main__":
         full = model.state_dict()
         assert set(full) == {f"net.{i}.{p}" for i in (0, 2, 4, 6) for p in ("weight", "bias")}, sorted(full)
         print(f"OK rank0 keys={len(full)} train_loss={float(trainer.callback_metrics['train_loss']):.4f}")
+    # trainer.predict returns the last stage's predictions on global rank 0, in batch order
+    loader = regression_loader(num_batches=3)
+    predictions = trainer.predict(model, loader)
+    if trainer.is_global_zero:
+        with torch.no_grad():
+            expected = [model(x) for x, _ in loader]
+        assert len(predictions) == 3
+        for got, want in zip(predictions, expected):
+            torch.testing.assert_close(got, want)
+        print("OK predict")
