@@ -23,16 +23,17 @@ ingress hook then replaces::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-__all__ = ["PartitionPlan", "StageCarve", "StageDone", "carve_stage", "find_block_container", "plan_partition"]
+__all__ = ["BlockCosts", "PartitionPlan", "profile_block_costs", "stage_costs", "StageCarve", "StageDone", "carve_stage", "find_block_container", "plan_partition"]
 
-PartitionSpec = Literal["balanced", "uniform"] | Sequence[int]
+PartitionSpec = Literal["balanced", "parameters", "uniform"] | Sequence[int]
 
 
 class StageDone(BaseException):
@@ -147,6 +148,7 @@ class PartitionPlan:
     before: tuple[str, ...]
     after: tuple[str, ...]
     stage_params: tuple[int, ...] = field(default=())
+    note: str = ""  # how the split was chosen (measured times), for the setup log line
 
     @property
     def num_stages(self) -> int:
@@ -163,7 +165,7 @@ class PartitionPlan:
                 " + " + ", ".join(self.after) if s == self.num_stages - 1 and self.after else "")
             count = f", {self.stage_params[s]:,} params" if self.stage_params else ""
             parts.append(f"stage {s}: {self.container}[{blocks.start}:{blocks.stop}]{extra}{count}")
-        return "; ".join(parts)
+        return "; ".join(parts) + (f" ({self.note})" if self.note else "")
 
 
 def _outside_modules(root: nn.Module, container_path: str) -> tuple[list[str], list[str]]:
@@ -220,19 +222,119 @@ def _balanced_boundaries(costs: Sequence[float], first_extra: float, last_extra:
     return bounds[::-1]
 
 
+@dataclass(frozen=True)
+class BlockCosts:
+    """Measured forward+backward seconds of each block, and of what runs before (embedding) and after (head, loss).
+    ``repeats`` keeps every measured repetition (the fields above are the median one)."""
+
+    blocks: tuple[float, ...]
+    before: float
+    after: float
+    repeats: tuple[BlockCosts, ...] = ()
+
+
+def profile_block_costs(module: nn.Module, container: str | None, run_step: Callable[[], None],
+                        *, repeats: int = 3) -> BlockCosts:
+    """Time each block's forward and backward while ``run_step`` runs one full forward+backward of the unchanged
+    module (on a sample micro-batch); the median over ``repeats`` runs after one warm-up."""
+    _, blocks = find_block_container(module, container)
+    n = len(blocks)
+    marks: dict[str, float] = {}
+    handles = []
+    clock = time.perf_counter
+
+    def mark(key: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            marks[key] = clock()
+        return hook
+
+    for i, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(mark(f"f{i}")))
+        handles.append(block.register_forward_hook(mark(f"F{i}")))
+        handles.append(block.register_full_backward_pre_hook(mark(f"b{i}")))
+        handles.append(block.register_full_backward_hook(mark(f"B{i}")))
+    samples: list[tuple[list[float], float, float]] = []
+    try:
+        for attempt in range(repeats + 1):
+            marks.clear()
+            start = clock()
+            run_step()
+            end = clock()
+            if not all(f"{k}{i}" in marks for k in "fFbB" for i in range(n)):
+                raise RuntimeError("not every block ran a forward and a backward in the sample step")
+            costs = [(marks[f"F{i}"] - marks[f"f{i}"]) + (marks[f"B{i}"] - marks[f"b{i}"]) for i in range(n)]
+            # before: up to block 0's forward, and after block 0's backward; after: the rest
+            before = (marks["f0"] - start) + (end - marks["B0"])
+            after = (end - start) - before - sum(costs)
+            if attempt:
+                samples.append((costs, before, max(after, 0.0)))
+    finally:
+        for handle in handles:
+            handle.remove()
+    each = tuple(BlockCosts(tuple(c), b, a) for c, b, a in samples)
+    mid = sorted(range(len(each)), key=lambda k: sum(each[k].blocks))[len(each) // 2]
+    return BlockCosts(each[mid].blocks, each[mid].before, each[mid].after, repeats=each)
+
+
+def stage_costs(bounds: Sequence[int], costs: BlockCosts) -> list[float]:
+    """Per-stage cost of a split: its blocks, plus the outside parts on the first and last stage."""
+    out = [sum(costs.blocks[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
+    out[0] += costs.before
+    out[-1] += costs.after
+    return out
+
+
+# The measured-time split replaces the parameter-count split only when it is clearly better -- in every measured
+# repetition, by at least 10% and 1 ms of the slowest stage's time -- so that timing noise cannot flip the partition
+# between runs (the partition decides which blocks drift by how much under "paci").
+TIME_BALANCE_MIN_GAIN = 0.10
+TIME_BALANCE_MIN_SECONDS = 1e-3
+
+
+def _canonical_time_split(sample: BlockCosts, num_stages: int, tolerance: float = 0.05) -> list[int]:
+    """A time-balanced split that small timing noise does not move: the optimal slowest-stage time ``M`` from the
+    exact programme, then stages filled greedily from the front up to ``M * (1 + tolerance)``."""
+    optimal = _balanced_boundaries(list(sample.blocks), sample.before, sample.after, num_stages)
+    limit = max(stage_costs(optimal, sample)) * (1 + tolerance)
+    n = len(sample.blocks)
+    bounds, i = [0], 0
+    for stage in range(num_stages - 1):
+        cost = sample.before if stage == 0 else 0.0
+        j = i
+        while j < n - (num_stages - 1 - stage) and (j == i or cost + sample.blocks[j] <= limit):
+            cost += sample.blocks[j]
+            j += 1
+        bounds.append(j)
+        i = j
+    bounds.append(n)
+    return bounds if max(stage_costs(bounds, sample)) <= limit else optimal
+
+
+def _time_split_wins(by_params: list[int], measured: BlockCosts, num_stages: int) -> list[int] | None:
+    """The time split of the median repetition, if it beats the parameter split in *every* repetition."""
+    timed = _canonical_time_split(measured, num_stages)
+    for sample in measured.repeats or (measured,):
+        slow_params, slow_time = max(stage_costs(by_params, sample)), max(stage_costs(timed, sample))
+        if slow_time > (1 - TIME_BALANCE_MIN_GAIN) * slow_params or slow_params - slow_time < TIME_BALANCE_MIN_SECONDS:
+            return None
+    return timed
+
+
 def plan_partition(
     module: nn.Module,
     num_stages: int,
     *,
     container: str | None = None,
     partition: PartitionSpec = "balanced",
-    block_costs: Sequence[float] | None = None,
+    measured: BlockCosts | None = None,
 ) -> PartitionPlan:
     """Plan the split of ``module`` into ``num_stages`` stages.
 
-    ``partition``: ``"balanced"`` (default; minimises the largest stage's parameter count, or ``block_costs`` when
-    given, counting the outside modules on the first and last stage), ``"uniform"`` (equal block counts), or the
-    ``num_stages - 1`` block indices where stages 1..N-1 start.
+    ``partition``: ``"balanced"`` (default) minimises the largest stage's parameter count, counting the outside
+    modules on the first and last stage; with ``measured`` block times it takes the time-balanced split instead
+    when that lowers the slowest stage's time by at least ``TIME_BALANCE_MIN_GAIN``. ``"parameters"`` always
+    balances parameter counts; ``"uniform"`` gives equal block counts; a list gives the ``num_stages - 1`` block
+    indices where stages 1..N-1 start.
     """
     path, blocks = find_block_container(module, container)
     num_blocks = len(blocks)
@@ -245,15 +347,26 @@ def plan_partition(
     before, after = _outside_modules(module, path)
     first_extra = sum(_num_params(module.get_submodule(n)) for n in before)
     last_extra = sum(_num_params(module.get_submodule(n)) for n in after)
+    timing_note = ""
     if isinstance(partition, str):
         if partition == "uniform":
             bounds = [round(s * num_blocks / num_stages) for s in range(num_stages + 1)]
-        elif partition == "balanced":
-            costs = list(block_costs) if block_costs is not None else [float(_num_params(b)) for b in blocks]
-            bounds = _balanced_boundaries(costs, float(first_extra), float(last_extra), num_stages)
+        elif partition in ("balanced", "parameters"):
+            bounds = _balanced_boundaries([float(_num_params(b)) for b in blocks], float(first_extra),
+                                          float(last_extra), num_stages)
+            if partition == "balanced" and measured is not None:
+                if len(measured.blocks) != num_blocks:
+                    raise AssertionError("measured costs do not match the container")
+                timed = _canonical_time_split(measured, num_stages)
+                winner = _time_split_wins(bounds, measured, num_stages)
+                by_params, by_time = stage_costs(bounds, measured), stage_costs(timed, measured)
+                timing_note = (f"measured F+B ms per stage: by parameters {[round(1e3 * c, 1) for c in by_params]}, "
+                               f"by time {[round(1e3 * c, 1) for c in by_time]} -> using "
+                               f"{'time' if winner is not None else 'parameters'}")
+                bounds = winner if winner is not None else bounds
         else:
-            raise ValueError(f"`partition` must be 'balanced', 'uniform' or a list of {num_stages - 1} split indices, "
-                             f"got {partition!r}.")
+            raise ValueError(f"`partition` must be 'balanced', 'parameters', 'uniform' or a list of {num_stages - 1} "
+                             f"split indices, got {partition!r}.")
     else:
         splits = list(partition)
         bounds = [0, *splits, num_blocks]
@@ -278,7 +391,7 @@ def plan_partition(
             f"split indices that put at least one parameterized block on every stage."
         )
     return PartitionPlan(container=path, num_blocks=num_blocks, boundaries=tuple(bounds), before=tuple(before),
-                         after=tuple(after), stage_params=tuple(stage_params))
+                         after=tuple(after), stage_params=tuple(stage_params), note=timing_note)
 
 
 @dataclass

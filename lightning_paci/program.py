@@ -18,7 +18,7 @@ from lightning.pytorch import LightningModule
 from lightning_paci.partition import StageCarve, StageDone
 from lightning_paci.runtime import ForwardOutput, LogRecord, microbatch_size
 
-__all__ = ["LightningStageProgram", "extract_loss"]
+__all__ = ["LightningStageProgram", "extract_loss", "recording_logs"]
 
 _LOG_OPTIONS = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph", "add_dataloader_idx")
 
@@ -33,6 +33,31 @@ def extract_loss(output: Any, step_name: str) -> torch.Tensor:
         f"{type(output).__name__}. Returning None to skip a batch is not supported in pipeline training: every "
         f"stage has already run its part of the micro-batch."
     )
+
+
+@contextlib.contextmanager
+def recording_logs(module: LightningModule, records: list[LogRecord], size: int, step_name: str) -> Iterator[None]:
+    """Shadow ``module.log`` with a recorder (an instance attribute; the method comes back on exit)."""
+
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise TypeError("lightning_paci records `self.log(name, value, **options)`: pass options by keyword.")
+        if hasattr(value, "compute") and hasattr(value, "update"):  # a torchmetrics Metric object
+            raise TypeError(
+                f"`self.log({name!r}, <Metric>)` in `{step_name}` under pipeline training: log the metric's value "
+                f"(`metric(preds, target)` returns it) instead of the Metric object; the object lives on the last "
+                f"stage only."
+            )
+        value = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+        batch_size = int(kwargs.get("batch_size") or size)
+        options = tuple(sorted((k, kwargs[k]) for k in _LOG_OPTIONS if k in kwargs))
+        records.append(LogRecord(name, value, batch_size, options))
+
+    module.log = log  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log
 
 
 class LightningStageProgram:
@@ -51,28 +76,6 @@ class LightningStageProgram:
         self.step_name = step_name
         self.context = context
 
-    @contextlib.contextmanager
-    def _recording_logs(self, records: list[LogRecord], size: int) -> Iterator[None]:
-        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            if args:
-                raise TypeError("lightning_paci records `self.log(name, value, **options)`: pass options by keyword.")
-            if hasattr(value, "compute") and hasattr(value, "update"):  # a torchmetrics Metric object
-                raise TypeError(
-                    f"`self.log({name!r}, <Metric>)` in `{self.step_name}` under pipeline training: log the metric's "
-                    f"value (`metric(preds, target)` returns it) instead of the Metric object; the object lives on "
-                    f"the last stage only."
-                )
-            value = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
-            batch_size = int(kwargs.get("batch_size") or size)
-            options = tuple(sorted((k, kwargs[k]) for k in _LOG_OPTIONS if k in kwargs))
-            records.append(LogRecord(name, value, batch_size, options))
-
-        self.module.log = log  # type: ignore[method-assign]  # instance attribute shadows the method
-        try:
-            yield
-        finally:
-            del self.module.log
-
     def forward(self, data: Any, *step_args: Any, received: Any | None) -> ForwardOutput:
         """Run the step on one micro-batch. ``step_args`` follow the batch (``batch_idx``, ``dataloader_idx``)."""
         boundary = self.carve.boundary
@@ -81,7 +84,7 @@ class LightningStageProgram:
         records: list[LogRecord] = []
         step = getattr(self.module, self.step_name)
         try:
-            with self._recording_logs(records, microbatch_size(data)), self.context():
+            with recording_logs(self.module, records, microbatch_size(data), self.step_name), self.context():
                 output = step(data, *step_args)
         except StageDone:
             if boundary.outgoing is None:

@@ -45,8 +45,16 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_paci.comm import DistComm, flatten, unflatten
-from lightning_paci.partition import PartitionPlan, PartitionSpec, StageCarve, carve_stage, plan_partition
-from lightning_paci.program import LightningStageProgram
+from lightning_paci.partition import (
+    BlockCosts,
+    PartitionPlan,
+    PartitionSpec,
+    StageCarve,
+    carve_stage,
+    plan_partition,
+    profile_block_costs,
+)
+from lightning_paci.program import LightningStageProgram, extract_loss, recording_logs
 from lightning_paci.runtime import (
     LOSS_KEY,
     LogRecord,
@@ -100,8 +108,12 @@ class PACIStrategy(ParallelStrategy):
             divide evenly are allowed (the first ``B mod m`` micro-batches get one sample more).
         accumulation: local backwards per optimizer step on every stage (default: ``microbatches``, i.e. one step
             per batch per stage). ``Trainer(accumulate_grad_batches=k)`` multiplies it.
-        partition: ``"balanced"`` (default; by parameter count), ``"uniform"``, or the block indices where stages
-            1..N-1 start.
+        partition: ``"balanced"`` (default): parameter counts, or the measured forward+backward time of each block
+            on a sample micro-batch when that split makes the slowest stage at least 10% faster (timing noise cannot
+            flip it); ``"parameters"``, ``"uniform"``, or the block indices where stages 1..N-1 start. The chosen
+            split is logged at setup; pin it with explicit indices to reproduce a run exactly. ``"balanced"`` draws
+            one sample batch from the training dataloader at setup (RNG state restored): a dataloader or
+            ``collate_fn`` with side effects sees one extra batch; use ``"parameters"`` to avoid that.
         block_container: dotted path of the ``nn.Sequential``/``nn.ModuleList`` holding the repeated blocks
             (default: found automatically).
         timeout: process-group timeout; a stage waiting longer for a neighbour fails instead of hanging.
@@ -315,8 +327,9 @@ class PACIStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         if self._carve is None:
+            measured = self._measure_block_costs(trainer) if self._partition == "balanced" else None
             self._plan = plan_partition(module, self.num_stages, container=self._block_container,
-                                        partition=self._partition)
+                                        partition=self._partition, measured=measured)
             rank_zero_info(f"lightning_paci: {self.num_stages} stages, schedule={self._schedule!r}, "
                            f"microbatches={self.num_microbatches}, accumulation={self.accumulation}; "
                            f"{self._plan.describe()}")
@@ -324,6 +337,38 @@ class PACIStrategy(ParallelStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_training(trainer)
+
+    def _measure_block_costs(self, trainer: Trainer) -> BlockCosts | None:
+        """Time every block's forward+backward on one sample micro-batch of the training data (the unchanged module,
+        before any carving). Every rank draws the same sample, so a dataloader with side effects stays in step
+        across ranks; rank 0 measures and shares the result, so every rank plans the same split. The RNG state is
+        restored afterwards. Any failure falls back to parameter counts."""
+        if trainer.state.fn != TrainerFn.FITTING:
+            return None
+        module = self.lightning_module
+        assert module is not None
+        costs: BlockCosts | None = None
+        cpu_rng = torch.random.get_rng_state()
+        try:
+            loader = trainer.fit_loop._data_source.dataloader()
+            batch = next(iter(loader))
+            torch.random.set_rng_state(cpu_rng)  # measuring must not change the data order or dropout masks
+            size = flatten(batch)[1][0].shape[0]
+            sample = split_microbatches(batch, max(1, min(self.num_microbatches, size)))[0]
+
+            def run_step() -> None:
+                with recording_logs(module, [], size, "training_step"), self.precision_plugin.train_step_context():
+                    loss = extract_loss(module.training_step(sample, 0), "training_step")
+                loss.backward()
+                module.zero_grad(set_to_none=True)
+
+            if self.is_global_zero:
+                costs = profile_block_costs(module, self._block_container, run_step)
+        except Exception as err:  # a private Lightning API moved, an iterable dataset, a model without grads
+            log.info(f"lightning_paci: block timing not possible ({err}); balancing by parameter count")
+        finally:
+            torch.random.set_rng_state(cpu_rng)
+        return self.broadcast(costs, src=0)
 
     def _check_trainer(self, trainer: Trainer) -> None:
         module = self.lightning_module

@@ -52,6 +52,7 @@ class DumpStageRecords(Callback):
             "extra_param_bytes_in_flight": self.extra_bytes,
             "optimizer_shares_storage": self.optimizer_shares_storage,
             "optimizer_steps": runtime.version,
+            "plan": trainer.strategy.plan.describe(),
         }
         (self.directory / f"stage{record['stage']}.json").write_text(json.dumps(record))
 

@@ -234,3 +234,19 @@ def test_validation_runs_through_the_pipeline_after_a_drain(tmp_path):
     with torch.no_grad():
         expected = sum(torch.nn.functional.mse_loss(model(x), y) * len(x) for x, y in val) / sum(len(x) for x, _ in val)
     assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_setup_logs_the_time_balanced_split(tmp_path):
+    from test_partition import SleepyBlock
+
+    class Sleepy(SequentialMLP):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), *[SleepyBlock(16, 0.004) for _ in range(6)],
+                                           SleepyBlock(16, 0.012), torch.nn.Linear(16, 4))
+
+    fit(Sleepy(), regression_loader(num_batches=3), devices=4, max_steps=2, microbatches=4,
+        callbacks=[DumpStageRecords(tmp_path)])
+    line = read_stage_records(tmp_path, 4)[0]["plan"]  # the text of the setup log line
+    assert "measured F+B ms per stage: by parameters [" in line and "-> using time" in line
+    assert "stage 2: net[7:8]" in line  # the slow block alone on its stage
