@@ -17,7 +17,7 @@ import warnings
 from emulated import run_emulated
 
 from lightning_paci.schedules import build
-from lightning_paci.simulate import measured_phases, simulate
+from lightning_paci.simulation import measured_phases, simulate
 
 
 def measure(num_stages: int, schedule: str, m: int, k: int, forward_ms: float, backward_ms: float) -> dict:

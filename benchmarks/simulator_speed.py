@@ -10,7 +10,7 @@ import json
 import time
 
 from lightning_paci.schedules import build
-from lightning_paci.simulate import simulate
+from lightning_paci.simulation import simulate
 
 
 def main() -> None:

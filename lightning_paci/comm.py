@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pickle
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -118,13 +118,15 @@ def _metas(skeleton: Any) -> list[_TensorMeta]:
 
 
 class Comm(Protocol):
-    """What the runtime needs from a transport. ``stage`` arguments are pipeline stage indices."""
+    """What the runtime needs from a transport. ``stage`` arguments are pipeline stage indices; ``channel`` 0
+    carries the pipeline's activations and gradients, channel 1 the tied-weight exchange between the first and last
+    stage, so the two streams can never be received out of order (for 2 stages they share the pair of ranks)."""
 
-    def send(self, payload: Any, stage: int) -> None: ...
+    def send(self, payload: Any, stage: int, channel: int = 0) -> None: ...
 
-    def recv(self, stage: int) -> Any: ...
+    def recv(self, stage: int, channel: int = 0) -> Any: ...
 
-    def ready(self, stage: int) -> bool: ...
+    def ready(self, stage: int, channel: int = 0) -> bool: ...
 
     def flush(self) -> None: ...
 
@@ -132,14 +134,16 @@ class Comm(Protocol):
 class DistComm:
     """torch.distributed transport (gloo on CPU, NCCL on CUDA). ``ranks[s]`` is the global rank of stage ``s``."""
 
-    def __init__(self, ranks: list[int], *, group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> None:
+    def __init__(self, ranks: list[int], *, groups: Sequence[dist.ProcessGroup | None] = (None,),
+                 device: torch.device | None = None) -> None:
         self._ranks = ranks
-        self._group = group
+        self._groups = list(groups)
         self._device = device or torch.device("cpu")
         self._pending: deque[tuple[Any, list[torch.Tensor]]] = deque()
 
-    def send(self, payload: Any, stage: int) -> None:
+    def send(self, payload: Any, stage: int, channel: int = 0) -> None:
         dst = self._ranks[stage]
+        group = self._groups[channel]
         skeleton, tensors = flatten(payload)
         metas = _metas(skeleton)
         blob = pickle.dumps(skeleton)
@@ -159,17 +163,18 @@ class DistComm:
         if total > FIRST_BYTES:
             wire.append(buffer[FIRST_BYTES:total])
         for tensor in wire:  # kept alive until the send completes
-            self._pending.append((dist.isend(tensor, dst, group=self._group), [tensor]))
+            self._pending.append((dist.isend(tensor, dst, group=group), [tensor]))
         self._reap()
 
     def _reap(self) -> None:
         while self._pending and self._pending[0][0].is_completed():
             self._pending.popleft()
 
-    def recv(self, stage: int) -> Any:
+    def recv(self, stage: int, channel: int = 0) -> Any:
         src = self._ranks[stage]
+        group = self._groups[channel]
         first = torch.empty(FIRST_BYTES, dtype=torch.uint8, device=self._device)
-        dist.recv(first, src, group=self._group)
+        dist.recv(first, src, group=group)
         prefix = first[:16].cpu().numpy().tobytes()
         head = 16 + int.from_bytes(prefix[:8], "little")
         data_bytes = int.from_bytes(prefix[8:], "little")
@@ -178,7 +183,7 @@ class DistComm:
         if total > FIRST_BYTES:
             whole = torch.empty(total, dtype=torch.uint8, device=self._device)
             whole[:FIRST_BYTES] = first
-            dist.recv(whole[FIRST_BYTES:], src, group=self._group)
+            dist.recv(whole[FIRST_BYTES:], src, group=group)
         else:
             whole = first
         skeleton = pickle.loads(whole[16:head].cpu().numpy().tobytes())
@@ -193,7 +198,7 @@ class DistComm:
         self._reap()
         return unflatten(skeleton, tensors)
 
-    def ready(self, stage: int) -> bool:
+    def ready(self, stage: int, channel: int = 0) -> bool:
         return True  # a blocking receive simply waits
 
     def flush(self) -> None:
@@ -207,21 +212,23 @@ class LocalComm:
     """In-process mailboxes for the one-process reference executor: ``LocalComm.network(n)`` gives each stage its
     endpoint. A message is copied on send, as a real transport would."""
 
-    def __init__(self, stage: int, boxes: dict[tuple[int, int], deque[Any]]) -> None:
+    def __init__(self, stage: int, boxes: dict[tuple[int, int, int], deque[Any]]) -> None:
         self._stage = stage
         self._boxes = boxes
 
     @staticmethod
     def network(num_stages: int) -> list[LocalComm]:
-        boxes: dict[tuple[int, int], deque[Any]] = {(s, d): deque() for s in range(num_stages) for d in range(num_stages)}
+        boxes: dict[tuple[int, int, int], deque[Any]] = {
+            (s, d, c): deque() for s in range(num_stages) for d in range(num_stages) for c in (0, 1)
+        }
         return [LocalComm(s, boxes) for s in range(num_stages)]
 
-    def send(self, payload: Any, stage: int) -> None:
+    def send(self, payload: Any, stage: int, channel: int = 0) -> None:
         skeleton, tensors = flatten(payload)
-        self._boxes[(self._stage, stage)].append((skeleton, [t.detach().clone() for t in tensors]))
+        self._boxes[(self._stage, stage, channel)].append((skeleton, [t.detach().clone() for t in tensors]))
 
-    def recv(self, stage: int) -> Any:
-        box = self._boxes[(stage, self._stage)]
+    def recv(self, stage: int, channel: int = 0) -> Any:
+        box = self._boxes[(stage, self._stage, channel)]
         if not box:
             raise StageMismatchError(f"stage {self._stage}: nothing to receive from stage {stage} (reference executor order bug)")
         skeleton, tensors = box.popleft()
@@ -230,8 +237,8 @@ class LocalComm:
                 tensor.requires_grad_(True)
         return unflatten(skeleton, tensors)
 
-    def ready(self, stage: int) -> bool:
-        return bool(self._boxes[(stage, self._stage)])
+    def ready(self, stage: int, channel: int = 0) -> bool:
+        return bool(self._boxes[(stage, self._stage, channel)])
 
     def flush(self) -> None:
         pass

@@ -148,6 +148,7 @@ class PartitionPlan:
     before: tuple[str, ...]
     after: tuple[str, ...]
     stage_params: tuple[int, ...] = field(default=())
+    tied: tuple[tuple[str, str], ...] = ()  # (name on stage 0, name on the last stage) of each tied weight
     note: str = ""  # how the split was chosen (measured times), for the setup log line
 
     @property
@@ -165,7 +166,8 @@ class PartitionPlan:
                 " + " + ", ".join(self.after) if s == self.num_stages - 1 and self.after else "")
             count = f", {self.stage_params[s]:,} params" if self.stage_params else ""
             parts.append(f"stage {s}: {self.container}[{blocks.start}:{blocks.stop}]{extra}{count}")
-        return "; ".join(parts) + (f" ({self.note})" if self.note else "")
+        tied = f"; tied {', '.join(f'{a} = {b}' for a, b in self.tied)} (owned by stage 0)" if self.tied else ""
+        return "; ".join(parts) + tied + (f" ({self.note})" if self.note else "")
 
 
 def _outside_modules(root: nn.Module, container_path: str) -> tuple[list[str], list[str]]:
@@ -390,8 +392,54 @@ def plan_partition(
             f"e.g. activations), so their optimizer would be empty. Use `partition='balanced'` or give explicit "
             f"split indices that put at least one parameterized block on every stage."
         )
+    tied = _find_tied(module, path, bounds, before, after)
+    if tied:  # a tied weight counts once, on stage 0
+        names = dict(module.named_parameters(remove_duplicate=False))
+        stage_params[-1] -= sum(names[last].numel() for _, last in tied)
     return PartitionPlan(container=path, num_blocks=num_blocks, boundaries=tuple(bounds), before=tuple(before),
-                         after=tuple(after), stage_params=tuple(stage_params), note=timing_note)
+                         after=tuple(after), stage_params=tuple(stage_params), tied=tied, note=timing_note)
+
+
+def _owner_stage(name: str, container: str, bounds: Sequence[int], before: Sequence[str], after: Sequence[str]) -> int | None:
+    num_stages = len(bounds) - 1
+    if any(name == b or name.startswith(b + ".") for b in before):
+        return 0
+    if any(name == a or name.startswith(a + ".") for a in after):
+        return num_stages - 1
+    prefix = f"{container}." if container else ""
+    if name.startswith(prefix):
+        index = int(name[len(prefix):].split(".")[0])
+        return next(s for s in range(num_stages) if bounds[s] <= index < bounds[s + 1])
+    return None
+
+
+def _find_tied(module: nn.Module, container: str, bounds: Sequence[int], before: Sequence[str],
+               after: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """Parameters registered under several names on different stages. Supported: one user on stage 0 and one on
+    the last stage (an embedding tied to an LM head); see [Note: tied weights] in schedules.py."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    num_stages = len(bounds) - 1
+    tied = []
+    for group in names.values():
+        if len(group) < 2:
+            continue
+        owners = {n: _owner_stage(n, container, bounds, before, after) for n in group}
+        stages = set(owners.values())
+        if len(stages) == 1:
+            continue  # every user on one stage: nothing crosses a boundary
+        first = [n for n, s in owners.items() if s == 0]
+        last = [n for n, s in owners.items() if s == num_stages - 1]
+        if len(group) == 2 and len(first) == 1 and len(last) == 1:
+            tied.append((first[0], last[0]))
+            continue
+        raise ValueError(
+            f"Parameter {group} is used on stages {sorted(s for s in stages if s is not None)}: only weights tied "
+            f"between the first and the last stage (an embedding and an LM head) are supported. Untie it, or choose "
+            f"`partition=` split indices that keep all its users on one stage."
+        )
+    return tuple(tied)
 
 
 @dataclass
@@ -411,6 +459,7 @@ class StageCarve:
     boundary: BoundaryState
     removed: dict[str, nn.Module]
     handles: list[Any]
+    tied_params: list[nn.Parameter] = field(default_factory=list)  # stage 0: the owned weights; last: replicas
 
     @property
     def is_first(self) -> bool:
@@ -436,6 +485,9 @@ class StageCarve:
         self.removed.clear()
         if full_state is not None:
             module.load_state_dict(full_state, strict=False)
+        for first, last_name in self.plan.tied:  # tie again: one Parameter object under both names
+            owner_name, _, attr = last_name.rpartition(".")
+            setattr(module.get_submodule(owner_name), attr, module.get_parameter(first))
 
 
 def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarve:
@@ -447,6 +499,13 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
     last = plan.num_stages - 1
     keep = set(plan.blocks(stage))
     removed: dict[str, nn.Module] = {}
+    # untie first: the last stage's user gets its own copy (a replica), so moving the other user's module to the
+    # meta device cannot take the shared tensor with it
+    for _, last_name in plan.tied:
+        owner_name, _, attr = last_name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        shared = getattr(owner, attr)
+        setattr(owner, attr, nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad))
 
     def swap(name: str, owner: str, *, is_block: bool = False) -> None:
         parent_name, _, child = name.rpartition(".")
@@ -484,7 +543,11 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
             raise StageDone
 
         handles.append(container[blocks.stop].register_forward_pre_hook(egress, with_kwargs=True))
-    return StageCarve(plan=plan, stage=stage, boundary=boundary, removed=removed, handles=handles)
+    names = dict(module.named_parameters())
+    tied_local = [names[first if stage == 0 else last_name] for first, last_name in plan.tied
+                  if stage in (0, last)] if plan.tied else []
+    return StageCarve(plan=plan, stage=stage, boundary=boundary, removed=removed, handles=handles,
+                      tied_params=tied_local)
 
 
 def _check_no_shared_parameters(module: nn.Module, removed: dict[str, nn.Module]) -> None:

@@ -19,7 +19,7 @@ from lightning_paci.comm import LocalComm
 from lightning_paci.partition import PartitionPlan, carve_stage
 from lightning_paci.program import LightningStageProgram
 from lightning_paci.runtime import StageOptimizer, StageRuntime, loss_scale_for, split_microbatches
-from lightning_paci.schedules import RECV_B, RECV_F, Action, Schedule, validate
+from lightning_paci.schedules import RECV_KINDS, Action, Schedule, message_key, validate
 
 __all__ = ["ReferencePipeline", "run_lists"]
 
@@ -34,9 +34,8 @@ def run_lists(runtimes: Sequence[StageRuntime], lists: Sequence[Sequence[Action]
             actions = lists[s]
             while positions[s] < len(actions):
                 action = actions[positions[s]]
-                if action.kind is RECV_F and not runtime.comm.ready(s - 1):
-                    break
-                if action.kind is RECV_B and not runtime.comm.ready(s + 1):
+                key = message_key(action, len(runtimes))
+                if key is not None and action.kind in RECV_KINDS and not runtime.comm.ready(key[1], int(key[0] == "T")):
                     break
                 runtime.execute(action)
                 positions[s] += 1
@@ -70,9 +69,11 @@ class ReferencePipeline:
             copy_ = copy.deepcopy(module)
             carve = carve_stage(copy_, plan, stage)
             optimizer, schedulers = factory(copy_)
-            stage_optimizer = StageOptimizer(optimizer, list(copy_.parameters()), schedulers=schedulers)
+            replicas = carve.tied_params if stage == plan.num_stages - 1 else []
+            stage_optimizer = StageOptimizer(optimizer, list(copy_.parameters()), schedulers=schedulers,
+                                             exclude=replicas)
             runtime = StageRuntime(stage, plan.num_stages, LightningStageProgram(copy_, carve), comms[stage],
-                                   stage_optimizer, loss_scale=1.0)
+                                   stage_optimizer, loss_scale=1.0, tied=carve.tied_params)
             self.modules.append(copy_)
             self.runtimes.append(runtime)
 
@@ -92,9 +93,9 @@ class ReferencePipeline:
             runtime.microbatch_base = base + schedule.total_microbatches
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The union of the stages' state dicts: the full model's keys."""
+        """The union of the stages' state dicts: the full model's keys (a tied weight from stage 0, its owner)."""
         full: dict[str, torch.Tensor] = {}
-        for module in self.modules:
+        for module in reversed(self.modules):
             for key, value in module.state_dict().items():
                 if value.device.type != "meta":
                     full[key] = value

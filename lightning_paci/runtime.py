@@ -8,6 +8,7 @@ compute and waiting, which the monitors read.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -26,6 +27,8 @@ from lightning_paci.schedules import (
     RECV_F,
     SEND_B,
     SEND_F,
+    SEND_T,
+    RECV_T,
     Action,
     assign_rounds,
     build,
@@ -83,8 +86,10 @@ class StageOptimizer:
         *,
         schedulers: Sequence[Any] = (),
         clip: Callable[[list[nn.Parameter]], None] | None = None,
+        exclude: Sequence[nn.Parameter] = (),
     ) -> None:
         owned = {id(p): p for p in params}
+        skipped = {id(p) for p in exclude}  # tied-weight replicas: stage 0 updates them, see [Note: tied weights]
         self.optimizer = optimizer
         self.schedulers = list(schedulers)
         self.clip = clip
@@ -92,6 +97,8 @@ class StageOptimizer:
         for group in optimizer.param_groups:
             aliases = []
             for p in group["params"]:
+                if id(p) in skipped:
+                    continue
                 if id(p) not in owned:
                     raise ValueError(
                         f"The optimizer holds a parameter of shape {tuple(p.shape)} that is not one of this stage's "
@@ -141,6 +148,7 @@ class StageRuntime:
         loss_scale: float,
         clock: Callable[[], float] = time.perf_counter,
         keep_intervals: int = 8192,
+        tied: Sequence[nn.Parameter] = (),
     ) -> None:
         self.stage = stage
         self.num_stages = num_stages
@@ -164,6 +172,11 @@ class StageRuntime:
         self.busy_time = 0.0
         self.wait_time = 0.0
         self.microbatch_base = 0  # stream-local index -> run-global index (for records across drains)
+        # tied weights (see [Note: tied weights]): stage 0 owns them, the last stage holds replicas
+        self.tied = list(tied)
+        self.tied_version = 0  # updates of the tied weights applied here (stage 0: made, last stage: installed)
+        self.tied_lags: dict[int, int] = {}  # last stage: micro-batch -> tied updates its forward was behind
+        self.tied_fingerprints: list[str] | None = None  # set to [] to record a digest of every tied version
 
     # -- data -----------------------------------------------------------------------------------------------------
     def add_microbatch(self, microbatch: int, data: Any, batch_index: int) -> None:
@@ -189,6 +202,8 @@ class StageRuntime:
             assert self._step is not None, "OPT scheduled on a stage without an optimizer"
             self._step()
             self.version += 1
+            if self.tied and self.stage == 0:
+                self._fingerprint()
         elif kind is SEND_F:
             self.comm.send(self.held[mb].output.outgoing, self.stage + 1)  # type: ignore[index]
         elif kind is SEND_B:
@@ -198,6 +213,10 @@ class StageRuntime:
             self.inbox[(RECV_F, mb)] = self.comm.recv(self.stage - 1)  # type: ignore[index]
         elif kind is RECV_B:
             self.inbox[(RECV_B, mb)] = self.comm.recv(self.stage + 1)  # type: ignore[index]
+        elif kind is SEND_T:
+            self._send_tied()
+        elif kind is RECV_T:
+            self._receive_tied()
         else:
             raise AssertionError(f"unknown action kind {kind!r}")
         end = self.clock()
@@ -209,6 +228,34 @@ class StageRuntime:
             wait_kind = "WAIT_F" if kind is RECV_F else "WAIT_B"
             self.intervals.append(Interval(self.stage, wait_kind, mb + self.microbatch_base, start, end))  # type: ignore[operator]
 
+    def _send_tied(self) -> None:
+        if self.stage == 0:  # the weights after this update, for the last stage's replicas
+            self.comm.send([p.detach() for p in self.tied], self.num_stages - 1, channel=1)
+        else:  # the replicas' gradient of this window, for stage 0's update; replicas are never stepped here
+            self.comm.send([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.tied], 0, channel=1)
+            for p in self.tied:
+                p.grad = None
+
+    def _receive_tied(self) -> None:
+        if self.stage == 0:
+            for p, grad in zip(self.tied, self.comm.recv(self.num_stages - 1, channel=1)):
+                p.grad = grad.to(p.dtype) if p.grad is None else p.grad.add_(grad)
+            self.tied_version += 1  # the OPT that follows makes this update
+        else:
+            weights = self.comm.recv(0, channel=1)
+            with torch.no_grad():
+                for p, w in zip(self.tied, weights):
+                    p.data.copy_(w)  # no micro-batch is in flight on the last stage here
+            self.tied_version += 1
+            self._fingerprint()
+
+    def _fingerprint(self) -> None:
+        if self.tied_fingerprints is not None:
+            digest = hashlib.sha1()
+            for p in self.tied:
+                digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+            self.tied_fingerprints.append(digest.hexdigest())
+
     def _forward(self, mb: int) -> None:
         data, batch_index = self.data.pop(mb)
         received = self.inbox.pop((RECV_F, mb), None)
@@ -217,6 +264,8 @@ class StageRuntime:
         self.held[mb] = _Held(leaves, output)
         self.peak_inflight = max(self.peak_inflight, len(self.held))
         self.forward_version[mb] = self.version
+        if self.tied and self.stage == self.num_stages - 1:
+            self.tied_lags[mb + self.microbatch_base] = self.version - self.tied_version
         if output.loss is not None:
             key = mb + self.microbatch_base
             loss = float(output.loss.detach())
@@ -258,10 +307,11 @@ class StreamCursor:
     """
 
     def __init__(self, name: str, num_stages: int, num_microbatches: int, accumulation: int, stage: int,
-                 *, backward_offset: int = 0) -> None:
+                 *, backward_offset: int = 0, tied: bool = False) -> None:
         self.args = (name, num_stages, num_microbatches, accumulation)
         self.stage = stage
         self.backward_offset = backward_offset
+        self.tied = tied
         self.position = 0
         self._horizon = 0
         self._actions: tuple[Action, ...] = ()
@@ -271,7 +321,7 @@ class StreamCursor:
         if horizon <= self._horizon:
             return
         horizon = max(horizon, 2 * self._horizon, 8)
-        schedule = build(*self.args, horizon, backward_offset=self.backward_offset)
+        schedule = build(*self.args, horizon, backward_offset=self.backward_offset, tied=self.tied)
         self._actions = schedule.actions[self.stage]
         self._rounds = assign_rounds(schedule)[self.stage]
         self._horizon = horizon
@@ -288,7 +338,7 @@ class StreamCursor:
     def drain(self, num_minibatches: int) -> list[Action]:
         if num_minibatches == 0:
             return []
-        schedule = build(*self.args, num_minibatches, backward_offset=self.backward_offset)
+        schedule = build(*self.args, num_minibatches, backward_offset=self.backward_offset, tied=self.tied)
         actions = schedule.actions[self.stage]
         if tuple(actions[:self.position]) != tuple(self._actions[:self.position]):
             raise AssertionError("drained list does not extend the executed prefix")

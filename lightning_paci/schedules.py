@@ -42,6 +42,7 @@ __all__ = [
     "SCHEDULE_NAMES",
     "assign_rounds",
     "build",
+    "message_key",
     "derived_drift_bound",
     "drift_bound",
     "format_grid",
@@ -52,7 +53,7 @@ __all__ = [
     "validate",
 ]
 
-ActionKind = Literal["F", "B", "OPT", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+ActionKind = Literal["F", "B", "OPT", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_T", "RECV_T"]
 ScheduleName = Literal["paci", "1f1b", "gpipe"]
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
 
@@ -63,10 +64,14 @@ SEND_F: ActionKind = "SEND_F"
 RECV_F: ActionKind = "RECV_F"
 SEND_B: ActionKind = "SEND_B"
 RECV_B: ActionKind = "RECV_B"
+SEND_T: ActionKind = "SEND_T"  # tied weights: stage 0 -> last stage after an update; tied grads: last -> stage 0
+RECV_T: ActionKind = "RECV_T"
 COMPUTE_KINDS: frozenset[str] = frozenset({F, B, OPT})
-_CANONICAL_KIND: dict[str, ActionKind] = {k: k for k in (F, B, OPT, SEND_F, RECV_F, SEND_B, RECV_B)}
+_CANONICAL_KIND: dict[str, ActionKind] = {k: k for k in (F, B, OPT, SEND_F, RECV_F, SEND_B, RECV_B, SEND_T, RECV_T)}
+SEND_KINDS: frozenset[str] = frozenset({SEND_F, SEND_B, SEND_T})
+RECV_KINDS: frozenset[str] = frozenset({RECV_F, RECV_B, RECV_T})
 
-_TOKEN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|OPT|F|B)(\d*)$")
+_TOKEN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|SEND_T|RECV_T|OPT|F|B)(\d*)$")
 
 
 class Action(NamedTuple):
@@ -90,7 +95,7 @@ class Action(NamedTuple):
         if match is None:
             raise ValueError(
                 f"Cannot parse action token {token!r}: expected <stage><kind><microbatch> such as '1F0', '0SEND_F2' "
-                f"or '3OPT', with kind one of F, B, OPT, SEND_F, RECV_F, SEND_B, RECV_B."
+                f"or '3OPT', with kind one of F, B, OPT, SEND_F, RECV_F, SEND_B, RECV_B, SEND_T, RECV_T."
             )
         stage, kind, number = match.groups()
         if kind == OPT and number:
@@ -138,6 +143,32 @@ class Schedule:
         return " ".join(str(action) for action in actions)
 
 
+MessageKey = tuple[str, int, int, "int | None"]  # (channel "F"/"B"/"T", source stage, destination stage, index)
+
+
+def message_key(action: Action, num_stages: int) -> MessageKey | None:
+    """The message a SEND or RECV action sends or waits for; ``None`` for compute actions.
+
+    Tied-weight messages (``T``) run between stage 0 and the last stage only: stage 0 sends the tied weights after
+    its update ``k`` and receives the last stage's tied-weight gradients of its window ``k``.
+    """
+    s, kind, index = action
+    last = num_stages - 1
+    if kind is SEND_F:
+        return ("F", s, s + 1, index)
+    if kind is RECV_F:
+        return ("F", s - 1, s, index)
+    if kind is SEND_B:
+        return ("B", s, s - 1, index)
+    if kind is RECV_B:
+        return ("B", s + 1, s, index)
+    if kind is SEND_T:
+        return ("T", s, last if s == 0 else 0, index)
+    if kind is RECV_T:
+        return ("T", last if s == 0 else 0, s, index)
+    return None
+
+
 def _check_positive(name: str, value: object, fix: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"`{name}` must be an int, got {value!r} of type {type(value).__name__}. {fix}")
@@ -154,6 +185,7 @@ def build(
     num_minibatches: int,
     *,
     backward_offset: int = 0,
+    tied: bool = False,
 ) -> Schedule:
     """Build the action list of every stage.
 
@@ -166,6 +198,7 @@ def build(
         backward_offset: backwards every stage already ran before this stream (after a drain), so that the
             ``OPT`` positions continue the count: an ``OPT`` follows backward number ``n`` when
             ``(backward_offset + n) % a == 0``.
+        tied: the first and last stage share tied weights (an embedding and an LM head); see [Note: tied weights].
 
     Raises:
         ValueError / TypeError: naming the argument, its value and the fix.
@@ -184,7 +217,7 @@ def build(
                accumulation, backward_offset)
         for stage in range(num_stages)
     ]
-    return Schedule(
+    schedule = Schedule(
         name=name,
         num_stages=num_stages,
         num_microbatches=num_microbatches,
@@ -192,6 +225,61 @@ def build(
         num_minibatches=num_minibatches,
         actions=tuple(lowered),
     )
+    if tied and num_stages > 1:
+        schedule = _add_tied_exchange(schedule)
+    return schedule
+
+
+def _add_tied_exchange(schedule: Schedule) -> Schedule:
+    """[Note: tied weights]
+    A weight used on the first and the last stage (GPT-2's ``wte`` / ``lm_head``) is owned by stage 0, which
+    applies update ``k`` with the gradient of *both* uses: before its ``k``-th ``OPT`` it receives the last stage's
+    tied-weight gradient of that stage's ``k``-th window (``RECV_T``), after it sends the updated weights
+    (``SEND_T``). The last stage keeps a replica that its own optimizer never steps: after its ``k``-th ``OPT`` it
+    sends the replica's gradient, and it installs stage 0's weights ``k`` (``RECV_T``) right before its first
+    action of the call after the one in which stage 0 sent them -- so the receive never waits for a later call
+    and no flush or global collective is added. The replica therefore goes through exactly stage 0's sequence of
+    weights, some updates late: under a flush schedule it is up to date before the next mini-batch's first forward
+    (exact single-device semantics); under ``"paci"`` the last stage uses weights one or two updates old. The
+    drain at the end of a stream installs every outstanding update, so both copies are equal afterwards.
+    """
+    n = schedule.num_stages
+    last = n - 1
+    rounds = assign_rounds(schedule)
+    first, tail = list(schedule.actions[0]), list(schedule.actions[last])
+    first_rounds, tail_rounds = rounds[0], rounds[last]
+    new = tuple.__new__
+    # stage 0: RECV_T(k) before its k-th OPT, SEND_T(k) after it; remember the round of each SEND_T
+    out0: list[Action] = []
+    sent_round: list[int] = []
+    k = 0
+    for action, rnd in zip(first, first_rounds):
+        if action.kind is OPT:
+            k += 1
+            out0 += [new(Action, (0, RECV_T, k)), action, new(Action, (0, SEND_T, k))]
+            sent_round.append(rnd)
+        else:
+            out0.append(action)
+    # last stage: SEND_T(k) after its k-th OPT; RECV_T(k) before the first action of a round > sent_round[k]
+    out_last: list[Action] = []
+    pending = 0  # next weights update to install (0-based into sent_round)
+    k = 0
+    for action, rnd in zip(tail, tail_rounds):
+        out_last.append(action)
+        # right after the activation receive that opens a later round, before that forward runs
+        while pending < len(sent_round) and rnd > sent_round[pending] and action.kind is RECV_F:
+            pending += 1
+            out_last.append(new(Action, (last, RECV_T, pending)))
+        if action.kind is OPT:
+            k += 1
+            out_last.append(new(Action, (last, SEND_T, k)))
+    while pending < len(sent_round):
+        pending += 1
+        out_last.append(new(Action, (last, RECV_T, pending)))
+    lists = list(schedule.actions)
+    lists[0], lists[last] = tuple(out0), tuple(out_last)
+    return Schedule(schedule.name, n, schedule.num_microbatches, schedule.accumulation, schedule.num_minibatches,
+                    tuple(lists))
 
 
 def _one_f_one_b(stage: int, num_stages: int, first: int, count: int) -> list[tuple[ActionKind, int]]:
@@ -388,46 +476,39 @@ def validate(actions: Sequence[Sequence[Action | None]] | Schedule) -> None:
                 raise _fail(lists, stage, step, f"SEND_F of micro-batch {mb} before its forward or from the last stage.")
             elif kind == SEND_B and (stage == 0 or mb not in backwards):
                 raise _fail(lists, stage, step, f"SEND_B of micro-batch {mb} before its backward or from stage 0.")
+            elif kind in (SEND_T, RECV_T) and (stage not in (0, last) or num_stages < 2):
+                raise _fail(lists, stage, step, f"{kind} on stage {stage}: tied weights travel between stage 0 and the last stage only.")
     # 2. every message has exactly one partner
-    sends: dict[tuple[str, int, int | None], tuple[int, int]] = {}
-    recvs: dict[tuple[str, int, int | None], tuple[int, int]] = {}
+    sends: dict[MessageKey, tuple[int, int]] = {}
+    recvs: dict[MessageKey, tuple[int, int]] = {}
     for stage, stage_actions in enumerate(lists):
         for step, action in enumerate(stage_actions):
-            if action is None:
-                continue
-            if action.kind == SEND_F:
-                sends[("F", stage + 1, action.microbatch)] = (stage, step)
-            elif action.kind == SEND_B:
-                sends[("B", stage - 1, action.microbatch)] = (stage, step)
-            elif action.kind == RECV_F:
-                recvs[("F", stage, action.microbatch)] = (stage, step)
-            elif action.kind == RECV_B:
-                recvs[("B", stage, action.microbatch)] = (stage, step)
+            key = None if action is None else message_key(action, num_stages)
+            if key is not None:
+                (sends if action.kind in SEND_KINDS else recvs)[key] = (stage, step)  # type: ignore[union-attr]
     for key, (stage, step) in recvs.items():
         if key not in sends:
-            source = key[1] - 1 if key[0] == "F" else key[1] + 1
-            raise _fail(lists, stage, step, f"receive of micro-batch {key[2]} has no matching send on stage {source}.")
+            raise _fail(lists, stage, step, f"receive of {key[0]} message {key[3]} has no matching send on stage {key[1]}.")
     for key, (stage, step) in sends.items():
         if key not in recvs:
-            raise _fail(lists, stage, step, f"send of micro-batch {key[2]} has no matching receive on stage {key[1]}.")
+            raise _fail(lists, stage, step, f"send of {key[0]} message {key[3]} has no matching receive on stage {key[2]}.")
     # 3. deadlock: run the lists with unbounded send buffers
     position = [0] * num_stages
-    posted: set[tuple[str, int, int | None]] = set()
-    waiting: dict[tuple[str, int, int | None], int] = {}
+    posted: set[MessageKey] = set()
+    waiting: dict[MessageKey, int] = {}
     ready = deque(range(num_stages))
     while ready:
         stage = ready.popleft()
         stage_actions = lists[stage]
         while position[stage] < len(stage_actions):
             action = stage_actions[position[stage]]
-            if action is not None:
-                if action.kind in (RECV_F, RECV_B):
-                    key = ("F" if action.kind == RECV_F else "B", stage, action.microbatch)
+            key = None if action is None else message_key(action, num_stages)
+            if key is not None:
+                if action.kind in RECV_KINDS:  # type: ignore[union-attr]
                     if key not in posted:
                         waiting[key] = stage
                         break
-                elif action.kind in (SEND_F, SEND_B):
-                    key = ("F", stage + 1, action.microbatch) if action.kind == SEND_F else ("B", stage - 1, action.microbatch)
+                else:
                     posted.add(key)
                     if key in waiting:
                         ready.append(waiting.pop(key))
@@ -462,8 +543,8 @@ def assign_rounds(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
     n = schedule.num_stages
     rounds: list[list[int]] = [[] for _ in range(n)]
     current = [0] * n
-    posted: dict[tuple[int, int, int | None], int] = {}
-    waiting: dict[tuple[int, int, int | None], int] = {}
+    posted: dict[MessageKey, int] = {}
+    waiting: dict[MessageKey, int] = {}
     ready = deque(range(n))
     while ready:
         s = ready.popleft()
@@ -471,19 +552,20 @@ def assign_rounds(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
         while len(out) < len(stage_actions):
             action = stage_actions[len(out)]
             kind = action.kind
-            if kind is RECV_F or kind is RECV_B:
-                key = (s, kind is RECV_B, action.microbatch)
-                if key not in posted:
-                    waiting[key] = s
-                    break
-                current[s] = max(current[s], posted[key])
-            elif kind is SEND_F or kind is SEND_B:
-                key = (s + 1 if kind is SEND_F else s - 1, kind is SEND_B, action.microbatch)
-                posted[key] = current[s]
-                if key in waiting:
-                    ready.append(waiting.pop(key))
-            elif kind is F:
+            if kind is F:
                 current[s] = max(current[s], action.microbatch // m)  # type: ignore[operator]
+            elif kind is not B and kind is not OPT:
+                key = message_key(action, n)
+                assert key is not None
+                if kind in RECV_KINDS:
+                    if key not in posted:
+                        waiting[key] = s
+                        break
+                    current[s] = max(current[s], posted[key])
+                else:
+                    posted[key] = current[s]
+                    if key in waiting:
+                        ready.append(waiting.pop(key))
             out.append(current[s])
     if any(len(rounds[s]) < len(lists[s]) for s in range(n)):
         raise ScheduleError("cannot assign rounds: the schedule deadlocks; run validate() for the grid")

@@ -170,7 +170,7 @@ class PACIStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         self._num_nodes = 1
-        self._p2p_group: dist.ProcessGroup | None = None
+        self._p2p_groups: list[dist.ProcessGroup | None] = [None, None]
         self._plan: PartitionPlan | None = None
         self._carve: StageCarve | None = None
         self._runtime: StageRuntime | None = None
@@ -271,8 +271,10 @@ class PACIStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        # pipeline messages on their own communicator, apart from Lightning's collectives
-        self._p2p_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
+        # pipeline messages on their own communicators, apart from Lightning's collectives: one for activations and
+        # gradients, one for the tied-weight exchange (independent message order, also under NCCL)
+        self._p2p_groups = [dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
+                            for _ in range(2)]
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -400,13 +402,14 @@ class PACIStrategy(ParallelStrategy):
         optimizer = self.optimizers[0]
         self._owned_schedulers = [cfg.scheduler for cfg in self.lr_scheduler_configs if cfg.interval == "step"]
         clip = self._clip_function(trainer)
+        replicas = self._carve.tied_params if self.stage_index == self.num_stages - 1 else []
         stage_optimizer = StageOptimizer(optimizer, list(module.parameters()), schedulers=self._owned_schedulers,
-                                         clip=clip)
+                                         clip=clip, exclude=replicas)
         program = LightningStageProgram(module, self._carve, context=self.precision_plugin.train_step_context)
         ranks = list(range(self.world_size))
-        comm = DistComm(ranks, group=self._p2p_group, device=self.root_device)
+        comm = DistComm(ranks, groups=self._p2p_groups, device=self.root_device)
         self._runtime = StageRuntime(self.stage_index, self.num_stages, program, comm, stage_optimizer,
-                                     loss_scale=loss_scale_for(self.accumulation))
+                                     loss_scale=loss_scale_for(self.accumulation), tied=self._carve.tied_params)
         self._stream = None
         self._logged_minibatches.clear()
         # Lightning steps "step"-interval schedulers after each of its optimizer steps; ours step per local update.
@@ -451,7 +454,7 @@ class PACIStrategy(ParallelStrategy):
         runtime = self.runtime
         done = runtime.microbatch_base  # backwards run so far on every stage (streams end drained)
         cursor = StreamCursor(self._schedule, self.num_stages, self.num_microbatches, self.accumulation,
-                              self.stage_index, backward_offset=done % self.accumulation)
+                              self.stage_index, backward_offset=done % self.accumulation, tied=bool(self.plan.tied))
         return _Stream(cursor)
 
     @override
@@ -545,7 +548,7 @@ class PACIStrategy(ParallelStrategy):
         rest = args[1:] if args else tuple(kwargs.values())
         program = LightningStageProgram(module, carve, step_name=step_name, context=self.precision_plugin.val_step_context)
         if self._eval_comm is None:
-            self._eval_comm = DistComm(list(range(self.world_size)), group=self._p2p_group, device=self.root_device)
+            self._eval_comm = DistComm(list(range(self.world_size)), groups=self._p2p_groups, device=self.root_device)
         comm = self._eval_comm
         size = flatten(batch)[1][0].shape[0] if flatten(batch)[1] else 1
         parts = split_microbatches(batch, max(1, min(self.num_microbatches, size)))

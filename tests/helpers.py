@@ -33,6 +33,7 @@ class DumpStageRecords(Callback):
         self.extra_bytes = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.strategy.runtime.tied_fingerprints = []  # digest of every tied-weight version (tied models)
         self.baseline = _parameter_storages()
         own = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
         optimized = {p.untyped_storage().data_ptr() for g in trainer.optimizers[0].param_groups for p in g["params"]}
@@ -53,6 +54,8 @@ class DumpStageRecords(Callback):
             "optimizer_shares_storage": self.optimizer_shares_storage,
             "optimizer_steps": runtime.version,
             "plan": trainer.strategy.plan.describe(),
+            "tied_fingerprints": runtime.tied_fingerprints,
+            "tied_lags": {str(k): v for k, v in runtime.tied_lags.items()},
         }
         (self.directory / f"stage{record['stage']}.json").write_text(json.dumps(record))
 

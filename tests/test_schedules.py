@@ -143,3 +143,35 @@ def test_validator_finds_a_pure_circular_wait():
     ])
     with pytest.raises(ScheduleError, match="deadlock: stage 0 waits at 0RECV_B0, stage 1 waits at 1RECV_F0"):
         validate(lists)
+
+
+@pytest.mark.parametrize("name", ["paci", "1f1b", "gpipe"])
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_tied_exchange_validates_and_every_update_reaches_the_replica(name, num_stages):
+    schedule = build(name, num_stages, 4, 4, 5, tied=True)
+    validate(schedule)
+    last = num_stages - 1
+    sends = [a.microbatch for a in schedule.actions[0] if a.kind == "SEND_T"]
+    installs = [a.microbatch for a in schedule.actions[last] if a.kind == "RECV_T"]
+    assert sends == installs == list(range(1, 6))
+    # stage 0 receives the last stage's gradient right before each of its optimizer steps
+    text = schedule.stage_text(0)
+    assert all(f"0RECV_T{k} 0OPT 0SEND_T{k}" in text for k in range(1, 6))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_flush_schedules_install_tied_weights_before_the_next_minibatch(name):
+    schedule = build(name, 4, 4, 4, 3, tied=True)
+    text = schedule.stage_text(3)
+    assert "3RECV_F4 3RECV_T1 3F4" in text and "3RECV_F8 3RECV_T2 3F8" in text
+
+
+def test_paci_installs_tied_weights_without_waiting_for_a_later_call():
+    from lightning_paci.schedules import assign_rounds, message_key
+
+    schedule = build("paci", 4, 4, 4, 6, tied=True)
+    rounds = assign_rounds(schedule)
+    sent = {message_key(a, 4): r for a, r in zip(schedule.actions[0], rounds[0]) if a.kind == "SEND_T"}
+    for action, rnd in zip(schedule.actions[3], rounds[3]):
+        if action.kind == "RECV_T" and action.microbatch < 5:
+            assert rnd > sent[message_key(action, 4)]  # sent in an earlier call

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from lightning_paci.schedules import build, drift_bound, static_drift
-from lightning_paci.simulate import main, simulate
+from lightning_paci.simulate import main
+from lightning_paci.simulation import simulate
 
 
 @pytest.mark.parametrize("num_stages", [2, 4, 8, 16])
@@ -111,7 +112,7 @@ def test_cli_rejects_bad_input_with_the_argument_name():
 
 @pytest.mark.parametrize("name", ["paci", "1f1b"])
 def test_measured_phases_agree_with_the_simulator_on_its_own_intervals(name):
-    from lightning_paci.simulate import measured_phases
+    from lightning_paci.simulation import measured_phases
 
     result = simulate(build(name, 4, 4, 4, 5), forward_cost=[1, 2, 1, 1], comm_cost=0.25)
     for report in result.stages:
