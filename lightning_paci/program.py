@@ -18,8 +18,9 @@ from lightning.pytorch import LightningModule
 from lightning_paci.partition import StageCarve, StageDone
 from lightning_paci.runtime import ForwardOutput, LogRecord, microbatch_size
 
-__all__ = ["LightningStageProgram", "extract_loss", "recording_logs"]
+__all__ = ["METRIC_OPTION", "LightningStageProgram", "extract_loss", "recording_logs"]
 
+METRIC_OPTION = "__paci_metric__"  # a log record naming a torchmetrics Metric attribute instead of a value
 _LOG_OPTIONS = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph", "add_dataloader_idx")
 
 
@@ -42,15 +43,23 @@ def recording_logs(module: LightningModule, records: list[LogRecord], size: int,
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if args:
             raise TypeError("lightning_paci records `self.log(name, value, **options)`: pass options by keyword.")
-        if hasattr(value, "compute") and hasattr(value, "update"):  # a torchmetrics Metric object
-            raise TypeError(
-                f"`self.log({name!r}, <Metric>)` in `{step_name}` under pipeline training: log the metric's value "
-                f"(`metric(preds, target)` returns it) instead of the Metric object; the object lives on the last "
-                f"stage only."
-            )
-        value = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
         batch_size = int(kwargs.get("batch_size") or size)
         options = tuple(sorted((k, kwargs[k]) for k in _LOG_OPTIONS if k in kwargs))
+        if hasattr(value, "compute") and hasattr(value, "update"):  # a torchmetrics Metric object
+            if step_name == "training_step":
+                raise TypeError(
+                    f"`self.log({name!r}, <Metric>)` in `training_step` under pipeline training: log the metric's "
+                    f"value (`metric(preds, target)` returns it) instead of the Metric object; its state is "
+                    f"updated on the last stage only, while the training loop never waits for it."
+                )
+            path = next((n for n, m in module.named_modules() if m is value), None)
+            if path is None:
+                raise TypeError(f"`self.log({name!r}, <Metric>)`: the Metric must be an attribute of the module.")
+            # replayed on every rank with that rank's own Metric object: torchmetrics syncs the states over the
+            # process group at compute(), and only the last stage's state is non-empty (sum/cat reductions)
+            records.append(LogRecord(name, float("nan"), batch_size, options + ((METRIC_OPTION, path),)))
+            return
+        value = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
         records.append(LogRecord(name, value, batch_size, options))
 
     module.log = log  # type: ignore[method-assign]

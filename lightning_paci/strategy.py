@@ -54,7 +54,7 @@ from lightning_paci.partition import (
     plan_partition,
     profile_block_costs,
 )
-from lightning_paci.program import LightningStageProgram, extract_loss, recording_logs
+from lightning_paci.program import METRIC_OPTION, LightningStageProgram, extract_loss, recording_logs
 from lightning_paci.runtime import (
     LOSS_KEY,
     LogRecord,
@@ -686,6 +686,10 @@ def _replay_logs(module: LightningModule, records: list[LogRecord]) -> float | N
     """Call the real ``self.log`` once per key with the batch-size-weighted mean; return the loss record's mean."""
     totals: dict[str, list[Any]] = {}
     for record in records:
+        options = dict(record.options)
+        if METRIC_OPTION in options:
+            module.log(record.name, module.get_submodule(options.pop(METRIC_OPTION)), **options)
+            continue
         entry = totals.setdefault(record.name, [0.0, 0, record.options])
         entry[0] += record.value * record.batch_size
         entry[1] += record.batch_size

@@ -33,11 +33,11 @@ def test_hf_model_under_1f1b_equals_single_device_accumulation(kind, devices):
     _close(model, reference, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind,tied", [("gpt2", False), ("gpt2", True), ("llama", False)])
 @pytest.mark.parametrize("devices", [2, 4])
-def test_hf_model_trains_under_paci_with_decreasing_loss(tmp_path, kind, devices):
+def test_hf_model_trains_under_paci_with_decreasing_loss(tmp_path, kind, tied, devices):
     torch.manual_seed(11)
-    model = HFCausalLM(kind, layers=4, lr=1e-2)
+    model = HFCausalLM(kind, layers=4, lr=1e-2, tied=tied)
     losses = RecordLosses(tmp_path)
     fit(model, token_loader(num_batches=8, vocab=64, seq=12), devices=devices, max_steps=-1,
         trainer_kwargs={"max_epochs": 4}, callbacks=[losses], schedule="paci", microbatches=4)

@@ -250,3 +250,32 @@ def test_setup_logs_the_time_balanced_split(tmp_path):
     line = read_stage_records(tmp_path, 4)[0]["plan"]  # the text of the setup log line
     assert "measured F+B ms per stage: by parameters [" in line and "-> using time" in line
     assert "stage 2: net[7:8]" in line  # the slow block alone on its stage
+
+
+def test_torchmetrics_object_logged_in_validation_reaches_every_rank():
+    import torchmetrics
+
+    class WithMetric(SequentialMLP):
+        def __init__(self):
+            super().__init__()
+            self.val_mse = torchmetrics.MeanSquaredError()
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.val_mse.update(self(x), y)
+            self.log("val_mse", self.val_mse)
+
+    torch.manual_seed(17)
+    model = WithMetric()
+    val = regression_loader(num_batches=3, seed=2)
+    trainer = L.Trainer(
+        strategy=PACIStrategy(start_method="fork", microbatches=4), accelerator="cpu", devices=4, max_epochs=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(model, regression_loader(num_batches=3), val)
+    with torch.no_grad():
+        x = torch.cat([b[0] for b in val])
+        y = torch.cat([b[1] for b in val])
+        expected = torch.nn.functional.mse_loss(model(x), y)
+    assert float(trainer.callback_metrics["val_mse"]) == pytest.approx(float(expected), rel=1e-5)
