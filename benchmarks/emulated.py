@@ -84,7 +84,7 @@ class DumpIntervals(Callback):
 
 def run_emulated(*, num_stages: int, schedule: str, num_microbatches: int, num_minibatches: int,
                  blocks_per_stage: int = 2, forward_ms: float = 10.0, backward_ms: float = 20.0,
-                 callbacks: list[Callback] | None = None) -> list[list[Interval]]:
+                 callbacks: list[Callback] | None = None, logger: Any = False) -> list[list[Interval]]:
     """Train ``num_minibatches`` batches through ``Trainer(strategy=PACIStrategy(...))`` (forked ranks) and return
     each stage's measured intervals."""
     torch.manual_seed(0)
@@ -93,7 +93,7 @@ def run_emulated(*, num_stages: int, schedule: str, num_microbatches: int, num_m
         trainer = L.Trainer(
             strategy=PACIStrategy(schedule=schedule, microbatches=num_microbatches, start_method="fork",  # type: ignore[arg-type]
                                   timeout=timedelta(seconds=120)),
-            accelerator="cpu", devices=num_stages, max_steps=num_minibatches, logger=False,
+            accelerator="cpu", devices=num_stages, max_steps=num_minibatches, logger=logger, log_every_n_steps=1,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
             callbacks=[DumpIntervals(Path(tmp)), *(callbacks or [])],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lightning_paci.callbacks import BubbleMonitor, DriftMonitor, TimelineMonitor
 from lightning_paci.partition import PartitionPlan, plan_partition
 from lightning_paci.reference import ReferencePipeline
 from lightning_paci.schedules import Action, Schedule, ScheduleError, build, drift_bound, validate
@@ -10,6 +11,9 @@ from lightning_paci.strategy import PACIStrategy  # registers "paci", "paci_fork
 
 __all__ = [
     "PACIStrategy",
+    "BubbleMonitor",
+    "DriftMonitor",
+    "TimelineMonitor",
     "PartitionPlan",
     "ReferencePipeline",
     "plan_partition",

@@ -112,18 +112,46 @@ class StageOptimizer:
         if optimizer.state:
             raise ValueError("The optimizer already has state; build it fresh in `configure_optimizers`.")
 
+    track_updates = False  # set by DriftMonitor: measure each update's size (see step)
+    last_update_norm = 0.0  # ||theta_after - theta_before|| of the last step (when tracking)
+    weight_norm = 0.0  # ||theta|| after the last step (when tracking)
+
     def step(self) -> None:
         real = [p for _, p in self.pairs if p.grad is not None]
         if self.clip is not None:
             self.clip(real)
-        for alias, p in self.pairs:
-            alias.grad = p.grad
-        self.optimizer.step()
+        if self.track_updates:
+            self._step_measuring()
+        else:
+            for alias, p in self.pairs:
+                alias.grad = p.grad
+            self.optimizer.step()
         for scheduler in self.schedulers:
             scheduler.step()
         for alias, p in self.pairs:
             alias.grad = None
             p.grad = None
+
+    def _step_measuring(self) -> None:
+        """Step one tensor at a time so that measuring the update needs at most one tensor's transient copy:
+        the optimizer skips parameters whose gradient is ``None``. Equivalent for per-parameter optimizers
+        (SGD, Adam, AdamW, ...), not for ones that couple parameters (e.g. a global-norm LAMB)."""
+        update_sq = weight_sq = 0.0
+        for alias, p in self.pairs:
+            if p.grad is None:
+                weight_sq += float(p.detach().float().pow(2).sum())
+                continue
+            before = p.detach().clone()  # the one transient copy
+            alias.grad = p.grad
+            self.optimizer.step()
+            alias.grad = None
+            update_sq += float((p.detach() - before).float().pow(2).sum())
+            weight_sq += float(p.detach().float().pow(2).sum())
+            del before
+        self.last_update_norm, self.weight_norm = update_sq ** 0.5, weight_sq ** 0.5
+
+    def current_weight_norm(self) -> float:
+        return float(sum(p.detach().float().pow(2).sum() for _, p in self.pairs)) ** 0.5
 
 
 @dataclass
@@ -154,6 +182,7 @@ class StageRuntime:
         self.num_stages = num_stages
         self.program = program
         self.comm = comm
+        self.optimizer = optimizer if isinstance(optimizer, StageOptimizer) else None
         self._step = optimizer.step if isinstance(optimizer, StageOptimizer) else optimizer
         self.loss_scale = loss_scale
         self.clock = clock
@@ -177,6 +206,19 @@ class StageRuntime:
         self.tied_version = 0  # updates of the tied weights applied here (stage 0: made, last stage: installed)
         self.tied_lags: dict[int, int] = {}  # last stage: micro-batch -> tied updates its forward was behind
         self.tied_fingerprints: list[str] | None = None  # set to [] to record a digest of every tied version
+        # monitors: backwards in order as (micro-batch, version gap, relative weight drift, exact?)
+        self.backward_log: list[tuple[int, int, float, bool]] = []
+        self.track_weight_drift = False  # set by DriftMonitor (steps the optimizer one tensor at a time)
+        self._update_norms: dict[int, float] = {}  # version v -> ||theta_v - theta_{v-1}||
+        self._weight_norms: dict[int, float] = {}  # version v -> ||theta_v||
+        # time accounting per phase: "startup" until the stream's first backward here, "steady", "drain" (the
+        # stream's cool-down), "outside" (between streams: validation, checkpoints)
+        self.phase = "startup"
+        self._phase_since = clock()
+        self.phase_time: dict[str, dict[str, float]] = {
+            p: {"wall": 0.0, "compute": 0.0, "wait": 0.0, "comm": 0.0, "optimizer": 0.0}
+            for p in ("startup", "steady", "drain", "outside")
+        }
 
     # -- data -----------------------------------------------------------------------------------------------------
     def add_microbatch(self, microbatch: int, data: Any, batch_index: int) -> None:
@@ -200,8 +242,18 @@ class StageRuntime:
             self._backward(mb)  # type: ignore[arg-type]
         elif kind is OPT:
             assert self._step is not None, "OPT scheduled on a stage without an optimizer"
+            measuring = self.track_weight_drift and self.optimizer is not None
+            if measuring:
+                assert self.optimizer is not None
+                self._weight_norms.setdefault(self.version, self.optimizer.current_weight_norm())
+                self.optimizer.track_updates = True
             self._step()
             self.version += 1
+            if measuring:
+                assert self.optimizer is not None
+                self.optimizer.track_updates = False
+                self._update_norms[self.version] = self.optimizer.last_update_norm
+                self._weight_norms[self.version] = self.optimizer.weight_norm
             if self.tied and self.stage == 0:
                 self._fingerprint()
         elif kind is SEND_F:
@@ -220,13 +272,38 @@ class StageRuntime:
         else:
             raise AssertionError(f"unknown action kind {kind!r}")
         end = self.clock()
-        if kind in (F, B, OPT):
-            self.busy_time += end - start
-            self.intervals.append(Interval(self.stage, kind, None if mb is None else mb + self.microbatch_base, start, end))
-        elif kind in (RECV_F, RECV_B):
-            self.wait_time += end - start
-            wait_kind = "WAIT_F" if kind is RECV_F else "WAIT_B"
-            self.intervals.append(Interval(self.stage, wait_kind, mb + self.microbatch_base, start, end))  # type: ignore[operator]
+        spent = end - start
+        totals = self.phase_time[self.phase]
+        index = None if mb is None else mb + self.microbatch_base
+        if kind is F or kind is B:
+            self.busy_time += spent
+            totals["compute"] += spent
+            self.intervals.append(Interval(self.stage, kind, index, start, end))
+        elif kind is OPT:
+            self.busy_time += spent
+            totals["optimizer"] += spent
+            self.intervals.append(Interval(self.stage, kind, None, start, end))
+        elif kind is RECV_F or kind is RECV_B or kind is RECV_T:
+            self.wait_time += spent
+            totals["wait"] += spent
+            self.intervals.append(Interval(self.stage, "WAIT_B" if kind is RECV_B else "WAIT_F", index, start, end))
+        else:  # sends: serialisation and posting
+            totals["comm"] += spent
+            self.intervals.append(Interval(self.stage, "SEND", index, start, end))
+        if kind is B and self.phase == "startup":
+            self.set_phase("steady")
+
+    def set_phase(self, phase: str) -> None:
+        """Close the current phase's wall-clock span and open ``phase``'s."""
+        now = self.clock()
+        self.phase_time[self.phase]["wall"] += now - self._phase_since
+        self.phase, self._phase_since = phase, now
+
+    def time_snapshot(self) -> dict[str, dict[str, float]]:
+        """Cumulative seconds per phase (wall, compute, wait, comm, optimizer), the open span included."""
+        snap = {p: dict(v) for p, v in self.phase_time.items()}
+        snap[self.phase]["wall"] += self.clock() - self._phase_since
+        return snap
 
     def _send_tied(self) -> None:
         if self.stage == 0:  # the weights after this update, for the last stage's replicas
@@ -292,7 +369,29 @@ class StageRuntime:
                     self.losses[key] = loss
         if self.stage > 0:
             self.input_grads[mb] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in held.leaves]
-        self.version_gaps[mb + self.microbatch_base] = self.version - self.forward_version.pop(mb)
+        forward_version = self.forward_version.pop(mb)
+        gap = self.version - forward_version
+        self.version_gaps[mb + self.microbatch_base] = gap
+        drift, exact = self._weight_drift(forward_version)
+        self.backward_log.append((mb + self.microbatch_base, gap, drift, exact))
+
+    def _weight_drift(self, forward_version: int) -> tuple[float, bool]:
+        """||theta_B - theta_F|| / ||theta_B|| from the recorded update norms, without any copy of the weights.
+
+        Exact when at most one update fell between the forward and the backward (every ``a >= N - 1``); with
+        several it is the triangle-inequality upper bound sum ||update|| (exactness would need the updates
+        themselves, i.e. a copy of the weights), and the second value is False.
+        """
+        if not self.track_weight_drift or forward_version == self.version:
+            return 0.0, True
+        updates = [self._update_norms.get(v) for v in range(forward_version + 1, self.version + 1)]
+        norm = self._weight_norms.get(self.version)
+        if any(u is None for u in updates) or not norm:
+            return float("nan"), False  # tracking started while this micro-batch was in flight
+        for v in [v for v in self._update_norms if v < forward_version - 64]:  # keep the dicts small
+            self._update_norms.pop(v, None)
+            self._weight_norms.pop(v, None)
+        return sum(updates) / norm, len(updates) == 1  # type: ignore[arg-type]
 
 
 

@@ -229,6 +229,10 @@ class PACIStrategy(ParallelStrategy):
         return True
 
     @property
+    def schedule_name(self) -> str:
+        return self._schedule
+
+    @property
     def num_microbatches(self) -> int:
         return self._microbatches or self.num_stages
 
@@ -464,6 +468,7 @@ class PACIStrategy(ParallelStrategy):
         runtime = self.runtime
         if self._stream is None:
             self._stream = self._new_stream()
+            runtime.set_phase("startup")  # the new stream fills the pipeline
         stream = self._stream
         m = self.num_microbatches
         for i, part in enumerate(split_microbatches(batch, m)):
@@ -499,12 +504,14 @@ class PACIStrategy(ParallelStrategy):
         stream, runtime = self._stream, self._runtime
         if stream is None or runtime is None:
             return
+        runtime.set_phase("drain")
         runtime.run(stream.cursor.drain(stream.calls))
         runtime.comm.flush()
         if runtime.held or runtime.data:
             raise AssertionError(f"stage {self.stage_index}: drain left {len(runtime.held)} micro-batches in flight")
         runtime.microbatch_base += stream.calls * self.num_microbatches
         self._stream = None
+        runtime.set_phase("outside")  # validation, checkpoints, epoch ends: not pipeline time
 
     def _emit_logs(self) -> None:
         """Replay the last stage's ``self.log`` records of every mini-batch complete on this rank, once per key."""

@@ -31,6 +31,7 @@ COLORS: dict[str, str] = {
     "OPT": "#E45756",  # optimizer step: red
     "WAIT_F": "#D9D9D9",  # waiting for an activation: light grey
     "WAIT_B": "#BDBDBD",  # waiting for a gradient: grey
+    "SEND": "#B279A2",  # posting a message: purple
 }
 _IDLE_COLOR = "#F2F2F2"
 
@@ -74,7 +75,8 @@ def draw_timeline(
     if title:
         ax.set_title(title)
     present = [kind for kind in COLORS if any(iv.kind == kind for iv in intervals)]
-    names = {"F": "forward", "B": "backward", "OPT": "optimizer step", "WAIT_F": "wait: activation", "WAIT_B": "wait: gradient"}
+    names = {"F": "forward", "B": "backward", "OPT": "optimizer step", "WAIT_F": "wait: activation",
+             "WAIT_B": "wait: gradient", "SEND": "send"}
     handles = [Patch(color=COLORS[k], label=names[k]) for k in present] + [Patch(color=_IDLE_COLOR, label="idle")]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if num_stages < 4 else -0.18),
               ncol=len(handles), frameon=False, fontsize=8)

@@ -1,0 +1,7 @@
+"""Monitoring callbacks: per-stage drift, bubble time and timelines, written to TensorBoard by each stage."""
+
+from lightning_paci.callbacks.bubble import BubbleMonitor
+from lightning_paci.callbacks.drift import DriftMonitor
+from lightning_paci.callbacks.timeline import TimelineMonitor
+
+__all__ = ["BubbleMonitor", "DriftMonitor", "TimelineMonitor"]

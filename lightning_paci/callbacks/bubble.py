@@ -1,0 +1,102 @@
+"""``BubbleMonitor``: per-stage idle (bubble) time and where the rest of the time went, in TensorBoard."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_paci.callbacks._writer import metric_tag, monitor_directory, stage_writer
+
+__all__ = ["BubbleMonitor", "bubble_window_metrics"]
+
+_PIPELINE_PHASES = ("startup", "steady", "drain")
+
+
+def bubble_window_metrics(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Figures of one window from two cumulative ``StageRuntime.time_snapshot()`` readings. Pure."""
+    delta = {p: {k: after[p][k] - before[p][k] for k in after[p]} for p in _PIPELINE_PHASES}
+    wall = sum(delta[p]["wall"] for p in _PIPELINE_PHASES)
+    if wall <= 0:
+        return {}
+    total = {k: sum(delta[p][k] for p in _PIPELINE_PHASES) for k in ("compute", "wait", "comm", "optimizer")}
+    out = {
+        "bubble_fraction": total["wait"] / wall,
+        "compute_fraction": total["compute"] / wall,
+        "comm_fraction": total["comm"] / wall,
+        "optimizer_fraction": total["optimizer"] / wall,
+        "startup_idle_seconds": delta["startup"]["wait"],
+        "drain_idle_seconds": delta["drain"]["wait"],
+    }
+    if delta["steady"]["wall"] > 0:
+        out["steady_bubble_fraction"] = delta["steady"]["wait"] / delta["steady"]["wall"]
+    return out
+
+
+class BubbleMonitor(Callback):
+    """Log, for every pipeline stage and logging window, the fraction of wall-clock time it sat idle waiting for an
+    activation or a gradient, and the fractions spent computing, sending and in the optimizer step.
+
+    Tags (each stage's own process writes its own; no cross-stage synchronisation):
+
+    * ``paci/bubble_fraction/stage_<s>``: seconds blocked in receives / wall-clock seconds of pipeline work in the
+      window (start-up, steady state and drain; time between streams, e.g. validation, is excluded).
+    * ``paci/steady_bubble_fraction/stage_<s>``: the same over the steady state only: after the stage's first
+      backward of a stream, before the stream's drain. Under ``"paci"`` ~0; under ``"1f1b"`` about
+      ``(N-1)/(m+N-1)``, since every batch is flushed.
+    * ``paci/compute_fraction``, ``paci/comm_fraction``, ``paci/optimizer_fraction`` (``/stage_<s>``): forward +
+      backward, posting sends, optimizer steps; the remainder is Lightning's own per-batch work.
+    * ``paci/startup_idle_seconds``, ``paci/drain_idle_seconds`` (``/stage_<s>``): idle seconds while the pipeline
+      filled and drained.
+
+    Args:
+        logging_interval: Lightning steps per window (default: the Trainer's ``log_every_n_steps``).
+
+    Raises:
+        ValueError: ``logging_interval < 1``.
+        TypeError: at setup, if the Trainer's strategy is not ``PACIStrategy``.
+    """
+
+    def __init__(self, logging_interval: int | None = None) -> None:
+        if logging_interval is not None and logging_interval < 1:
+            raise ValueError(f"`logging_interval` must be >= 1 (Lightning steps per window), got {logging_interval}.")
+        self.logging_interval = logging_interval
+        self._writer: Any = None
+        self._last: dict[str, dict[str, float]] | None = None
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from lightning_paci.strategy import PACIStrategy
+
+        if not isinstance(trainer.strategy, PACIStrategy):
+            raise TypeError(f"`BubbleMonitor` needs `Trainer(strategy='paci')`, got {type(trainer.strategy).__name__}.")
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._writer = stage_writer(monitor_directory(trainer), trainer.strategy.stage_index)  # type: ignore[attr-defined]
+        self._last = trainer.strategy.runtime.time_snapshot()  # type: ignore[attr-defined]
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        interval = self.logging_interval or trainer.log_every_n_steps
+        if trainer.global_step % interval == 0:
+            self._log(trainer)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._log(trainer)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _log(self, trainer: L.Trainer) -> None:
+        if self._writer is None or self._last is None:
+            return
+        now = trainer.strategy.runtime.time_snapshot()  # type: ignore[attr-defined]
+        stage = trainer.strategy.stage_index  # type: ignore[attr-defined]
+        for figure, value in bubble_window_metrics(self._last, now).items():
+            self._writer.add_scalar(metric_tag(figure, stage), value, trainer.global_step)
+        self._last = now
+        self._writer.flush()

@@ -1,0 +1,115 @@
+"""``DriftMonitor``: per-stage version gap and relative weight drift of the micro-batches, in TensorBoard."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_paci.callbacks._writer import metric_tag, monitor_directory, stage_writer
+from lightning_paci.schedules import build, derived_drift_bound
+
+__all__ = ["DriftMonitor", "drift_window_metrics"]
+
+
+def drift_window_metrics(records: list[tuple[int, int, float, bool]], bound: int) -> dict[str, float]:
+    """Figures of one logging window from ``(micro-batch, version gap, relative weight drift, exact)`` records of
+    the backwards that ran in it. Pure, so it is tested directly."""
+    gaps = [r[1] for r in records]
+    drifts = [r[2] for r in records if not math.isnan(r[2])]
+    out = {"drift_max": float(max(gaps)), "drift_mean": sum(gaps) / len(gaps), "drift_bound": float(bound)}
+    if drifts:
+        out["weight_drift_max"] = max(drifts)
+        out["weight_drift_mean"] = sum(drifts) / len(drifts)
+        out["weight_drift_exact"] = float(all(r[3] for r in records if not math.isnan(r[2])))
+    return out
+
+
+class DriftMonitor(Callback):
+    """Log, for every pipeline stage and logging window, how inconsistent its micro-batches were.
+
+    Each stage's own process writes its figures (no cross-stage synchronisation), under the tags:
+
+    * ``paci/drift_max/stage_<s>``, ``paci/drift_mean/stage_<s>``: version gap of the micro-batches whose backward
+      ran in the window: the number of this stage's optimizer steps between a micro-batch's forward and backward.
+    * ``paci/drift_bound/stage_<s>``: the bound read from the stage's action list; ``ceil((N-1-s)/a)`` under
+      ``"paci"``, 0 under flush schedules whose steps fall on mini-batch boundaries.
+    * ``paci/weight_drift_max/stage_<s>``, ``paci/weight_drift_mean/stage_<s>``: ``||theta_B - theta_F|| /
+      ||theta_B||`` over the stage's parameters, theta_F / theta_B the weights at the micro-batch's forward /
+      backward. Measured without a copy of the weights (at most one tensor's transient copy, during the step).
+      Exact when at most one step falls between forward and backward (``a >= N - 1``); otherwise the sum of the
+      update norms, an upper bound, and ``paci/weight_drift_exact/stage_<s>`` is 0.
+    * ``paci/tied_lag_max/stage_<N-1>``: with tied weights, how many updates behind the last stage's replica was.
+
+    Args:
+        logging_interval: Lightning steps per window (default: the Trainer's ``log_every_n_steps``).
+        weight_drift: measure the relative weight drift (steps the optimizer one tensor at a time, which is exact
+            for per-parameter optimizers such as SGD, Adam and AdamW).
+
+    Raises:
+        ValueError: ``logging_interval < 1``.
+        TypeError: at setup, if the Trainer's strategy is not ``PACIStrategy``.
+
+    Example::
+
+        trainer = L.Trainer(strategy="paci", devices=8, callbacks=[lightning_paci.DriftMonitor()])
+    """
+
+    def __init__(self, logging_interval: int | None = None, weight_drift: bool = True) -> None:
+        if logging_interval is not None and logging_interval < 1:
+            raise ValueError(f"`logging_interval` must be >= 1 (Lightning steps per window), got {logging_interval}.")
+        self.logging_interval = logging_interval
+        self.weight_drift = weight_drift
+        self._writer: Any = None
+        self._seen = 0
+        self._bound = 0
+        self._seen_lags = 0
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from lightning_paci.strategy import PACIStrategy
+
+        if not isinstance(trainer.strategy, PACIStrategy):
+            raise TypeError(f"`DriftMonitor` needs `Trainer(strategy='paci')`, got {type(trainer.strategy).__name__}.")
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        runtime = strategy.runtime  # type: ignore[attr-defined]
+        runtime.track_weight_drift = self.weight_drift
+        self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index)  # type: ignore[attr-defined]
+        schedule = build(strategy.schedule_name, strategy.num_stages, strategy.num_microbatches,  # type: ignore[attr-defined]
+                         strategy.accumulation, 4 + 2 * strategy.accumulation)  # type: ignore[attr-defined]
+        self._bound = derived_drift_bound(schedule.actions[strategy.stage_index], strategy.accumulation)  # type: ignore[attr-defined]
+        self._seen = len(runtime.backward_log)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        interval = self.logging_interval or trainer.log_every_n_steps
+        if trainer.global_step % interval == 0:
+            self._log(trainer)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._log(trainer)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _log(self, trainer: L.Trainer) -> None:
+        runtime = trainer.strategy.runtime  # type: ignore[attr-defined]
+        stage = trainer.strategy.stage_index  # type: ignore[attr-defined]
+        records = runtime.backward_log[self._seen:]
+        if not records or self._writer is None:
+            return
+        self._seen = len(runtime.backward_log)
+        for figure, value in drift_window_metrics(records, self._bound).items():
+            self._writer.add_scalar(metric_tag(figure, stage), value, trainer.global_step)
+        lags = list(runtime.tied_lags.values())[self._seen_lags:]
+        if lags:
+            self._seen_lags += len(lags)
+            self._writer.add_scalar(metric_tag("tied_lag_max", stage), max(lags), trainer.global_step)
+        self._writer.flush()

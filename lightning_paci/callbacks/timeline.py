@@ -1,0 +1,110 @@
+"""``TimelineMonitor``: the pipeline's recent work as a Gantt picture in TensorBoard and a Chrome/Perfetto trace.
+
+Every ``every_n_steps`` Lightning steps each stage writes the intervals of its last micro-batches (forward,
+backward, optimizer step, send, waits) to ``<dir>/timeline/stage_<s>.json`` (atomically: write, then rename);
+global rank 0 then merges the files that exist, draws them with the simulator's drawing code into TensorBoard's
+image tab (tag ``paci/timeline``) and writes ``<dir>/timeline/trace.json`` (open in ui.perfetto.dev or
+chrome://tracing). No stage waits for another: rank 0 may draw another stage's previous window. All stages must
+share the directory (one node, or a shared file system); times come from ``time.perf_counter`` (CLOCK_MONOTONIC,
+common to the processes of one machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_paci.callbacks._writer import monitor_directory, stage_writer
+from lightning_paci.timeline import Interval, draw_timeline, write_chrome_trace
+
+__all__ = ["TimelineMonitor", "recent_intervals"]
+
+
+def recent_intervals(intervals: list[Interval], last_microbatches: int) -> list[Interval]:
+    """The intervals from the start of the ``last_microbatches``-th newest forward on this stage onwards."""
+    forwards = [iv for iv in intervals if iv.kind == "F"]
+    if not forwards:
+        return list(intervals)
+    start = forwards[-min(last_microbatches, len(forwards))].start
+    return [iv for iv in intervals if iv.end >= start]
+
+
+class TimelineMonitor(Callback):
+    """Draw the last ``last_microbatches`` micro-batches of every stage every ``every_n_steps`` steps.
+
+    Args:
+        every_n_steps: Lightning steps between pictures.
+        last_microbatches: how many of the newest micro-batches each stage contributes.
+
+    Raises:
+        ValueError: for arguments < 1.
+    """
+
+    def __init__(self, every_n_steps: int = 50, last_microbatches: int = 16) -> None:
+        for name, value in (("every_n_steps", every_n_steps), ("last_microbatches", last_microbatches)):
+            if value < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {value}.")
+        self.every_n_steps = every_n_steps
+        self.last_microbatches = last_microbatches
+        self.directory: Path | None = None
+        self._writer: Any = None
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        base = monitor_directory(trainer)
+        self.directory = Path(base) / "timeline"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if trainer.is_global_zero:
+            self._writer = stage_writer(base, trainer.strategy.stage_index)  # type: ignore[attr-defined]
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step % self.every_n_steps == 0:
+            self._record(trainer)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._record(trainer)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _record(self, trainer: L.Trainer) -> None:
+        assert self.directory is not None
+        strategy = trainer.strategy
+        mine = recent_intervals(list(strategy.runtime.intervals), self.last_microbatches)  # type: ignore[attr-defined]
+        path = self.directory / f"stage_{strategy.stage_index}.json"  # type: ignore[attr-defined]
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps([list(iv) for iv in mine]))
+        os.replace(tmp, path)
+        if self._writer is not None:
+            self._draw(trainer, mine)
+
+    def _draw(self, trainer: L.Trainer, mine: list[Interval]) -> None:
+        import matplotlib.pyplot as plt
+
+        assert self.directory is not None
+        num_stages = trainer.strategy.num_stages  # type: ignore[attr-defined]
+        every: list[Interval] = []
+        for s in range(num_stages):
+            path = self.directory / f"stage_{s}.json"
+            if path.exists():
+                every += [Interval(*iv) for iv in json.loads(path.read_text())]
+        if not every or not mine:
+            return
+        lo, hi = min(iv.start for iv in mine), max(iv.end for iv in mine)
+        window = [Interval(iv.stage, iv.kind, iv.microbatch, iv.start - lo, iv.end - lo)
+                  for iv in every if iv.end >= lo and iv.start <= hi]
+        write_chrome_trace(window, self.directory / "trace.json")
+        figure = draw_timeline(window, num_stages, time_unit="seconds",
+                               title=f"pipeline timeline at step {trainer.global_step}")
+        self._writer.add_figure("paci/timeline", figure, trainer.global_step)
+        figure.savefig(self.directory / "timeline.png", dpi=110)
+        plt.close(figure)
+        self._writer.flush()
