@@ -44,6 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_paci.checkpoint import atomic_save, load_stage_optimizer_state, stage_optimizer_state
 from lightning_paci.comm import DistComm, flatten, unflatten
 from lightning_paci.partition import (
     BlockCosts,
@@ -618,18 +619,45 @@ class PACIStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Every stage's optimizer state keyed by parameter name, gathered on rank 0 (see checkpoint.py)."""
         self._drain()
-        local = super().optimizer_state(optimizer)
-        if not _distributed_is_initialized():
-            return local
+        runtime = self._runtime
+        module = self.lightning_module
+        if runtime is None or runtime.optimizer is None or module is None:
+            return super().optimizer_state(optimizer)
+        local = stage_optimizer_state(runtime.optimizer, module)
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local)
-        return {"paci_stage_states": gathered} if self.is_global_zero else {}
+        if not self.is_global_zero:
+            return {}
+        params: dict[str, Any] = {}
+        for part in gathered:
+            params.update(part)
+        return {"paci": {"num_stages": self.num_stages, "backwards": runtime.microbatch_base,
+                         "steps": runtime.version, "params": params}}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        states = checkpoint["optimizer_states"]
+        runtime, module = self._runtime, self.lightning_module
+        if not states or "paci" not in states[0] or runtime is None or runtime.optimizer is None or module is None:
+            raise ValueError(
+                "This checkpoint has no pipeline optimizer state (it was not written by PACIStrategy). Load its "
+                "weights with `Model.load_from_checkpoint(path)` and start a new run instead of `ckpt_path=`."
+            )
+        saved = states[0]["paci"]
+        load_stage_optimizer_state(runtime.optimizer, module, saved["params"])
+        # the accumulation counter and step count continue where the checkpoint stopped
+        runtime.microbatch_base = int(saved["backwards"])
+        runtime.version = int(saved["steps"])
+        if saved["num_stages"] != self.num_stages:
+            rank_zero_info(f"lightning_paci: resumed a {saved['num_stages']}-stage checkpoint on {self.num_stages} "
+                           f"stages (weights and optimizer state repartitioned by parameter name)")
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            atomic_save(checkpoint, filepath)
 
     # -- teardown -------------------------------------------------------------------------------------------------
     @override

@@ -88,8 +88,29 @@ class RecordLosses(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.is_global_zero and self.key in trainer.callback_metrics:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a") as fh:
                 fh.write(f"{float(trainer.callback_metrics[self.key])}\n")
 
     def values(self) -> list[float]:
         return [float(line) for line in self.path.read_text().split()] if self.path.exists() else []
+
+
+class DumpLastStageLosses(Callback):
+    """The last stage writes every micro-batch's loss (keyed by its index in the whole run) at the end of fit."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        if strategy.stage_index == strategy.num_stages - 1:
+            losses = strategy.runtime.losses
+            self.directory.mkdir(parents=True, exist_ok=True)
+            (self.directory / f"losses_from_{min(losses)}.json").write_text(json.dumps(losses))
+
+    def values(self) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for path in sorted(self.directory.glob("losses_from_*.json")):
+            out.update({int(k): v for k, v in json.loads(path.read_text()).items()})
+        return out
