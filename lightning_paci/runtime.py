@@ -9,6 +9,7 @@ compute and waiting, which the monitors read.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_paci.comm import Comm, flatten
+from lightning_paci.supervision import StageFailure
 from lightning_paci.schedules import (
     B,
     F,
@@ -29,10 +31,15 @@ from lightning_paci.schedules import (
     SEND_F,
     SEND_T,
     RECV_T,
+    RECV_KINDS,
+    SEND_KINDS,
     Action,
     assign_rounds,
     build,
+    message_key,
 )
+
+COMM_KINDS = RECV_KINDS | SEND_KINDS
 from lightning_paci.timeline import Interval
 
 LOSS_KEY = "__paci_loss__"  # the log record carrying the step's returned loss upstream
@@ -58,6 +65,7 @@ class ForwardOutput:
     loss: torch.Tensor | None = None
     logs: list[LogRecord] = field(default_factory=list)
     result: Any = None  # an evaluation step's return value (last stage)
+    skipped: bool = False  # dropped for a non-finite loss
 
 
 class StageProgram(Protocol):
@@ -177,6 +185,7 @@ class StageRuntime:
         clock: Callable[[], float] = time.perf_counter,
         keep_intervals: int = 8192,
         tied: Sequence[nn.Parameter] = (),
+        skip_nonfinite: bool = False,
     ) -> None:
         self.stage = stage
         self.num_stages = num_stages
@@ -201,6 +210,10 @@ class StageRuntime:
         self.busy_time = 0.0
         self.wait_time = 0.0
         self.microbatch_base = 0  # stream-local index -> run-global index (for records across drains)
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped: list[int] = []  # micro-batches dropped for a non-finite loss (skip_nonfinite)
+        self._skipping: set[int] = set()  # dropped micro-batches whose "skip" still has to travel upstream
+        self.step_label = ""  # where the run is, for error messages ("Lightning batch 7 (global step 7)")
         # tied weights (see [Note: tied weights]): stage 0 owns them, the last stage holds replicas
         self.tied = list(tied)
         self.tied_version = 0  # updates of the tied weights applied here (stage 0: made, last stage: installed)
@@ -234,6 +247,24 @@ class StageRuntime:
             self.execute(action)
 
     def execute(self, action: Action) -> None:
+        kind = action.kind
+        if kind in COMM_KINDS:
+            try:
+                self._execute(action)
+            except (RuntimeError, ConnectionError) as err:
+                if isinstance(err, StageFailure):
+                    raise
+                key = message_key(action, self.num_stages)
+                assert key is not None
+                peer = key[1] if kind in RECV_KINDS else key[2]
+                raise StageFailure(
+                    f"stage {self.stage}: {'receiving from' if kind in RECV_KINDS else 'sending to'} stage {peer} "
+                    f"failed at {action} ({self.step_label}): {err}"
+                ) from err
+        else:
+            self._execute(action)
+
+    def _execute(self, action: Action) -> None:
         kind, mb = action.kind, action.microbatch
         start = self.clock()
         if kind is F:
@@ -242,6 +273,7 @@ class StageRuntime:
             self._backward(mb)  # type: ignore[arg-type]
         elif kind is OPT:
             assert self._step is not None, "OPT scheduled on a stage without an optimizer"
+            self._check_finite_gradients()
             measuring = self.track_weight_drift and self.optimizer is not None
             if measuring:
                 assert self.optimizer is not None
@@ -260,7 +292,9 @@ class StageRuntime:
             self.comm.send(self.held[mb].output.outgoing, self.stage + 1)  # type: ignore[index]
         elif kind is SEND_B:
             grads = self.input_grads.pop(mb)  # type: ignore[arg-type]
-            self.comm.send({"grads": grads, "logs": self.logs.get(mb + self.microbatch_base, [])}, self.stage - 1)  # type: ignore[operator]
+            key = mb + self.microbatch_base  # type: ignore[operator]
+            self.comm.send({"grads": grads, "logs": self.logs.get(key, []), "skip": key in self._skipping}, self.stage - 1)
+            self._skipping.discard(key)
         elif kind is RECV_F:
             self.inbox[(RECV_F, mb)] = self.comm.recv(self.stage - 1)  # type: ignore[index]
         elif kind is RECV_B:
@@ -305,6 +339,19 @@ class StageRuntime:
         snap[self.phase]["wall"] += self.clock() - self._phase_since
         return snap
 
+    def _check_finite_gradients(self) -> None:
+        if self.optimizer is None:
+            return
+        grads = [p.grad for _, p in self.optimizer.pairs if p.grad is not None] + [
+            p.grad for p in self.tied if p.grad is not None]
+        if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            names = {id(p): n for n, p in self.program.module.named_parameters()} if hasattr(self.program, "module") else {}
+            bad = [names.get(id(p), "?") for _, p in self.optimizer.pairs if p.grad is not None and not torch.isfinite(p.grad).all()]
+            raise StageFailure(
+                f"stage {self.stage}: non-finite gradient in {bad[:3]} before optimizer step {self.version + 1} at "
+                f"{self.step_label}."
+            )
+
     def _send_tied(self) -> None:
         if self.stage == 0:  # the weights after this update, for the last stage's replicas
             self.comm.send([p.detach() for p in self.tied], self.num_stages - 1, channel=1)
@@ -346,12 +393,25 @@ class StageRuntime:
         if output.loss is not None:
             key = mb + self.microbatch_base
             loss = float(output.loss.detach())
+            if not math.isfinite(loss):
+                if not self.skip_nonfinite:
+                    raise StageFailure(
+                        f"stage {self.stage}: the loss of micro-batch {key} is {loss} at {self.step_label}. Pass "
+                        f"`PACIStrategy(nonfinite='skip')` to drop such micro-batches instead of stopping."
+                    )
+                self.skipped.append(key)
+                self._skipping.add(key)
+                self.logs[key] = []  # its log records are dropped with it  # no backward from it: upstream stages receive zero gradients
+                self.held[mb] = _Held(leaves, ForwardOutput(outgoing=None, loss=None, skipped=True))
+                return
             self.logs[key] = [*output.logs, LogRecord(LOSS_KEY, loss, microbatch_size(data), ())]
             self.losses[key] = loss
 
     def _backward(self, mb: int) -> None:
         held = self.held.pop(mb)
-        if held.output.loss is not None:
+        if held.output.skipped:
+            pass  # a dropped micro-batch: its input gradients below are zeros
+        elif held.output.loss is not None:
             (held.output.loss * self.loss_scale).backward()
         else:
             payload = self.inbox.pop((RECV_B, mb))
@@ -359,9 +419,12 @@ class StageRuntime:
             outputs = [t for t in flatten(held.output.outgoing)[1] if t.requires_grad]
             if len(outputs) != len(grads):
                 raise AssertionError(f"stage {self.stage}: {len(outputs)} outputs need grads, received {len(grads)}")
-            if outputs:
-                torch.autograd.backward(outputs, grads)
             key = mb + self.microbatch_base
+            if payload.get("skip"):  # dropped downstream (non-finite loss): no backward, zero input gradients
+                self._skipping.add(key)
+                held = _Held(held.leaves, ForwardOutput(skipped=True))
+            elif outputs:
+                torch.autograd.backward(outputs, grads)
             self.logs[key] = payload["logs"]
             if payload["logs"]:
                 loss = next((r.value for r in payload["logs"] if r.name == LOSS_KEY), None)

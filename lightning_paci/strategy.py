@@ -66,6 +66,7 @@ from lightning_paci.runtime import (
     split_microbatches,
 )
 from lightning_paci.schedules import SCHEDULE_NAMES
+from lightning_paci.supervision import StageWatchdog, connect_store
 
 __all__ = ["PACIStrategy", "optimizer_and_step_schedulers"]
 
@@ -118,6 +119,11 @@ class PACIStrategy(ParallelStrategy):
         block_container: dotted path of the ``nn.Sequential``/``nn.ModuleList`` holding the repeated blocks
             (default: found automatically).
         timeout: process-group timeout; a stage waiting longer for a neighbour fails instead of hanging.
+        failure_timeout: seconds without a heartbeat after which a stage is declared dead; when a stage dies or
+            raises, every other stage prints the failed stage and its reason and exits (see supervision.py).
+        nonfinite: ``"raise"`` (default) stops the run at the first NaN/inf loss or gradient with an error naming
+            the stage and the step; ``"skip"`` drops a micro-batch whose loss is not finite (it contributes no
+            gradient; non-finite gradients always raise).
 
     Raises:
         ValueError: at construction for bad options, at setup for modules or Trainer settings that cannot run.
@@ -151,6 +157,8 @@ class PACIStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=30),
+        failure_timeout: float = 20.0,
+        nonfinite: Literal["raise", "skip"] = "raise",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -162,7 +170,15 @@ class PACIStrategy(ParallelStrategy):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"`{name}` must be an int >= 1 (or None for the default), got {value!r}. "
                                  f"Use e.g. `PACIStrategy({name}=8)`.")
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"`nonfinite` must be 'raise' or 'skip', got {nonfinite!r}.")
+        if failure_timeout <= 0:
+            raise ValueError(f"`failure_timeout` must be > 0 seconds, got {failure_timeout}.")
         self._schedule = schedule
+        self._failure_timeout = failure_timeout
+        self._nonfinite = nonfinite
+        self._watchdog: StageWatchdog | None = None
+        self._failed = False
         self._microbatches = microbatches
         self._accumulation = accumulation
         self._partition = partition
@@ -267,6 +283,16 @@ class PACIStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:  # torchrun, SLURM, ...: check before rendezvous
+            expected = self.cluster_environment.world_size()
+            if self.num_processes * self.num_nodes != expected:
+                raise ValueError(
+                    f"`Trainer(devices={self.num_processes}, num_nodes={self.num_nodes})` starts "
+                    f"{self.num_processes * self.num_nodes} pipeline stages, but the launcher started "
+                    f"{expected} processes (WORLD_SIZE={expected}). One process runs one stage: pass "
+                    f"`devices={max(1, expected // self.num_nodes)}` (per node) or launch {self.num_processes * self.num_nodes} processes."
+                )
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -280,6 +306,13 @@ class PACIStrategy(ParallelStrategy):
         # gradients, one for the tied-weight exchange (independent message order, also under NCCL)
         self._p2p_groups = [dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
                             for _ in range(2)]
+        store = connect_store()
+        if store is not None:
+            self._watchdog = StageWatchdog(self.stage_index, self.num_stages, store, dead_after=self._failure_timeout)
+            self._watchdog.start()
+        else:
+            log.warning("lightning_paci: no rendezvous store reachable (MASTER_ADDR/MASTER_PORT); a dead stage "
+                        "will only be noticed after the process-group timeout")
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -389,8 +422,8 @@ class PACIStrategy(ParallelStrategy):
         precision = str(trainer.precision)
         if precision not in _SUPPORTED_PRECISION:
             raise MisconfigurationException(
-                f"`Trainer(precision={precision!r})` is not supported by `PACIStrategy`: 16-bit mixed precision keeps "
-                f"one GradScaler per optimizer, so every stage would scale differently. Use one of "
+                f"`Trainer(precision={precision!r})` is not supported by `PACIStrategy`: float16 training needs loss "
+                f"scaling, and a GradScaler per stage would scale each stage differently. Use one of "
                 f"{', '.join(_SUPPORTED_PRECISION)} (bf16-mixed is the recommended low-precision setting)."
             )
         if self.num_stages < 2:
@@ -414,7 +447,8 @@ class PACIStrategy(ParallelStrategy):
         ranks = list(range(self.world_size))
         comm = DistComm(ranks, groups=self._p2p_groups, device=self.root_device)
         self._runtime = StageRuntime(self.stage_index, self.num_stages, program, comm, stage_optimizer,
-                                     loss_scale=loss_scale_for(self.accumulation), tied=self._carve.tied_params)
+                                     loss_scale=loss_scale_for(self.accumulation), tied=self._carve.tied_params,
+                                     skip_nonfinite=self._nonfinite == "skip")
         self._stream = None
         self._logged_minibatches.clear()
         # Lightning steps "step"-interval schedulers after each of its optimizer steps; ours step per local update.
@@ -471,6 +505,7 @@ class PACIStrategy(ParallelStrategy):
             self._stream = self._new_stream()
             runtime.set_phase("startup")  # the new stream fills the pipeline
         stream = self._stream
+        runtime.step_label = f"Lightning batch {batch_idx} (global step {self._trainer.global_step if self._trainer else 0})"
         m = self.num_microbatches
         for i, part in enumerate(split_microbatches(batch, m)):
             runtime.add_microbatch(stream.calls * m + i, part, batch_idx)
@@ -659,10 +694,24 @@ class PACIStrategy(ParallelStrategy):
         if self.is_global_zero:
             atomic_save(checkpoint, filepath)
 
-    # -- teardown -------------------------------------------------------------------------------------------------
+    # -- failures and teardown -------------------------------------------------------------------------------------
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell every other stage (through the store) which stage failed and why, before Lightning unwinds."""
+        self._failed = True
+        if self._watchdog is not None:
+            self._watchdog.report(self.stage_index, f"{type(exception).__name__}: {exception}")
+            self._watchdog.stop(done=False)
+
     @override
     def teardown(self) -> None:
         module = self.lightning_module
+        if self._watchdog is not None and not self._failed:
+            self._watchdog.stop(done=True)  # before the final gather: a clean exit is not a failure
+        if self._failed:  # neighbours may be gone: no drain, no gather, no restore
+            self._runtime = self._stream = None
+            super().teardown()
+            return
         try:
             self._drain()
         except Exception as err:  # a failing neighbour: do not mask the original error

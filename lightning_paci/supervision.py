@@ -1,0 +1,124 @@
+"""No stage waits forever for a dead one: heartbeats and failure reports through the process group's store.
+
+A pipeline stage blocked in a receive from a neighbour that died (killed, out of memory) or raised would wait until
+the process-group timeout (30 minutes by default). Every stage therefore runs a small watchdog thread that talks to
+the rendezvous store (its own TCP connection, never the training communicators):
+
+* it bumps ``paci/heartbeat/<stage>`` every ``interval`` seconds; a stage whose counter has not moved for
+  ``dead_after`` seconds is declared dead ("stopped responding: killed or hung");
+* a stage whose code raises (the user's step, a non-finite loss, a lost neighbour) writes ``paci/failed`` with
+  its stage index and exception before Lightning unwinds it;
+* on either, every other stage prints one line naming the failed stage and its reason and exits the process with
+  status 1 -- it may be blocked inside a receive that no exception can interrupt.
+
+Stages that finished cleanly set ``paci/done/<stage>`` and stop their watchdog before the final gather, so a normal
+shutdown is never mistaken for a failure. Heartbeats are counters, not timestamps: no clock agreement is needed
+across machines.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["StageFailure", "StageWatchdog", "connect_store"]
+
+FAILED_KEY = "paci/failed"
+
+
+class StageFailure(RuntimeError):
+    """A pipeline stage cannot go on; the message names the stage and the reason."""
+
+
+def connect_store(timeout: float = 10.0) -> Any | None:
+    """A new client connection to the rendezvous TCP store (MASTER_ADDR / MASTER_PORT), or ``None``."""
+    import torch.distributed as dist
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout),
+                             wait_for_workers=False)
+    except Exception:
+        return None
+
+
+class StageWatchdog:
+    """Heartbeat and failure watcher of one stage (see the module docstring)."""
+
+    def __init__(self, stage: int, num_stages: int, store: Any, *, interval: float = 1.0, dead_after: float = 20.0,
+                 exit_fn: Callable[[int], None] = os._exit) -> None:
+        self.stage = stage
+        self.num_stages = num_stages
+        self.store = store
+        self.interval = interval
+        self.dead_after = dead_after
+        self._exit = exit_fn
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"paci-watchdog-{stage}", daemon=True)
+        self._beats = 0
+        self._seen: dict[int, tuple[int, float]] = {}  # stage -> (last counter, local time it last moved)
+
+    def start(self) -> None:
+        self._beat()
+        self._thread.start()
+
+    def stop(self, *, done: bool = True) -> None:
+        if done:
+            try:
+                self.store.set(f"paci/done/{self.stage}", "1")
+            except Exception:
+                pass
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5 * self.interval)
+
+    def report(self, stage: int, reason: str) -> None:
+        """Publish the first failure (later reports, e.g. neighbours that lost it, keep the original)."""
+        try:
+            if not self.store.check([FAILED_KEY]):
+                self.store.set(FAILED_KEY, f"{stage}\n{reason}")
+        except Exception:
+            pass
+
+    def _beat(self) -> None:
+        self._beats += 1
+        self.store.set(f"paci/heartbeat/{self.stage}", str(self._beats))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+                failure = self._failure()
+            except Exception as err:  # the store lives in rank 0's process: unreachable means rank 0 is gone
+                failure = (0, f"exited or died: the rendezvous store it hosts is unreachable ({err}); if another "
+                              f"stage failed first, its message is above")
+            if failure is not None and not self._stop.is_set():
+                stage, reason = failure
+                print(f"lightning_paci: stage {stage} failed: {reason} -- stopping stage {self.stage}",
+                      file=sys.stderr, flush=True)
+                self._exit(1)
+                return
+
+    def _failure(self) -> tuple[int, str] | None:
+        if self.store.check([FAILED_KEY]):
+            stage, _, reason = self.store.get(FAILED_KEY).decode().partition("\n")
+            return (int(stage), reason) if int(stage) != self.stage else None
+        now = time.monotonic()
+        for other in range(self.num_stages):
+            if other == self.stage or self.store.check([f"paci/done/{other}"]):
+                continue
+            key = f"paci/heartbeat/{other}"
+            count = int(self.store.get(key)) if self.store.check([key]) else 0
+            last, since = self._seen.get(other, (-1, now))
+            if count != last:
+                self._seen[other] = (count, now)
+            elif now - since > self.dead_after:
+                return other, f"stopped responding (no heartbeat for {now - since:.0f} s: killed, out of memory or hung)"
+        return None

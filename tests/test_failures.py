@@ -1,0 +1,163 @@
+"""Failures: a dead or raising stage brings the others down with a message naming it; NaNs are caught at the stage
+where they appear; bad input fails at setup with the argument, the value, the rule and the fix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_paci import PACIStrategy
+from lightning_paci.supervision import StageWatchdog
+
+from helpers import fit
+from models import LoopTransformer, SequentialMLP, regression_loader, token_loader
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).parent / "scripts" / "kill_stage_script.py"
+
+
+def _run_failing_script(mode: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, str(SCRIPT), mode, str(tmp_path)], capture_output=True, text=True,
+                         timeout=150, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return out, time.monotonic() - start
+
+
+def _assert_no_process_left(tmp_path: Path) -> None:
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    assert len(pids) == 4
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    if fh.read().split()[2] != "Z":  # a zombie has exited already
+                        alive.append(pid)
+            except FileNotFoundError:
+                pass
+        if not alive:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"processes left behind: {alive}")
+
+
+def test_killing_stage_2_stops_every_other_stage_naming_it(tmp_path):
+    out, seconds = _run_failing_script("kill", tmp_path)
+    assert out.returncode != 0
+    assert seconds < 90  # start-up of 4 interpreters included; the failure itself is noticed within seconds
+    assert "from stage 2 failed" in out.stderr  # its neighbours name it (the launcher or watchdog stops the rest)
+    _assert_no_process_left(tmp_path)
+
+
+def test_an_exception_in_the_last_stage_stops_every_stage_naming_it(tmp_path):
+    out, seconds = _run_failing_script("raise", tmp_path)
+    assert out.returncode != 0 and seconds < 90
+    assert "lightning_paci: stage 3 failed: ValueError: boom in the user's training_step" in out.stderr
+    _assert_no_process_left(tmp_path)
+
+
+def test_watchdog_declares_a_silent_stage_dead():
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    exits: list[int] = []
+    alive = StageWatchdog(0, 2, store, interval=0.1, dead_after=1.0, exit_fn=exits.append)
+    silent = StageWatchdog(1, 2, store, interval=0.1, dead_after=1.0, exit_fn=exits.append)
+    alive.start()
+    silent.start()
+    time.sleep(0.5)
+    silent.stop(done=False)  # stage 1 stops beating without saying it is done: as if SIGKILLed
+    deadline = time.monotonic() + 5
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive.stop()
+    assert exits == [1]
+
+
+def test_watchdog_ignores_a_stage_that_finished_cleanly():
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    exits: list[int] = []
+    first = StageWatchdog(0, 2, store, interval=0.1, dead_after=0.5, exit_fn=exits.append)
+    second = StageWatchdog(1, 2, store, interval=0.1, dead_after=0.5, exit_fn=exits.append)
+    first.start()
+    second.start()
+    second.stop(done=True)
+    time.sleep(1.5)
+    first.stop()
+    assert exits == []
+
+
+def _nan_loader(batch: int = 3) -> DataLoader:
+    x = torch.randn(6 * 8, 8)
+    x[batch * 8 + 5, 0] = float("nan")  # one sample of batch 3: micro-batch 2 of that batch (m = 4)
+    return DataLoader(TensorDataset(x, torch.randn(6 * 8, 4)), batch_size=8)
+
+
+def test_a_nan_loss_stops_the_run_naming_the_stage_and_the_step():
+    with pytest.raises(Exception, match=r"stage 3: the loss of micro-batch 14 is nan at Lightning batch 3"):
+        fit(SequentialMLP(), _nan_loader(), devices=4, max_steps=6, microbatches=4, partition="parameters")
+
+
+def test_nonfinite_skip_drops_the_microbatch_and_training_goes_on(tmp_path):
+    from helpers import DumpStageRecords, read_stage_records
+
+    model = SequentialMLP()
+    fit(model, _nan_loader(), devices=4, max_steps=6, microbatches=4, nonfinite="skip", partition="parameters",
+        callbacks=[DumpStageRecords(tmp_path)])
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+    assert read_stage_records(tmp_path, 4)[3]["optimizer_steps"] == 6
+
+
+# -- bad input at setup: the message names the argument and the fix ---------------------------------------------
+
+def test_more_stages_than_blocks():
+    with pytest.raises(Exception, match=r"Cannot split `blocks` \(ModuleList of 2 blocks\).*at most 2 devices"):
+        fit(LoopTransformer(layers=2), token_loader(), devices=4)
+
+
+def test_optimizer_over_parameters_that_are_not_the_modules():
+    class Foreign(SequentialMLP):
+        def configure_optimizers(self):
+            return torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+
+    with pytest.raises(Exception, match=r"not one of this stage's module parameters.*`configure_optimizers`"):
+        fit(Foreign(), regression_loader(), devices=2)
+
+
+def test_unsupported_precision():
+    with pytest.raises(Exception, match=r"`Trainer\(precision='16-true'\)` is not supported.*bf16-mixed"):
+        fit(SequentialMLP(), regression_loader(), devices=2, trainer_kwargs={"precision": "16-true"})
+
+
+def test_cuda_requested_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(Exception, match=r"(?i)cuda.*not available|can not run on your system"):
+        L.Trainer(strategy="paci", accelerator="cuda", devices=2)
+
+
+def test_devices_not_matching_the_torchrun_world_size(monkeypatch):
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "x"}.items():
+        monkeypatch.setenv(key, value)
+    trainer = L.Trainer(strategy="paci", accelerator="cpu", devices=4, logger=False)
+    with pytest.raises(ValueError, match=r"`Trainer\(devices=4, num_nodes=1\)` starts 4 pipeline stages, but the launcher started 2 processes.*pass `devices=2`"):
+        trainer.fit(SequentialMLP(), regression_loader())
+
+
+@pytest.mark.parametrize("kwargs,argument", [({"nonfinite": "ignore"}, "nonfinite"), ({"failure_timeout": 0}, "failure_timeout")])
+def test_bad_failure_options(kwargs, argument):
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        PACIStrategy(**kwargs)
+
+
+assert timedelta
