@@ -8,6 +8,11 @@ can resume onto a different number of stages::
 
 ``backwards`` (micro-batches every stage has back-propagated) and ``steps`` (local optimizer steps) restore the
 accumulation counter, so a resumed run places its optimizer steps where the uninterrupted run would.
+
+With ``PACIStrategy(checkpoint_layout="sharded")`` nothing is gathered: the checkpoint path is a directory with
+``meta.pt`` (everything but weights and optimizer state, written by rank 0) and one ``stage_NNN.pt`` per stage
+(its own weights and name-keyed optimizer state). ``consolidate_checkpoint(directory, file)`` or
+``python -m lightning_paci.checkpoint DIRECTORY FILE`` turns it into the single-file form.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from torch import nn
 
 from lightning_paci.runtime import StageOptimizer
 
-__all__ = ["atomic_save", "load_stage_optimizer_state", "stage_optimizer_state"]
+__all__ = ["atomic_save", "consolidate_checkpoint", "load_sharded", "load_stage_optimizer_state", "save_shard",
+           "stage_optimizer_state"]
 
 
 def atomic_save(checkpoint: dict[str, Any], path: str | Path) -> None:
@@ -76,3 +82,60 @@ def load_stage_optimizer_state(optimizer: StageOptimizer, module: nn.Module, par
             k: (v.to(real.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in entry["state"].items()
         }
         group_of[id(alias)].update({k: v for k, v in entry["group"].items() if k != "params"})
+
+
+# -- per-stage sharded layout ----------------------------------------------------------------------------------
+META_FILE = "meta.pt"
+
+
+def shard_file(stage: int) -> str:
+    return f"stage_{stage:03d}.pt"
+
+
+def save_shard(directory: str | Path, stage: int, state_dict: dict[str, Any], optimizer: dict[str, Any]) -> None:
+    atomic_save({"state_dict": state_dict, "optimizer": optimizer}, Path(directory) / shard_file(stage))
+
+
+def load_sharded(directory: str | Path) -> dict[str, Any]:
+    """Assemble a sharded checkpoint directory into the consolidated form (every stage's weights and optimizer
+    state), whatever number of stages wrote it."""
+    directory = Path(directory)
+    checkpoint = torch.load(directory / META_FILE, map_location="cpu", weights_only=False)
+    state_dict: dict[str, Any] = {}
+    params: dict[str, Any] = {}
+    shards = sorted(directory.glob("stage_*.pt"))
+    if len(shards) != checkpoint["paci_num_stages"]:
+        raise ValueError(f"{directory} holds {len(shards)} stage files but was written by "
+                         f"{checkpoint['paci_num_stages']} stages: the checkpoint is incomplete.")
+    for path in shards:
+        shard = torch.load(path, map_location="cpu", weights_only=False)
+        state_dict.update(shard["state_dict"])
+        params.update(shard["optimizer"].get("params", {}))
+        counters = {k: v for k, v in shard["optimizer"].items() if k != "params"}
+    checkpoint["state_dict"] = state_dict
+    checkpoint["optimizer_states"] = [{"paci": {**counters, "params": params}}]
+    checkpoint.pop("paci_num_stages")
+    return checkpoint
+
+
+def consolidate_checkpoint(directory: str | Path, output: str | Path) -> Path:
+    """Turn a sharded checkpoint directory into one ordinary Lightning checkpoint file (loadable by the unchanged
+    module's ``load_from_checkpoint`` and by ``fit(ckpt_path=...)``)."""
+    atomic_save(load_sharded(directory), output)
+    return Path(output)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lightning_paci.checkpoint",
+                                     description="Consolidate a sharded lightning_paci checkpoint into one file.")
+    parser.add_argument("directory", help="the sharded checkpoint directory (meta.pt + stage_NNN.pt)")
+    parser.add_argument("output", help="the consolidated .ckpt file to write")
+    args = parser.parse_args(argv)
+    print(consolidate_checkpoint(args.directory, args.output))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

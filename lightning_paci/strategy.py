@@ -23,7 +23,9 @@ end of an epoch, at ``max_steps``, and before a checkpoint or teardown.
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -44,7 +46,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_paci.checkpoint import atomic_save, load_stage_optimizer_state, stage_optimizer_state
+from lightning_paci.checkpoint import (
+    META_FILE,
+    atomic_save,
+    load_sharded,
+    load_stage_optimizer_state,
+    save_shard,
+    stage_optimizer_state,
+)
 from lightning_paci.comm import DistComm, flatten, unflatten
 from lightning_paci.partition import (
     BlockCosts,
@@ -124,6 +133,9 @@ class PACIStrategy(ParallelStrategy):
         nonfinite: ``"raise"`` (default) stops the run at the first NaN/inf loss or gradient with an error naming
             the stage and the step; ``"skip"`` drops a micro-batch whose loss is not finite (it contributes no
             gradient; non-finite gradients always raise).
+        checkpoint_layout: ``"consolidated"`` (default): one ordinary file, weights gathered on rank 0;
+            ``"sharded"``: a directory with one file per stage plus ``meta.pt``, nothing gathered (for models too
+            large for one process); ``python -m lightning_paci.checkpoint DIR FILE`` consolidates it.
 
     Raises:
         ValueError: at construction for bad options, at setup for modules or Trainer settings that cannot run.
@@ -159,6 +171,7 @@ class PACIStrategy(ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         failure_timeout: float = 20.0,
         nonfinite: Literal["raise", "skip"] = "raise",
+        checkpoint_layout: Literal["consolidated", "sharded"] = "consolidated",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -172,6 +185,9 @@ class PACIStrategy(ParallelStrategy):
                                  f"Use e.g. `PACIStrategy({name}=8)`.")
         if nonfinite not in ("raise", "skip"):
             raise ValueError(f"`nonfinite` must be 'raise' or 'skip', got {nonfinite!r}.")
+        if checkpoint_layout not in ("consolidated", "sharded"):
+            raise ValueError(f"`checkpoint_layout` must be 'consolidated' or 'sharded', got {checkpoint_layout!r}.")
+        self._checkpoint_layout = checkpoint_layout
         if failure_timeout <= 0:
             raise ValueError(f"`failure_timeout` must be > 0 seconds, got {failure_timeout}.")
         self._schedule = schedule
@@ -643,7 +659,7 @@ class PACIStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         local = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-        if not _distributed_is_initialized():
+        if not _distributed_is_initialized() or self._checkpoint_layout == "sharded":
             return local
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local)
@@ -661,6 +677,9 @@ class PACIStrategy(ParallelStrategy):
         if runtime is None or runtime.optimizer is None or module is None:
             return super().optimizer_state(optimizer)
         local = stage_optimizer_state(runtime.optimizer, module)
+        counters = {"num_stages": self.num_stages, "backwards": runtime.microbatch_base, "steps": runtime.version}
+        if self._checkpoint_layout == "sharded":
+            return {"paci": {**counters, "params": local}}
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local)
         if not self.is_global_zero:
@@ -668,8 +687,7 @@ class PACIStrategy(ParallelStrategy):
         params: dict[str, Any] = {}
         for part in gathered:
             params.update(part)
-        return {"paci": {"num_stages": self.num_stages, "backwards": runtime.microbatch_base,
-                         "steps": runtime.version, "params": params}}
+        return {"paci": {**counters, "params": params}}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -691,8 +709,32 @@ class PACIStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._checkpoint_layout == "consolidated":
+            if self.is_global_zero:
+                atomic_save(checkpoint, filepath)
+            return
+        # sharded: every stage writes its own file; rank 0 adds the rest (see checkpoint.py)
+        states = checkpoint.get("optimizer_states") or [{}]
+        save_shard(filepath, self.stage_index, checkpoint["state_dict"], states[0].get("paci", {}))
         if self.is_global_zero:
-            atomic_save(checkpoint, filepath)
+            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            meta["paci_num_stages"] = self.num_stages
+            atomic_save(meta, Path(filepath) / META_FILE)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if Path(checkpoint_path).is_dir():
+            return load_sharded(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
 
     # -- failures and teardown -------------------------------------------------------------------------------------
     @override

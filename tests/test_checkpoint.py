@@ -95,3 +95,36 @@ def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "last.ckpt"]
     for name in leftovers:  # a partial temporary file may remain; it is never mistaken for the checkpoint
         assert name.startswith(".last.ckpt.tmp-")
+
+
+def test_sharded_layout_writes_one_file_per_stage_resumes_and_consolidates(tmp_path):
+    loader = regression_loader(num_batches=4)
+    torch.manual_seed(32)
+    model = SequentialMLP(depth=4)
+
+    def trainer(directory, epochs):
+        return L.Trainer(
+            strategy=PACIStrategy(start_method="fork", microbatches=4, partition="parameters",
+                                  checkpoint_layout="sharded"),
+            accelerator="cpu", devices=4, max_epochs=epochs, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0,
+            callbacks=[ModelCheckpoint(dirpath=directory, save_top_k=-1, filename="{epoch}")],
+        )
+
+    trainer(tmp_path, 1).fit(model, loader)
+    directory = tmp_path / "epoch=0.ckpt"
+    assert sorted(p.name for p in directory.iterdir()) == ["meta.pt"] + [f"stage_{s:03d}.pt" for s in range(4)]
+    # each stage file holds that stage's weights only
+    shard = torch.load(directory / "stage_000.pt", weights_only=False)
+    assert set(shard["state_dict"]) < set(model.state_dict())
+    # the documented command consolidates it into a file the unchanged module loads
+    out = subprocess.run([sys.executable, "-m", "lightning_paci.checkpoint", str(directory), str(tmp_path / "one.ckpt")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    loaded = SequentialMLP.load_from_checkpoint(tmp_path / "one.ckpt")
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0)
+    # and the directory resumes directly
+    resumed = SequentialMLP(depth=4)
+    trainer(tmp_path / "again", 2).fit(resumed, loader, ckpt_path=str(directory))
+    assert (tmp_path / "again" / "epoch=1.ckpt" / "meta.pt").exists()
