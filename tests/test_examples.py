@@ -1,0 +1,32 @@
+"""The main example runs as the README says (shortened) and writes the monitors' TensorBoard files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+pytestmark = pytest.mark.distributed
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_train_gpt_example_runs_and_writes_drift_and_bubble_tags(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_gpt.py"), "--devices", "2", "--max-steps", "8", "--layers", "2",
+         "--batch-size", "8", "--corpus-bytes", "200000", "--root", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "final validation perplexity:" in out.stdout and "TensorBoard logs:" in out.stdout
+    run = tmp_path / "tb" / "version_0"
+    for stage in range(2):
+        events = EventAccumulator(str(run / f"stage_{stage}"))
+        events.Reload()
+        tags = events.Tags()["scalars"]
+        assert f"paci/drift_max/stage_{stage}" in tags and f"paci/bubble_fraction/stage_{stage}" in tags
+    assert list((tmp_path / "checkpoints").glob("*.ckpt"))
