@@ -49,28 +49,34 @@ class _TensorMeta:
     nbytes: int = 0
 
 
+def _map_leaves(node: Any, leaf_type: type, fn: Callable[[Any], Any]) -> Any:
+    """Rebuild a nested tuple / namedtuple / list / dict structure with ``fn`` applied to its ``leaf_type`` leaves
+    (in depth-first order); other leaves are kept as they are."""
+    if isinstance(node, leaf_type):
+        return fn(node)
+    if isinstance(node, tuple) and hasattr(node, "_fields"):  # namedtuple
+        return type(node)(*(_map_leaves(v, leaf_type, fn) for v in node))
+    if isinstance(node, (list, tuple)):
+        return type(node)(_map_leaves(v, leaf_type, fn) for v in node)
+    if isinstance(node, dict):
+        return _rebuild_mapping(node, {k: _map_leaves(v, leaf_type, fn) for k, v in node.items()})
+    return node
+
+
 def flatten(structure: Any) -> tuple[Any, list[torch.Tensor]]:
     """Replace every tensor by a ``_TensorMeta`` (the skeleton) and return the tensors in order."""
     tensors: list[torch.Tensor] = []
     offset = 0
 
-    def walk(node: Any) -> Any:
+    def describe(tensor: torch.Tensor) -> _TensorMeta:
         nonlocal offset
-        if isinstance(node, torch.Tensor):
-            tensors.append(node)
-            nbytes = node.numel() * node.element_size()
-            meta = _TensorMeta(tuple(node.shape), node.dtype, node.requires_grad, offset, nbytes)
-            offset += -(-nbytes // _ALIGN) * _ALIGN
-            return meta
-        if isinstance(node, tuple) and hasattr(node, "_fields"):  # namedtuple
-            return type(node)(*(walk(v) for v in node))
-        if isinstance(node, (list, tuple)):
-            return type(node)(walk(v) for v in node)
-        if isinstance(node, dict):
-            return _rebuild_mapping(node, {k: walk(v) for k, v in node.items()})
-        return node
+        tensors.append(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        meta = _TensorMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad, offset, nbytes)
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+        return meta
 
-    return walk(structure), tensors
+    return _map_leaves(structure, torch.Tensor, describe), tensors
 
 
 def _rebuild_mapping(original: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
@@ -85,35 +91,12 @@ def _rebuild_mapping(original: dict[Any, Any], items: dict[Any, Any]) -> dict[An
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     it = iter(tensors)
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, _TensorMeta):
-            return next(it)
-        if isinstance(node, tuple) and hasattr(node, "_fields"):
-            return type(node)(*(walk(v) for v in node))
-        if isinstance(node, (list, tuple)):
-            return type(node)(walk(v) for v in node)
-        if isinstance(node, dict):
-            return _rebuild_mapping(node, {k: walk(v) for k, v in node.items()})
-        return node
-
-    return walk(skeleton)
+    return _map_leaves(skeleton, _TensorMeta, lambda _: next(it))
 
 
 def _metas(skeleton: Any) -> list[_TensorMeta]:
     found: list[_TensorMeta] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, _TensorMeta):
-            found.append(node)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-
-    walk(skeleton)
+    _map_leaves(skeleton, _TensorMeta, found.append)
     return found
 
 

@@ -8,13 +8,16 @@ the monitors warn once and write under ``<default_root_dir>/paci_monitors``.
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
-__all__ = ["DEFAULT_SUBDIR", "metric_tag", "monitor_directory", "stage_writer"]
+__all__ = ["DEFAULT_SUBDIR", "StageMonitor", "metric_tag", "monitor_directory", "stage_writer"]
 
 DEFAULT_SUBDIR = "paci_monitors"
 _warned = False
@@ -47,3 +50,39 @@ def stage_writer(directory: str, stage: int) -> Any:
     from torch.utils.tensorboard import SummaryWriter
 
     return SummaryWriter(log_dir=os.path.join(directory, f"stage_{stage}"))
+
+
+class StageMonitor(Callback, ABC):
+    """What the monitors share: a check that the strategy is PACI, a window every ``logging_interval`` steps (the
+    Trainer's ``log_every_n_steps`` by default), a last window at the end of training, and the stage's writer.
+    Subclasses implement ``_log(trainer)``."""
+
+    def __init__(self, logging_interval: int | None = None, *, argument: str = "logging_interval") -> None:
+        if logging_interval is not None and logging_interval < 1:
+            raise ValueError(f"`{argument}` must be >= 1 (Lightning steps per window), got {logging_interval}.")
+        self.logging_interval = logging_interval
+        self._writer: Any = None
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from lightning_paci.strategy import PACIStrategy
+
+        if not isinstance(trainer.strategy, PACIStrategy):
+            raise TypeError(f"`{type(self).__name__}` needs `Trainer(strategy='paci')`, got "
+                            f"{type(trainer.strategy).__name__}.")
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step % (self.logging_interval or trainer.log_every_n_steps) == 0:
+            self._log(trainer)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._log(trainer)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    @abstractmethod
+    def _log(self, trainer: L.Trainer) -> None:
+        """Write one window's figures (each monitor defines what a window holds)."""

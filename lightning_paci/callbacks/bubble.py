@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_paci.callbacks._writer import metric_tag, monitor_directory, stage_writer
+from lightning_paci.callbacks._writer import StageMonitor, metric_tag, monitor_directory, stage_writer
 
 __all__ = ["BubbleMonitor", "bubble_window_metrics"]
 
@@ -35,7 +34,7 @@ def bubble_window_metrics(before: dict[str, dict[str, float]], after: dict[str, 
     return out
 
 
-class BubbleMonitor(Callback):
+class BubbleMonitor(StageMonitor):
     """Log, for every pipeline stage and logging window, the fraction of wall-clock time it sat idle waiting for an
     activation or a gradient, and the fractions spent computing, sending and in the optimizer step.
 
@@ -60,36 +59,13 @@ class BubbleMonitor(Callback):
     """
 
     def __init__(self, logging_interval: int | None = None) -> None:
-        if logging_interval is not None and logging_interval < 1:
-            raise ValueError(f"`logging_interval` must be >= 1 (Lightning steps per window), got {logging_interval}.")
-        self.logging_interval = logging_interval
-        self._writer: Any = None
+        super().__init__(logging_interval)
         self._last: dict[str, dict[str, float]] | None = None
-
-    @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        from lightning_paci.strategy import PACIStrategy
-
-        if not isinstance(trainer.strategy, PACIStrategy):
-            raise TypeError(f"`BubbleMonitor` needs `Trainer(strategy='paci')`, got {type(trainer.strategy).__name__}.")
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._writer = stage_writer(monitor_directory(trainer), trainer.strategy.stage_index)  # type: ignore[attr-defined]
         self._last = trainer.strategy.runtime.time_snapshot()  # type: ignore[attr-defined]
-
-    @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        interval = self.logging_interval or trainer.log_every_n_steps
-        if trainer.global_step % interval == 0:
-            self._log(trainer)
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._log(trainer)
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
 
     def _log(self, trainer: L.Trainer) -> None:
         if self._writer is None or self._last is None:

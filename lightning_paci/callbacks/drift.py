@@ -6,10 +6,9 @@ import math
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_paci.callbacks._writer import metric_tag, monitor_directory, stage_writer
+from lightning_paci.callbacks._writer import StageMonitor, metric_tag, monitor_directory, stage_writer
 from lightning_paci.schedules import build, derived_drift_bound
 
 __all__ = ["DriftMonitor", "drift_window_metrics"]
@@ -28,7 +27,7 @@ def drift_window_metrics(records: list[tuple[int, int, float, bool]], bound: int
     return out
 
 
-class DriftMonitor(Callback):
+class DriftMonitor(StageMonitor):
     """Log, for every pipeline stage and logging window, how inconsistent its micro-batches were.
 
     Each stage's own process writes its figures (no cross-stage synchronisation), under the tags:
@@ -59,21 +58,11 @@ class DriftMonitor(Callback):
     """
 
     def __init__(self, logging_interval: int | None = None, weight_drift: bool = True) -> None:
-        if logging_interval is not None and logging_interval < 1:
-            raise ValueError(f"`logging_interval` must be >= 1 (Lightning steps per window), got {logging_interval}.")
-        self.logging_interval = logging_interval
+        super().__init__(logging_interval)
         self.weight_drift = weight_drift
-        self._writer: Any = None
         self._seen = 0
         self._bound = 0
         self._seen_lags = 0
-
-    @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        from lightning_paci.strategy import PACIStrategy
-
-        if not isinstance(trainer.strategy, PACIStrategy):
-            raise TypeError(f"`DriftMonitor` needs `Trainer(strategy='paci')`, got {type(trainer.strategy).__name__}.")
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -85,19 +74,6 @@ class DriftMonitor(Callback):
                          strategy.accumulation, 4 + 2 * strategy.accumulation)  # type: ignore[attr-defined]
         self._bound = derived_drift_bound(schedule.actions[strategy.stage_index], strategy.accumulation)  # type: ignore[attr-defined]
         self._seen = len(runtime.backward_log)
-
-    @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        interval = self.logging_interval or trainer.log_every_n_steps
-        if trainer.global_step % interval == 0:
-            self._log(trainer)
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._log(trainer)
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
 
     def _log(self, trainer: L.Trainer) -> None:
         runtime = trainer.strategy.runtime  # type: ignore[attr-defined]

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_paci.callbacks._writer import monitor_directory, stage_writer
+from lightning_paci.callbacks._writer import StageMonitor, monitor_directory, stage_writer
 from lightning_paci.timeline import Interval, draw_timeline, write_chrome_trace
 
 __all__ = ["TimelineMonitor", "recent_intervals"]
@@ -35,7 +34,7 @@ def recent_intervals(intervals: list[Interval], last_microbatches: int) -> list[
     return [iv for iv in intervals if iv.end >= start]
 
 
-class TimelineMonitor(Callback):
+class TimelineMonitor(StageMonitor):
     """Draw the last ``last_microbatches`` micro-batches of every stage every ``every_n_steps`` steps.
 
     Args:
@@ -47,13 +46,11 @@ class TimelineMonitor(Callback):
     """
 
     def __init__(self, every_n_steps: int = 50, last_microbatches: int = 16) -> None:
-        for name, value in (("every_n_steps", every_n_steps), ("last_microbatches", last_microbatches)):
-            if value < 1:
-                raise ValueError(f"`{name}` must be >= 1, got {value}.")
-        self.every_n_steps = every_n_steps
+        super().__init__(every_n_steps, argument="every_n_steps")
+        if last_microbatches < 1:
+            raise ValueError(f"`last_microbatches` must be >= 1, got {last_microbatches}.")
         self.last_microbatches = last_microbatches
         self.directory: Path | None = None
-        self._writer: Any = None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -63,17 +60,9 @@ class TimelineMonitor(Callback):
         if trainer.is_global_zero:
             self._writer = stage_writer(base, trainer.strategy.stage_index)  # type: ignore[attr-defined]
 
-    @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if trainer.global_step % self.every_n_steps == 0:
+    def _log(self, trainer: L.Trainer) -> None:
+        if self.directory is not None:
             self._record(trainer)
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._record(trainer)
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
 
     def _record(self, trainer: L.Trainer) -> None:
         assert self.directory is not None
