@@ -84,11 +84,12 @@ class DumpIntervals(Callback):
 
 def run_emulated(*, num_stages: int, schedule: str, num_microbatches: int, num_minibatches: int,
                  blocks_per_stage: int = 2, forward_ms: float = 10.0, backward_ms: float = 20.0,
-                 callbacks: list[Callback] | None = None, logger: Any = False) -> list[list[Interval]]:
+                 callbacks: list[Callback] | None = None, logger: Any = False, dim: int = 32,
+                 microbatch_size: int = 2) -> list[list[Interval]]:
     """Train ``num_minibatches`` batches through ``Trainer(strategy=PACIStrategy(...))`` (forked ranks) and return
     each stage's measured intervals."""
     torch.manual_seed(0)
-    model = EmulatedModel(num_stages * blocks_per_stage, forward_ms / 1e3, backward_ms / 1e3)
+    model = EmulatedModel(num_stages * blocks_per_stage, forward_ms / 1e3, backward_ms / 1e3, dim=dim)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = L.Trainer(
             strategy=PACIStrategy(schedule=schedule, microbatches=num_microbatches, start_method="fork",  # type: ignore[arg-type]
@@ -98,6 +99,6 @@ def run_emulated(*, num_stages: int, schedule: str, num_microbatches: int, num_m
             num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
             callbacks=[DumpIntervals(Path(tmp)), *(callbacks or [])],
         )
-        trainer.fit(model, emulated_loader(num_minibatches, batch_size=num_microbatches * 2))
+        trainer.fit(model, emulated_loader(num_minibatches, batch_size=num_microbatches * microbatch_size, dim=dim))
         return [[Interval(*iv) for iv in json.loads((Path(tmp) / f"stage{s}.json").read_text())]
                 for s in range(num_stages)]
