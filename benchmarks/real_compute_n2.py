@@ -1,0 +1,48 @@
+"""Real compute, no emulation: 2 stages on the 2 cores, paci vs 1f1b throughput for m = 4.
+
+    cd benchmarks && python real_compute_n2.py [--microbatches 4] [--minibatches 10] [--dim 1024] [--json out.json]
+
+Each stage owns 2 blocks of ``Linear(dim, dim)`` on micro-batches of 256 rows (no sleeps: the time is matrix work,
+one thread per process, one core each). The steady rate (stage 0, mini-batches 1..K-2, as in
+vs_torch_pipelining.py) is compared with the bubble-free prediction (m + N - 1) / m for N = 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import warnings
+
+from emulated import run_emulated
+
+
+def steady_rate(schedule: str, m: int, k: int, dim: int) -> float:
+    stages = run_emulated(num_stages=2, schedule=schedule, num_microbatches=m, num_minibatches=k, forward_ms=0.0,
+                          backward_ms=0.0, dim=dim, microbatch_size=256)
+    forward_start = {iv.microbatch: iv.start for iv in stages[0] if iv.kind == "F"}
+    return (k - 2) * m / (forward_start[(k - 1) * m] - forward_start[m])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--minibatches", type=int, default=10)
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    m, k = args.microbatches, args.minibatches
+    paci = steady_rate("paci", m, k, args.dim)
+    flush = steady_rate("1f1b", m, k, args.dim)
+    ideal = (m + 1) / m
+    print(f"\nN=2, m={m}, real compute (dim {args.dim}): paci {paci:.2f} mb/s, 1f1b {flush:.2f} mb/s, "
+          f"ratio {paci / flush:.3f} vs (m+1)/m = {ideal:.3f} ({100 * (paci / flush / ideal - 1):+.1f}%)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"paci": paci, "1f1b": flush, "ratio": paci / flush, "ideal": ideal}, fh)
+
+
+if __name__ == "__main__":
+    main()
