@@ -72,6 +72,14 @@ def emulated_loader(num_batches: int, batch_size: int, dim: int = 32, seed: int 
     return DataLoader(TensorDataset(x, torch.tanh(x.flip(-1))), batch_size=batch_size, shuffle=False)
 
 
+class OneThread(Callback):
+    """One intra-op thread per stage process: an idle stage must not lend its core to its neighbour's matrix work,
+    or the flush schedules' bubbles get partly filled and the comparison measures thread scheduling instead."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        torch.set_num_threads(1)
+
+
 class DumpIntervals(Callback):
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
@@ -97,8 +105,20 @@ def run_emulated(*, num_stages: int, schedule: str, num_microbatches: int, num_m
             accelerator="cpu", devices=num_stages, max_steps=num_minibatches, logger=logger, log_every_n_steps=1,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-            callbacks=[DumpIntervals(Path(tmp)), *(callbacks or [])],
+            callbacks=[OneThread(), DumpIntervals(Path(tmp)), *(callbacks or [])],
         )
         trainer.fit(model, emulated_loader(num_minibatches, batch_size=num_microbatches * microbatch_size, dim=dim))
         return [[Interval(*iv) for iv in json.loads((Path(tmp) / f"stage{s}.json").read_text())]
                 for s in range(num_stages)]
+
+
+def run_seconds(stages: list[list[Interval]]) -> float:
+    """Wall clock of a run: first action to last action over all stages."""
+    return max(iv.end for ivs in stages for iv in ivs) - min(iv.start for ivs in stages for iv in ivs)
+
+
+def steady_seconds(stages: list[list[Interval]], num_microbatches: int, num_minibatches: int) -> float:
+    """Stage 0's time from the start of mini-batch 1 to the start of mini-batch K-1 (K-2 mini-batches, no pipeline
+    fill and no final drain): the long-run rate of a run."""
+    forward_start = {iv.microbatch: iv.start for iv in stages[0] if iv.kind == "F"}
+    return forward_start[(num_minibatches - 1) * num_microbatches] - forward_start[num_microbatches]

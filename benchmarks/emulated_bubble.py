@@ -14,7 +14,7 @@ import json
 import logging
 import warnings
 
-from emulated import run_emulated
+from emulated import run_emulated, run_seconds
 
 from lightning_paci.schedules import build
 from lightning_paci.simulation import measured_phases, simulate
@@ -24,7 +24,7 @@ def measure(num_stages: int, schedule: str, m: int, k: int, forward_ms: float, b
     stages = run_emulated(num_stages=num_stages, schedule=schedule, num_microbatches=m, num_minibatches=k,
                           forward_ms=forward_ms, backward_ms=backward_ms)
     t0 = min(iv.start for ivs in stages for iv in ivs)
-    t1 = max(iv.end for ivs in stages for iv in ivs)
+    t1 = t0 + run_seconds(stages)
     phases = [measured_phases(ivs, m, k, t0, t1) for ivs in stages]
     predicted = simulate(build(schedule, num_stages, m, m, k), forward_cost=2 * forward_ms, backward_cost=2 * backward_ms)
     return {

@@ -22,14 +22,10 @@ import warnings
 from pathlib import Path
 
 import lightning as L
-from emulated import run_emulated
+from emulated import run_emulated, run_seconds
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_paci import BubbleMonitor, DriftMonitor, TimelineMonitor, build, simulate
-
-
-def seconds(stages) -> float:
-    return max(iv.end for ivs in stages for iv in ivs) - min(iv.start for ivs in stages for iv in ivs)
 
 
 def main() -> None:
@@ -69,10 +65,10 @@ def main() -> None:
     for _ in range(args.repeats):
         tmp = Path(tempfile.mkdtemp())
         logger = L.pytorch.loggers.TensorBoardLogger(tmp, name="tb", version=0)
-        with_monitors.append(seconds(run_emulated(
+        with_monitors.append(run_seconds(run_emulated(
             num_stages=n, schedule="paci", num_microbatches=m, num_minibatches=k, forward_ms=30, backward_ms=60,
             callbacks=[DriftMonitor(logging_interval=1), BubbleMonitor(logging_interval=1)], logger=logger)) / k)
-        without.append(seconds(run_emulated(num_stages=n, schedule="paci", num_microbatches=m, num_minibatches=k,
+        without.append(run_seconds(run_emulated(num_stages=n, schedule="paci", num_microbatches=m, num_minibatches=k,
                                             forward_ms=30, backward_ms=60)) / k)
         shutil.rmtree(tmp, ignore_errors=True)
     overhead = statistics.median(with_monitors) / statistics.median(without) - 1

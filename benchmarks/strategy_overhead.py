@@ -21,7 +21,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from emulated import EmulatedModel, emulated_loader, run_emulated
+from emulated import EmulatedModel, emulated_loader, run_emulated, run_seconds
 
 from lightning_paci.comm import DistComm
 from lightning_paci.partition import carve_stage, plan_partition
@@ -45,13 +45,11 @@ def _bare_worker(rank: int, n: int, m: int, k: int, fwd_ms: float, bwd_ms: float
     dist.barrier()
     runtime.run(build("paci", n, m, m, k).actions[rank])
     runtime.comm.flush()
-    intervals = [list(iv) for iv in runtime.intervals]
     gathered: list = [None] * n
-    dist.all_gather_object(gathered, intervals)
+    dist.all_gather_object(gathered, list(runtime.intervals))
     if rank == 0:
-        flat = [iv for part in gathered for iv in part]
         with open(out, "w") as fh:
-            fh.write(str(max(iv[4] for iv in flat) - min(iv[3] for iv in flat)))
+            fh.write(str(run_seconds(gathered)))
     dist.destroy_process_group()
 
 
@@ -65,9 +63,8 @@ def bare_seconds(n: int, m: int, k: int, fwd_ms: float, bwd_ms: float) -> float:
 
 
 def strategy_seconds(n: int, m: int, k: int, fwd_ms: float, bwd_ms: float) -> float:
-    stages = run_emulated(num_stages=n, schedule="paci", num_microbatches=m, num_minibatches=k, forward_ms=fwd_ms,
-                          backward_ms=bwd_ms)
-    return max(iv.end for ivs in stages for iv in ivs) - min(iv.start for ivs in stages for iv in ivs)
+    return run_seconds(run_emulated(num_stages=n, schedule="paci", num_microbatches=m, num_minibatches=k,
+                                    forward_ms=fwd_ms, backward_ms=bwd_ms))
 
 
 def main() -> None:

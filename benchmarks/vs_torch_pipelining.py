@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from emulated import EmulatedModel, emulated_loader, run_emulated
+from emulated import EmulatedModel, emulated_loader, run_emulated, run_seconds, steady_seconds
 from torch import nn
 
 
@@ -81,9 +81,7 @@ def run_torch(name: str, n: int, m: int, k: int, fwd_ms: float, bwd_ms: float) -
 def run_ours(schedule: str, n: int, m: int, k: int, fwd_ms: float, bwd_ms: float) -> tuple[float, float]:
     stages = run_emulated(num_stages=n, schedule=schedule, num_microbatches=m, num_minibatches=k,
                           forward_ms=fwd_ms, backward_ms=bwd_ms)
-    whole = max(iv.end for ivs in stages for iv in ivs) - min(iv.start for ivs in stages for iv in ivs)
-    forward_start = {iv.microbatch: iv.start for iv in stages[0] if iv.kind == "F"}
-    return whole, forward_start[(k - 1) * m] - forward_start[m]
+    return run_seconds(stages), steady_seconds(stages, m, k)
 
 
 def main() -> None:
