@@ -133,6 +133,10 @@ class PACIStrategy(ParallelStrategy):
         nonfinite: ``"raise"`` (default) stops the run at the first NaN/inf loss or gradient with an error naming
             the stage and the step; ``"skip"`` drops a micro-batch whose loss is not finite (it contributes no
             gradient; non-finite gradients always raise).
+        max_stream_batches: the pipeline also drains after this many batches without another drain (validation,
+            epoch end, checkpoint). Each stage's action lists are built for the whole stream, so this bounds their
+            memory and build time; the cost is one pipeline fill per ``max_stream_batches`` batches (about
+            ``(N-1) / (max_stream_batches * m)`` of the time: 0.3% for N = m = 8 at the default 256).
         checkpoint_layout: ``"consolidated"`` (default): one ordinary file, weights gathered on rank 0;
             ``"sharded"``: a directory with one file per stage plus ``meta.pt``, nothing gathered (for models too
             large for one process); ``python -m lightning_paci.checkpoint DIR FILE`` consolidates it.
@@ -172,6 +176,7 @@ class PACIStrategy(ParallelStrategy):
         failure_timeout: float = 20.0,
         nonfinite: Literal["raise", "skip"] = "raise",
         checkpoint_layout: Literal["consolidated", "sharded"] = "consolidated",
+        max_stream_batches: int = 256,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -188,6 +193,10 @@ class PACIStrategy(ParallelStrategy):
         if checkpoint_layout not in ("consolidated", "sharded"):
             raise ValueError(f"`checkpoint_layout` must be 'consolidated' or 'sharded', got {checkpoint_layout!r}.")
         self._checkpoint_layout = checkpoint_layout
+        if isinstance(max_stream_batches, bool) or not isinstance(max_stream_batches, int) or max_stream_batches < 1:
+            raise ValueError(f"`max_stream_batches` must be an int >= 1, got {max_stream_batches!r}. The default "
+                             f"256 drains the pipeline at least every 256 batches.")
+        self._max_stream_batches = max_stream_batches
         if failure_timeout <= 0:
             raise ValueError(f"`failure_timeout` must be > 0 seconds, got {failure_timeout}.")
         self._schedule = schedule
@@ -539,6 +548,8 @@ class PACIStrategy(ParallelStrategy):
         assert trainer is not None
         epoch_loop = trainer.fit_loop.epoch_loop
         if trainer.should_stop or epoch_loop.batch_progress.is_last_batch:
+            return True
+        if self._stream is not None and self._stream.calls >= self._max_stream_batches:
             return True
         if batch_idx + 1 >= trainer.num_training_batches:
             return True

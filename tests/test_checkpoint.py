@@ -80,15 +80,25 @@ def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     path = tmp_path / "last.ckpt"
     atomic_save({"version": 1, "weights": torch.ones(4)}, path)
     script = textwrap.dedent(f"""
-        import sys, torch
-        from lightning_paci.checkpoint import atomic_save
-        big = {{"version": 2, "weights": torch.ones(200_000_000)}}  # 800 MB: the write takes a while
-        print("writing", flush=True)
-        atomic_save(big, {str(path)!r})
+        import io, time, torch
+        import lightning_paci.checkpoint as ckpt
+        real_save = torch.save
+
+        def slow_save(obj, fh):  # the real bytes, written in chunks slowly: the kill lands mid-write
+            buffer = io.BytesIO()
+            real_save(obj, buffer)
+            data = buffer.getvalue()
+            print("writing", flush=True)
+            for i in range(0, len(data), len(data) // 50 + 1):
+                fh.write(data[i:i + len(data) // 50 + 1])
+                time.sleep(0.1)
+
+        ckpt.torch.save = slow_save
+        ckpt.atomic_save({{"version": 2, "weights": torch.ones(1_000_000)}}, {str(path)!r})
     """)
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "writing"
-    time.sleep(0.3)
+    time.sleep(0.5)  # about 5 of the 50 chunks are written
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     assert torch.load(path)["version"] == 1

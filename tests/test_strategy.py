@@ -279,3 +279,21 @@ def test_torchmetrics_object_logged_in_validation_reaches_every_rank():
         y = torch.cat([b[1] for b in val])
         expected = torch.nn.functional.mse_loss(model(x), y)
     assert float(trainer.callback_metrics["val_mse"]) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_long_streams_drain_every_max_stream_batches_and_equal_the_reference():
+    # 7 batches with max_stream_batches=3: streams of 3, 3 and 1 batches; accumulation 3 does not divide m = 4,
+    # so the optimizer-step positions must continue across the drains (backward_offset)
+    torch.manual_seed(23)
+    model = SequentialMLP(depth=4)
+    initial = copy.deepcopy(model)
+    loader = regression_loader(num_batches=7)
+    fit(model, loader, devices=4, max_steps=7, schedule="paci", microbatches=4, accumulation=3,
+        partition="parameters", max_stream_batches=3)
+    reference = ReferencePipeline(initial, plan_partition(initial, 4, partition="parameters"))
+    batches = list(loader)
+    done = 0
+    for start, count in ((0, 3), (3, 3), (6, 1)):
+        reference.run(build("paci", 4, 4, 3, count, backward_offset=done % 3), batches[start:start + count])
+        done += 4 * count
+    _assert_state_close(model, reference.state_dict(), rtol=1e-6)
