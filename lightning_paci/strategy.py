@@ -669,14 +669,10 @@ class PACIStrategy(ParallelStrategy):
         self._drain()
         module = self.lightning_module
         assert module is not None
-        local = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        local = _cpu_state(module)
         if not _distributed_is_initialized() or self._checkpoint_layout == "sharded":
             return local
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, local)
-        full: dict[str, Any] = {}
-        for part in gathered:
-            full.update(part)
+        full = self._gather_union(local)
         return full if self.is_global_zero else {}
 
     @override
@@ -691,14 +687,8 @@ class PACIStrategy(ParallelStrategy):
         counters = {"num_stages": self.num_stages, "backwards": runtime.microbatch_base, "steps": runtime.version}
         if self._checkpoint_layout == "sharded":
             return {"paci": {**counters, "params": local}}
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, local)
-        if not self.is_global_zero:
-            return {}
-        params: dict[str, Any] = {}
-        for part in gathered:
-            params.update(part)
-        return {"paci": {**counters, "params": params}}
+        params = self._gather_union(local)
+        return {"paci": {**counters, "params": params}} if self.is_global_zero else {}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -717,6 +707,12 @@ class PACIStrategy(ParallelStrategy):
         if saved["num_stages"] != self.num_stages:
             rank_zero_info(f"lightning_paci: resumed a {saved['num_stages']}-stage checkpoint on {self.num_stages} "
                            f"stages (weights and optimizer state repartitioned by parameter name)")
+
+    def _gather_union(self, local: dict[str, Any]) -> dict[str, Any]:
+        """Every stage's name-keyed dict, merged, on every rank (stage dicts have disjoint keys)."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, local)
+        return {k: v for part in gathered for k, v in part.items()}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -776,11 +772,8 @@ class PACIStrategy(ParallelStrategy):
         if module is not None and self._carve is not None:
             full = None
             if _distributed_is_initialized():
-                local = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-                gathered: list[Any] = [None] * self.world_size
                 try:
-                    dist.all_gather_object(gathered, local)
-                    full = {k: v for part in gathered for k, v in part.items()}
+                    full = self._gather_union(_cpu_state(module))
                 except Exception as err:
                     log.warning(f"lightning_paci: could not gather the full weights at teardown: {err}")
             self._carve.restore(module, full)
@@ -800,6 +793,10 @@ class PACIStrategy(ParallelStrategy):
         for name, start_method, description in entries:
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, start_method=start_method)
+
+
+def _cpu_state(module: LightningModule) -> dict[str, Tensor]:
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
 
 
 def _merge_microbatch_outputs(results: list[Any]) -> Any:
