@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_paci.callbacks import BubbleMonitor, DriftMonitor, TimelineMonitor
+from lightning_paci.callbacks import BubbleMonitor, DriftMonitor, MemoryMonitor, TimelineMonitor
 from lightning_paci.partition import PartitionPlan, plan_partition
 from lightning_paci.reference import ReferencePipeline
 from lightning_paci.schedules import Action, Schedule, ScheduleError, build, drift_bound, validate
@@ -13,6 +13,7 @@ __all__ = [
     "PACIStrategy",
     "BubbleMonitor",
     "DriftMonitor",
+    "MemoryMonitor",
     "TimelineMonitor",
     "PartitionPlan",
     "ReferencePipeline",

@@ -170,6 +170,41 @@ class _Held:
     output: ForwardOutput
 
 
+class _ActivationMeter:
+    """Bytes a micro-batch keeps alive from its forward to its backward: the tensors autograd saves for the
+    backward, the received inputs and the outgoing activations, each storage counted once; parameters (and their
+    views) are not activations and are left out. Counted with ``saved_tensors_hooks`` while the forward runs,
+    so the figure is exact and deterministic (no allocator or RSS noise) -- what the paper's "identical peak
+    memory" claim is about, since the weights and optimizer state are the same single copy under every schedule.
+    """
+
+    def __init__(self, program: Any) -> None:
+        module = getattr(program, "module", None)
+        self._exclude = {p.untyped_storage().data_ptr() for p in module.parameters()} if module is not None else set()
+        self._storages: dict[int, int] = {}  # storage pointer -> bytes
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _add(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._exclude and tensor.device.type != "meta":
+            self._storages[storage.data_ptr()] = storage.nbytes()
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._add(tensor)
+        return tensor
+
+    def __enter__(self) -> None:
+        self._hooks.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+    def total(self, leaves: list[torch.Tensor], outgoing: Any) -> int:
+        for tensor in [*leaves, *flatten(outgoing)[1]]:
+            self._add(tensor)
+        return sum(self._storages.values())
+
+
 class StageRuntime:
     """One stage: executes actions; owns the in-flight micro-batches, the received messages and the records."""
 
@@ -206,6 +241,10 @@ class StageRuntime:
         self.forward_version: dict[int, int] = {}
         self.version_gaps: dict[int, int] = {}  # micro-batch -> optimizer steps between its F and B
         self.peak_inflight = 0
+        # activation memory (opt-in, see _ActivationMeter): bytes each in-flight micro-batch keeps alive
+        self.track_activation_bytes = False
+        self.activation_bytes: dict[int, int] = {}  # micro-batch in flight -> bytes
+        self.peak_activation_bytes = 0
         self.intervals: deque[Interval] = deque(maxlen=keep_intervals)
         self.busy_time = 0.0
         self.wait_time = 0.0
@@ -384,7 +423,14 @@ class StageRuntime:
         data, batch_index = self.data.pop(mb)
         received = self.inbox.pop((RECV_F, mb), None)
         leaves = [t for t in flatten(received)[1] if t.requires_grad] if received is not None else []
-        output = self.program.forward(data, batch_index, received=received)
+        if self.track_activation_bytes:
+            meter = _ActivationMeter(self.program)
+            with meter:
+                output = self.program.forward(data, batch_index, received=received)
+            self.activation_bytes[mb] = meter.total(leaves, output.outgoing)
+            self.peak_activation_bytes = max(self.peak_activation_bytes, sum(self.activation_bytes.values()))
+        else:
+            output = self.program.forward(data, batch_index, received=received)
         self.held[mb] = _Held(leaves, output)
         self.peak_inflight = max(self.peak_inflight, len(self.held))
         self.forward_version[mb] = self.version
@@ -409,6 +455,7 @@ class StageRuntime:
 
     def _backward(self, mb: int) -> None:
         held = self.held.pop(mb)
+        self.activation_bytes.pop(mb, None)
         if held.output.skipped:
             pass  # a dropped micro-batch: its input gradients below are zeros
         elif held.output.loss is not None:

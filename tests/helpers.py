@@ -28,11 +28,13 @@ class DumpStageRecords(Callback):
     were in flight (a weight stash or copy would). A forked rank also holds its parent's objects, hence the
     baseline taken at the start of training rather than an absolute count."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, activation_bytes: bool = False) -> None:
         self.directory = Path(directory)
         self.extra_bytes = 0
+        self.activation_bytes = activation_bytes
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.strategy.runtime.track_activation_bytes = self.activation_bytes
         trainer.strategy.runtime.tied_fingerprints = []  # digest of every tied-weight version (tied models)
         self.baseline = _parameter_storages()
         own = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
@@ -49,6 +51,7 @@ class DumpStageRecords(Callback):
             "stage": trainer.strategy.stage_index,
             "gaps": {str(k): v for k, v in runtime.version_gaps.items()},
             "peak_inflight": runtime.peak_inflight,
+            "peak_activation_bytes": runtime.peak_activation_bytes,
             "own_param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
             "extra_param_bytes_in_flight": self.extra_bytes,
             "optimizer_shares_storage": self.optimizer_shares_storage,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_paci import BubbleMonitor, DriftMonitor, ReferencePipeline, build, plan_partition, simulate
+from lightning_paci import BubbleMonitor, DriftMonitor, MemoryMonitor, ReferencePipeline, build, plan_partition, simulate
 from lightning_paci.callbacks.bubble import bubble_window_metrics
 from lightning_paci.callbacks.drift import drift_window_metrics
 from lightning_paci.schedules import drift_bound
@@ -69,6 +69,17 @@ def test_monitors_do_not_change_the_training_result(tmp_path):
         accumulation=2, partition="parameters")
     for key, value in plain.state_dict().items():
         torch.testing.assert_close(watched.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_memory_monitor_shows_paci_holds_what_1f1b_holds(tmp_path):
+    peaks = {}
+    for schedule in ("paci", "1f1b"):
+        _, directory = _run(tmp_path / schedule, schedule, 4, callbacks=[MemoryMonitor()])
+        peaks[schedule] = [(_scalars(directory, s)[f"paci/peak_inflight/stage_{s}"][-1],
+                            _scalars(directory, s)[f"paci/peak_activation_bytes/stage_{s}"][-1]) for s in range(4)]
+    assert peaks["paci"] == peaks["1f1b"]
+    assert [inflight for inflight, _ in peaks["paci"]] == [4, 3, 2, 1]
+    assert all(nbytes > 0 for _, nbytes in peaks["paci"])
 
 
 @pytest.mark.parametrize("accumulation", [3, 1])

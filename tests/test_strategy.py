@@ -88,6 +88,24 @@ def test_paci_equals_reference_executor_and_drift_is_at_the_bound(tmp_path, accu
         assert record["own_param_bytes"] == 4 * plan.stage_params[s]
 
 
+def test_peak_activation_bytes_equal_1f1b_for_m_at_least_n(tmp_path):
+    # the paper's memory claim, in bytes: PACI keeps exactly 1F1B's in-flight activations (cap N - s); GPipe keeps m
+    num_stages, m, steps = 4, 6, 3
+    peaks = {}
+    for schedule in ("paci", "1f1b", "gpipe"):
+        torch.manual_seed(5)
+        directory = tmp_path / schedule
+        directory.mkdir()
+        fit(SequentialMLP(depth=4), regression_loader(num_batches=4, batch_size=12), devices=num_stages,
+            schedule=schedule, microbatches=m, max_steps=steps, callbacks=[DumpStageRecords(directory, activation_bytes=True)])
+        peaks[schedule] = [(r["peak_inflight"], r["peak_activation_bytes"]) for r in read_stage_records(directory, num_stages)]
+    assert peaks["paci"] == peaks["1f1b"]
+    for s, ((inflight, nbytes), (gpipe_inflight, gpipe_bytes)) in enumerate(zip(peaks["paci"], peaks["gpipe"])):
+        assert inflight == num_stages - s and gpipe_inflight == m
+        assert nbytes > 0 and nbytes % inflight == 0  # equal micro-batches keep equal bytes
+        assert gpipe_bytes == nbytes // inflight * m
+
+
 def test_same_seed_same_losses(tmp_path):
     losses = []
     for _ in range(2):

@@ -1,0 +1,45 @@
+"""``MemoryMonitor``: per-stage in-flight micro-batches and the activation bytes they keep alive, in TensorBoard."""
+
+from __future__ import annotations
+
+import lightning as L
+from typing_extensions import override
+
+from lightning_paci.callbacks._writer import StageMonitor, metric_tag, monitor_directory, stage_writer
+
+__all__ = ["MemoryMonitor"]
+
+
+class MemoryMonitor(StageMonitor):
+    """Log, for every pipeline stage, the peak number of micro-batches held between forward and backward and the
+    peak bytes of activations they keep alive -- the figures behind PACI's claim of 1F1B's memory: the in-flight
+    cap is ``N - s`` under both, so for ``m >= N`` the peaks are equal (GPipe holds ``m``).
+
+    Bytes are counted exactly, with ``torch.autograd.graph.saved_tensors_hooks`` around each forward: the tensors
+    autograd saves, the received inputs and the outgoing activations, each storage once, parameters excluded. The
+    weights and optimizer state are not included: they are the same single copy under every schedule. Counting
+    costs one Python call per saved tensor.
+
+    Tags (peaks since the start of training, logged every window):
+
+    * ``paci/peak_inflight/stage_<s>``: micro-batches between forward and backward.
+    * ``paci/peak_activation_bytes/stage_<s>``: their activation bytes.
+
+    Args:
+        logging_interval: Lightning steps per window (default: the Trainer's ``log_every_n_steps``).
+    """
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._writer = stage_writer(monitor_directory(trainer), trainer.strategy.stage_index)  # type: ignore[attr-defined]
+        trainer.strategy.runtime.track_activation_bytes = True  # type: ignore[attr-defined]
+
+    def _log(self, trainer: L.Trainer) -> None:
+        if self._writer is None:
+            return
+        runtime = trainer.strategy.runtime  # type: ignore[attr-defined]
+        stage = trainer.strategy.stage_index  # type: ignore[attr-defined]
+        self._writer.add_scalar(metric_tag("peak_inflight", stage), runtime.peak_inflight, trainer.global_step)
+        self._writer.add_scalar(metric_tag("peak_activation_bytes", stage), runtime.peak_activation_bytes,
+                                trainer.global_step)
+        self._writer.flush()
