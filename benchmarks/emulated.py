@@ -48,16 +48,31 @@ class SleepBlock(nn.Module):
         return _Sleep.apply(torch.tanh(self.linear(x)), self.forward_s, self.backward_s)
 
 
+class _Scale(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
 class EmulatedModel(L.LightningModule):
     """A plain regression model: ``self.blocks`` is an ``nn.Sequential`` of sleep-padded blocks."""
 
-    def __init__(self, num_blocks: int, forward_s: float, backward_s: float, dim: int = 32, lr: float = 0.05) -> None:
+    def __init__(self, num_blocks: int, forward_s: float, backward_s: float, dim: int = 32, lr: float = 0.05,
+                 input_scale: bool = False) -> None:
         super().__init__()
         self.blocks = nn.Sequential(*[SleepBlock(dim, forward_s, backward_s) for _ in range(num_blocks)])
         self.lr = lr
+        # like an embedding in front of the first block: its input then needs a gradient, so the first stage's
+        # backward does the same matrix work as the others' (without it, stage 0 skips one product per backward)
+        self.input_scale = _Scale(dim) if input_scale else None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.input_scale is not None:
+            x = self.input_scale(x)
         loss = F.mse_loss(self.blocks(x), y)
         self.log("train_loss", loss)
         return loss
@@ -93,11 +108,12 @@ class DumpIntervals(Callback):
 def run_emulated(*, num_stages: int, schedule: str, num_microbatches: int, num_minibatches: int,
                  blocks_per_stage: int = 2, forward_ms: float = 10.0, backward_ms: float = 20.0,
                  callbacks: list[Callback] | None = None, logger: Any = False, dim: int = 32,
-                 microbatch_size: int = 2) -> list[list[Interval]]:
+                 microbatch_size: int = 2, input_scale: bool = False) -> list[list[Interval]]:
     """Train ``num_minibatches`` batches through ``Trainer(strategy=PACIStrategy(...))`` (forked ranks) and return
     each stage's measured intervals."""
     torch.manual_seed(0)
-    model = EmulatedModel(num_stages * blocks_per_stage, forward_ms / 1e3, backward_ms / 1e3, dim=dim)
+    model = EmulatedModel(num_stages * blocks_per_stage, forward_ms / 1e3, backward_ms / 1e3, dim=dim,
+                          input_scale=input_scale)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = L.Trainer(
             strategy=PACIStrategy(schedule=schedule, microbatches=num_microbatches, start_method="fork",  # type: ignore[arg-type]

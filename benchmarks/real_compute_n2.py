@@ -1,9 +1,11 @@
 """Real compute, no emulation: 2 stages on the 2 cores, paci vs 1f1b throughput for m = 4.
 
-    cd benchmarks && python real_compute_n2.py [--microbatches 4] [--minibatches 10] [--dim 1024] [--json out.json]
+    cd benchmarks && python real_compute_n2.py [--microbatches 4] [--minibatches 12] [--repeats 5] [--dim 1024] [--json out.json]
 
 Each stage owns 2 blocks of ``Linear(dim, dim)`` on micro-batches of 256 rows (no sleeps: the time is matrix work,
-one thread per process, one core each). The steady rate (stage 0, mini-batches 1..K-2, as in
+one thread per process, one core each), after an elementwise input scale (an embedding's stand-in: the first block's
+input then needs a gradient, so both stages do the same matrix work per backward; without it stage 0 skips one
+product and the stages are unequal, which the (m+1)/m prediction does not assume). The steady rate (stage 0, mini-batches 1..K-2, as in
 vs_torch_pipelining.py) is compared with the bubble-free prediction (m + N - 1) / m for N = 2. Real compute on 2
 shared cores is noisy: runs alternate and the medians are compared.
 """
@@ -20,16 +22,16 @@ from emulated import run_emulated, steady_seconds
 
 def steady_rate(schedule: str, m: int, k: int, dim: int) -> float:
     stages = run_emulated(num_stages=2, schedule=schedule, num_microbatches=m, num_minibatches=k, forward_ms=0.0,
-                          backward_ms=0.0, dim=dim, microbatch_size=256)
+                          backward_ms=0.0, dim=dim, microbatch_size=256, input_scale=True)
     return (k - 2) * m / steady_seconds(stages, m, k)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--minibatches", type=int, default=10)
+    parser.add_argument("--minibatches", type=int, default=12)
     parser.add_argument("--dim", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3, help="alternating runs; medians are reported")
+    parser.add_argument("--repeats", type=int, default=5, help="alternating runs; medians are reported")
     parser.add_argument("--json")
     args = parser.parse_args()
     logging.getLogger("lightning").setLevel(logging.ERROR)
