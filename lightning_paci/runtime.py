@@ -185,8 +185,10 @@ class _ActivationMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _add(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "meta":  # other stages' placeholders: no memory
+            return
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self._exclude and tensor.device.type != "meta":
+        if storage.data_ptr() not in self._exclude:
             self._storages[storage.data_ptr()] = storage.nbytes()
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
