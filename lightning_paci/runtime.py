@@ -38,10 +38,9 @@ from lightning_paci.schedules import (
     build,
     message_key,
 )
-
-COMM_KINDS = RECV_KINDS | SEND_KINDS
 from lightning_paci.timeline import Interval
 
+COMM_KINDS = RECV_KINDS | SEND_KINDS
 LOSS_KEY = "__paci_loss__"  # the log record carrying the step's returned loss upstream
 
 __all__ = ["LOSS_KEY", "ForwardOutput", "StageOptimizer", "StageProgram", "StageRuntime", "StreamCursor", "LogRecord"]
