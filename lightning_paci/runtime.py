@@ -262,6 +262,9 @@ class StageRuntime:
         # monitors: backwards in order as (micro-batch, version gap, relative weight drift, exact?)
         self.backward_log: list[tuple[int, int, float, bool]] = []
         self.track_weight_drift = False  # set by DriftMonitor (steps the optimizer one tensor at a time)
+        # called with the new version right after every local update: the weights are then exactly that version
+        # on this stage, with no other stage involved (e.g. to keep version-k weights without draining)
+        self.update_hooks: list[Callable[[int], None]] = []
         self._update_norms: dict[int, float] = {}  # version v -> ||theta_v - theta_{v-1}||
         self._weight_norms: dict[int, float] = {}  # version v -> ||theta_v||
         # time accounting per phase: "startup" until the stream's first backward here, "steady", "drain" (the
@@ -328,6 +331,8 @@ class StageRuntime:
                 self._weight_norms[self.version] = self.optimizer.weight_norm
             if self.tied and self.stage == 0:
                 self._fingerprint()
+            for hook in self.update_hooks:
+                hook(self.version)
         elif kind is SEND_F:
             self.comm.send(self.held[mb].output.outgoing, self.stage + 1)  # type: ignore[index]
         elif kind is SEND_B:

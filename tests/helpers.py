@@ -117,3 +117,24 @@ class DumpLastStageLosses(Callback):
         for path in sorted(self.directory.glob("losses_from_*.json")):
             out.update({int(k): v for k, v in json.loads(path.read_text()).items()})
         return out
+
+
+class KeepVersion(Callback):
+    """Every stage saves its weights right after its ``version``-th update (the runtime's ``update_hooks``, no
+    drain) to ``directory/stage<s>.pt`` and the versions its hook saw to ``directory/versions<s>.json``."""
+
+    def __init__(self, directory: Path, version: int) -> None:
+        self.directory, self.version = Path(directory), version
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        stage = trainer.strategy.stage_index
+        seen: list[int] = []
+
+        def keep(version: int) -> None:
+            seen.append(version)
+            (self.directory / f"versions{stage}.json").write_text(json.dumps(seen))
+            if version == self.version:
+                weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items() if v.device.type != "meta"}
+                torch.save(weights, self.directory / f"stage{stage}.pt")
+
+        trainer.strategy.runtime.update_hooks.append(keep)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import lightning as L
@@ -13,7 +14,7 @@ import lightning_paci
 from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
 from lightning_paci.schedules import drift_bound
 
-from helpers import DumpStageRecords, RecordLosses, fit, read_stage_records
+from helpers import DumpStageRecords, KeepVersion, RecordLosses, fit, read_stage_records
 from models import LoopTransformer, SequentialMLP, no_block_container, reference_accumulation, regression_loader, token_loader
 
 pytestmark = pytest.mark.distributed
@@ -86,6 +87,34 @@ def test_paci_equals_reference_executor_and_drift_is_at_the_bound(tmp_path, accu
         assert record["optimizer_shares_storage"]
         assert record["extra_param_bytes_in_flight"] == 0
         assert record["own_param_bytes"] == 4 * plan.stage_params[s]
+
+
+def test_update_hooks_give_version_k_weights_mid_stream_equal_to_the_reference(tmp_path):
+    # every stage keeps its weights right after its 3rd update while the PACI stream keeps running (no drain):
+    # merged, they are exactly the reference executor's version-3 weights (what time_to_accuracy.py evaluates)
+    torch.manual_seed(6)
+    num_stages, m, steps, version = 4, 4, 6, 3
+    model = SequentialMLP(depth=4)
+    initial = copy.deepcopy(model)
+    loader = regression_loader(num_batches=steps)
+    fit(model, loader, devices=num_stages, schedule="paci", microbatches=m, max_steps=steps,
+        callbacks=[KeepVersion(tmp_path, version)])
+    reference = ReferencePipeline(initial, plan_partition(initial, num_stages))
+    expected: dict[str, torch.Tensor] = {}
+    for stage, runtime in enumerate(reference.runtimes):
+        def keep(v: int, stage: int = stage) -> None:
+            if v == version:
+                expected.update({k: t.clone() for k, t in reference.modules[stage].state_dict().items() if t.device.type != "meta"})
+        runtime.update_hooks.append(keep)
+    reference.run(build("paci", num_stages, m, m, steps), list(loader)[:steps])
+    kept: dict[str, torch.Tensor] = {}
+    for stage in range(num_stages):
+        assert json.loads((tmp_path / f"versions{stage}.json").read_text()) == list(range(1, steps + 1))
+        kept.update(torch.load(tmp_path / f"stage{stage}.pt"))
+    assert kept.keys() == expected.keys() == initial.state_dict().keys()
+    for key in expected:
+        torch.testing.assert_close(kept[key], expected[key], rtol=1e-6, atol=1e-7, msg=lambda msg: f"{key}: {msg}")
+    assert not all(torch.equal(kept[k], model.state_dict()[k]) for k in kept)  # version 3 is not the final model
 
 
 def test_peak_activation_bytes_equal_1f1b_for_m_at_least_n(tmp_path):
