@@ -22,6 +22,7 @@ end of an epoch, at ``max_steps``, and before a checkpoint or teardown.
 
 from __future__ import annotations
 
+import gc
 import logging
 import shutil
 from collections.abc import Callable
@@ -140,6 +141,11 @@ class PACIStrategy(ParallelStrategy):
         checkpoint_layout: ``"consolidated"`` (default): one ordinary file, weights gathered on rank 0;
             ``"sharded"``: a directory with one file per stage plus ``meta.pt``, nothing gathered (for models too
             large for one process); ``python -m lightning_paci.checkpoint DIR FILE`` consolidates it.
+        freeze_gc: at the start of training, collect once and move every object then alive into the garbage
+            collector's permanent generation (``gc.freeze()``; undone at teardown). A process that has imported
+            torch, Lightning and transformers holds ~470k objects, and each full collection over them paused a
+            stage for 1-1.5 s; in a pipeline every stage's pause stalls all the others (measured: 1.6-2.9 s steps
+            instead of 0.8 s, several times per 200 steps). Objects created during training are still collected.
 
     Raises:
         ValueError: at construction for bad options, at setup for modules or Trainer settings that cannot run.
@@ -177,6 +183,7 @@ class PACIStrategy(ParallelStrategy):
         nonfinite: Literal["raise", "skip"] = "raise",
         checkpoint_layout: Literal["consolidated", "sharded"] = "consolidated",
         max_stream_batches: int = 256,
+        freeze_gc: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -197,6 +204,10 @@ class PACIStrategy(ParallelStrategy):
             raise ValueError(f"`max_stream_batches` must be an int >= 1, got {max_stream_batches!r}. The default "
                              f"256 drains the pipeline at least every 256 batches.")
         self._max_stream_batches = max_stream_batches
+        if not isinstance(freeze_gc, bool):
+            raise ValueError(f"`freeze_gc` must be True or False, got {freeze_gc!r}.")
+        self._freeze_gc = freeze_gc
+        self._froze_gc = False
         if failure_timeout <= 0:
             raise ValueError(f"`failure_timeout` must be > 0 seconds, got {failure_timeout}.")
         self._schedule = schedule
@@ -656,6 +667,14 @@ class PACIStrategy(ParallelStrategy):
         return closure()
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._freeze_gc and not self._froze_gc:
+            gc.collect()
+            gc.freeze()  # see `freeze_gc`: full collections then skip everything alive now
+            self._froze_gc = True
+
+    @override
     def on_validation_start(self) -> None:
         self._drain()
 
@@ -754,6 +773,9 @@ class PACIStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._froze_gc:
+            gc.unfreeze()
+            self._froze_gc = False
         module = self.lightning_module
         if self._watchdog is not None and not self._failed:
             self._watchdog.stop(done=True)  # before the final gather: a clean exit is not a failure

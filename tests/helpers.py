@@ -138,3 +138,18 @@ class KeepVersion(Callback):
                 torch.save(weights, self.directory / f"stage{stage}.pt")
 
         trainer.strategy.runtime.update_hooks.append(keep)
+
+
+class RecordFreezeCount(Callback):
+    """Every rank writes ``gc.get_freeze_count()`` seen during training and at its teardown."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.during = -1
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.during = gc.get_freeze_count()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        path = self.directory / f"freeze{trainer.strategy.stage_index}.json"
+        path.write_text(json.dumps({"during": self.during, "teardown": gc.get_freeze_count()}))

@@ -14,7 +14,7 @@ import lightning_paci
 from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
 from lightning_paci.schedules import drift_bound
 
-from helpers import DumpStageRecords, KeepVersion, RecordLosses, fit, read_stage_records
+from helpers import DumpStageRecords, KeepVersion, RecordFreezeCount, RecordLosses, fit, read_stage_records
 from models import LoopTransformer, SequentialMLP, no_block_container, reference_accumulation, regression_loader, token_loader
 
 pytestmark = pytest.mark.distributed
@@ -194,6 +194,20 @@ def test_bad_strategy_options_name_the_argument():
         PACIStrategy(accumulation=-1)
     with pytest.raises(ValueError, match="`schedule` must be one of"):
         PACIStrategy(schedule="zb")
+
+
+@pytest.mark.parametrize("freeze_gc", [True, False])
+def test_gc_is_frozen_during_training_and_restored(tmp_path, freeze_gc):
+    # a full collection over the ~470k objects of an imported torch/Lightning stack pauses a stage for ~1 s and
+    # stalls the whole pipeline: by default they are moved to the permanent generation for the run
+    fit(SequentialMLP(depth=4), regression_loader(num_batches=3), devices=2, max_steps=3, microbatches=2,
+        freeze_gc=freeze_gc, callbacks=[RecordFreezeCount(tmp_path)])
+    for stage in range(2):
+        record = json.loads((tmp_path / f"freeze{stage}.json").read_text())
+        assert (record["during"] > 10_000) if freeze_gc else (record["during"] == 0)
+        assert record["teardown"] == 0
+    with pytest.raises(ValueError, match="`freeze_gc` must be True or False, got 'yes'"):
+        PACIStrategy(freeze_gc="yes")  # type: ignore[arg-type]
 
 
 def test_uneven_microbatch_split_is_accepted():
