@@ -16,9 +16,15 @@ the reason the paper's fastest flush schedule used moderate micro-batches rather
 Method (the paper's, section 7): the flush schedules run the same SGD for every m (the tests prove 1f1b equals
 single-device gradient accumulation), so their throughput is measured for every m over a short run, only the
 fastest is trained to the end, and the others' curves are that curve rescaled by their measured throughput.
+
+Validation never runs inside the training: every stage keeps a copy of its weights right after its k-th update
+(k = every ``--val-every``), which needs no synchronisation and no drain, and the parent process evaluates each
+version on the whole held-out split afterwards. The time of version k is when stage 0, the last to update, got
+there. (Validating inside the run would drain the PACI pipeline at every validation, a cost that a real run,
+validating every few thousand steps, does not pay, and would charge both schedules the validation time.)
 Reported, per seed and as the mean of the seeds:
 
-* the wall clock to train the whole budget (``--max-steps`` mini-batches of 32 sequences), validation included;
+* the wall clock to train the whole budget (``--max-steps`` mini-batches of 32 sequences);
 * the time to reach the target validation loss: by default the *lowest common* loss (the highest final mean loss
   of the trained configurations, which every one of them reaches), linearly interpolated between validations;
   and the speed-up at every loss level the fastest flush run passed at one of its validations;
@@ -43,7 +49,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from emulated import OneThread
+from emulated import OneThread, sleep_until
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader
@@ -67,12 +73,6 @@ class _Clock:
         self.backward_start = 0.0
 
 
-def _sleep_until(deadline: float) -> None:
-    remaining = deadline - time.perf_counter()
-    if remaining > 0:
-        time.sleep(remaining)
-
-
 class _Enter(torch.autograd.Function):
     """Block input. Backward: return once the block's emulated backward time has passed since it began."""
 
@@ -83,7 +83,7 @@ class _Enter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        _sleep_until(ctx.clock.backward_start + ctx.clock.backward_s)
+        sleep_until(ctx.clock.backward_start + ctx.clock.backward_s)
         return grad, None
 
 
@@ -94,7 +94,7 @@ class _Exit(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor, clock: _Clock) -> torch.Tensor:
         ctx.clock = clock
-        _sleep_until(clock.start + clock.forward_s)
+        sleep_until(clock.start + clock.forward_s)
         return y.clone()
 
     @staticmethod
@@ -167,56 +167,92 @@ class SleepyLM(L.LightningModule):
 
 
 class Record(Callback):
-    """Rank 0 appends (step, seconds since training started, val_loss) after every validation and the time of every
-    training batch end; every stage writes its peak in-flight micro-batches and activation bytes."""
+    """Every stage keeps its weights right after its k-th update for k = every, 2 * every, ... (the runtime's
+    ``update_hooks``); rank 0 notes when it got there and the end of every training batch; every stage writes its
+    peak in-flight micro-batches and activation bytes.
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
+    Each stage reaches version k on its own, nothing synchronises and the pipeline never drains for it. Stage 0
+    updates last (the backward ends there), so its clock says when the whole version-k model exists. The validation
+    loss of each version is computed afterwards, in the parent process: validating inside the run would drain the
+    PACI pipeline each time and charge both schedules the validation time.
+    """
+
+    def __init__(self, directory: Path, every: int) -> None:
+        self.directory, self.every = directory, every
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.strategy.runtime.track_activation_bytes = True  # type: ignore[attr-defined]
+        runtime = trainer.strategy.runtime  # type: ignore[attr-defined]
+        runtime.track_activation_bytes = True
         self.start = time.perf_counter()
         self.batch_ends: list[float] = []
+        self.versions: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}
+
+        def keep(version: int) -> None:
+            if version % self.every == 0:
+                weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items() if v.device.type != "meta"}
+                self.versions[version] = (time.perf_counter() - self.start, weights)
+
+        runtime.update_hooks.append(keep)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.batch_ends.append(time.perf_counter() - self.start)
 
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.is_global_zero and "val_loss" in trainer.callback_metrics and trainer.global_step > 0:
-            with (self.directory / "curve.jsonl").open("a") as fh:
-                fh.write(json.dumps([trainer.global_step, time.perf_counter() - self.start,
-                                     float(trainer.callback_metrics["val_loss"])]) + "\n")
-
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         runtime = trainer.strategy.runtime  # type: ignore[attr-defined]
         stage = trainer.strategy.stage_index  # type: ignore[attr-defined]
+        for version, (_, weights) in self.versions.items():
+            torch.save(weights, self.directory / f"stage{stage}_v{version}.pt")
         record = {"peak_inflight": runtime.peak_inflight, "peak_activation_bytes": runtime.peak_activation_bytes,
-                  "seconds": time.perf_counter() - self.start, "batch_ends": self.batch_ends}
+                  "seconds": time.perf_counter() - self.start, "batch_ends": self.batch_ends,
+                  "version_times": {v: t for v, (t, _) in self.versions.items()}}
         (self.directory / f"stage{stage}.json").write_text(json.dumps(record))
 
 
-def run(schedule: str, m: int, seed: int, max_steps: int, args: argparse.Namespace, *, validate: bool = True) -> dict[str, Any]:
+def _corpus() -> tuple[torch.Tensor, torch.Tensor]:
     data = stdlib_corpus(600_000)
     split = int(len(data) * 0.95)
-    train = DataLoader(ByteBlocks(data[:split], CONTEXT), batch_size=GLOBAL_BATCH, shuffle=True, drop_last=True,
+    return data[:split], data[split:]
+
+
+def evaluate(directory: Path, versions: list[int], args: argparse.Namespace) -> list[float]:
+    """Validation loss of every saved version: the stages' weights merged into one full model, the whole held-out
+    split (5% of the corpus) evaluated in this process."""
+    val = DataLoader(ByteBlocks(_corpus()[1], CONTEXT), batch_size=GLOBAL_BATCH)
+    model = SleepyLM(0.0, 0.0, max_steps=args.max_steps, lr=args.lr, warmup=args.warmup)
+    losses = []
+    for version in versions:
+        weights: dict[str, torch.Tensor] = {}
+        for stage in range(NUM_STAGES):
+            weights.update(torch.load(directory / f"stage{stage}_v{version}.pt"))
+        model.load_state_dict(weights)
+        with torch.no_grad():
+            total = sum(float(model._loss(b)) * b.shape[0] for b in val)
+        losses.append(total / len(val.dataset))
+    return losses
+
+
+def run(schedule: str, m: int, seed: int, max_steps: int, args: argparse.Namespace, *, validate: bool = True) -> dict[str, Any]:
+    train_data, _ = _corpus()
+    train = DataLoader(ByteBlocks(train_data, CONTEXT), batch_size=GLOBAL_BATCH, shuffle=True, drop_last=True,
                        generator=torch.Generator().manual_seed(seed))
-    val = DataLoader(ByteBlocks(data[split:], CONTEXT), batch_size=GLOBAL_BATCH, drop_last=True)
     torch.manual_seed(seed)
     model = SleepyLM(args.fixed_ms / 1e3, args.ms_per_sample / 1e3, max_steps=args.max_steps, lr=args.lr,
                      warmup=args.warmup)
     with tempfile.TemporaryDirectory() as tmp:
+        every = args.val_every if validate else max_steps + 1
         trainer = L.Trainer(
             strategy=PACIStrategy(schedule=schedule, microbatches=m, start_method="fork", partition="parameters",  # type: ignore[arg-type]
                                   timeout=timedelta(seconds=300)),
-            accelerator="cpu", devices=NUM_STAGES, max_steps=max_steps, val_check_interval=args.val_every,
-            check_val_every_n_epoch=None, limit_val_batches=args.val_batches if validate else 0,
+            accelerator="cpu", devices=NUM_STAGES, max_steps=max_steps, limit_val_batches=0,
             num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, use_distributed_sampler=False, callbacks=[OneThread(), Record(Path(tmp))],
+            enable_model_summary=False, use_distributed_sampler=False,
+            callbacks=[OneThread(), Record(Path(tmp), every)],
         )
-        trainer.fit(model, train, val)
-        curve_file = Path(tmp) / "curve.jsonl"
-        curve = [json.loads(line) for line in curve_file.read_text().splitlines()] if curve_file.exists() else []
+        trainer.fit(model, train)
         stages = [json.loads((Path(tmp) / f"stage{s}.json").read_text()) for s in range(NUM_STAGES)]
+        times = {int(v): t for v, t in stages[0]["version_times"].items()}
+        versions = sorted(v for v in times if all(str(v) in st["version_times"] for st in stages))
+        curve = [[v, times[v], loss] for v, loss in zip(versions, evaluate(Path(tmp), versions, args))]
     return {"schedule": schedule, "microbatches": m, "seed": seed, "curve": curve,
             "seconds": stages[0]["seconds"], "batch_ends": stages[0]["batch_ends"],
             "peak_inflight": [st["peak_inflight"] for st in stages],
@@ -266,8 +302,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--max-steps", type=int, default=200)
-    parser.add_argument("--val-every", type=int, default=25)
-    parser.add_argument("--val-batches", type=int, default=4, help="validation batches of 32 sequences")
+    parser.add_argument("--val-every", type=int, default=25, help="validate every this many updates")
     parser.add_argument("--rate-steps", type=int, default=12, help="steps of each flush throughput run")
     parser.add_argument("--target", type=float, help="validation loss to reach (default: the lowest common)")
     parser.add_argument("--fixed-ms", type=float, default=20.0, help="forward sleep per block and micro-batch")
@@ -327,7 +362,7 @@ def main() -> None:
               f"{str(memory['peak_inflight']):>26} {kib:>40}" + ("" if trained else "  (time rescaled)"))
     speedup = _speedup(best_flush[0], times["paci m=8"])
     equal = [(step, p, f, (p - f) / f) for (step, _, p), (_, _, f) in zip(curves["paci m=8"], curves[f"1f1b m={fastest}"])]
-    print(f"wall clock for the {args.max_steps}-step budget (validation included): paci {rows[0]['wall_clock_s']:.1f} s, "
+    print(f"wall clock for the {args.max_steps}-step budget: paci {rows[0]['wall_clock_s']:.1f} s, "
           f"fastest 1f1b {rows[1 + flush_ms.index(fastest)]['wall_clock_s']:.1f} s: "
           f"{rows[1 + flush_ms.index(fastest)]['wall_clock_s'] / rows[0]['wall_clock_s']:.2f}x")
     print(f"target val loss {target:.4f}; PACI reaches it {_ratio(speedup)} sooner than the fastest 1f1b (m={best_flush[1]}) "
