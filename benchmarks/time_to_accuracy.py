@@ -54,7 +54,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_paci import PACIStrategy
+from lightning_paci import PACIStrategy, stage_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import ByteBlocks, stdlib_corpus  # noqa: E402
@@ -189,8 +189,7 @@ class Record(Callback):
 
         def keep(version: int) -> None:
             if version % self.every == 0:
-                weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items() if v.device.type != "meta"}
-                self.versions[version] = (time.perf_counter() - self.start, weights)
+                self.versions[version] = (time.perf_counter() - self.start, stage_state_dict(pl_module, copy=True))
 
         runtime.update_hooks.append(keep)
 

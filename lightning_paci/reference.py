@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lightning_paci.comm import LocalComm
-from lightning_paci.partition import PartitionPlan, carve_stage
+from lightning_paci.partition import PartitionPlan, carve_stage, stage_state_dict
 from lightning_paci.program import LightningStageProgram
 from lightning_paci.runtime import StageOptimizer, StageRuntime, loss_scale_for, split_microbatches
 from lightning_paci.schedules import RECV_KINDS, Action, Schedule, message_key, validate
@@ -96,9 +96,7 @@ class ReferencePipeline:
         """The union of the stages' state dicts: the full model's keys (a tied weight from stage 0, its owner)."""
         full: dict[str, torch.Tensor] = {}
         for module in reversed(self.modules):
-            for key, value in module.state_dict().items():
-                if value.device.type != "meta":
-                    full[key] = value
+            full.update(stage_state_dict(module))
         return full
 
 

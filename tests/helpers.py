@@ -12,7 +12,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_paci import PACIStrategy
+from lightning_paci import PACIStrategy, stage_state_dict
 
 
 def _parameter_storages() -> dict[int, int]:
@@ -134,8 +134,7 @@ class KeepVersion(Callback):
             seen.append(version)
             (self.directory / f"versions{stage}.json").write_text(json.dumps(seen))
             if version == self.version:
-                weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items() if v.device.type != "meta"}
-                torch.save(weights, self.directory / f"stage{stage}.pt")
+                torch.save(stage_state_dict(pl_module, copy=True), self.directory / f"stage{stage}.pt")
 
         trainer.strategy.runtime.update_hooks.append(keep)
 
