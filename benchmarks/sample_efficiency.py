@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from time_to_accuracy import CONTEXT, GLOBAL_BATCH, NUM_STAGES, SleepyLM, time_to
+from time_to_accuracy import CONTEXT, GLOBAL_BATCH, NUM_STAGES, SleepyLM, copy_state, time_to
 from torch.utils.data import DataLoader
 
-from lightning_paci import ReferencePipeline, build, plan_partition, stage_state_dict
+from lightning_paci import ReferencePipeline, build, plan_partition
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import ByteBlocks, stdlib_corpus  # noqa: E402
@@ -58,7 +58,7 @@ def train_curve(job: tuple[str, int, argparse.Namespace]) -> dict[str, Any]:
     for stage, runtime in enumerate(pipeline.runtimes):
         def keep(version: int, stage: int = stage) -> None:
             if version % args.val_every == 0:
-                snapshots.setdefault(version, {}).update(stage_state_dict(pipeline.modules[stage], copy=True))
+                snapshots.setdefault(version, {}).update(copy_state(pipeline.modules[stage].state_dict()))
         runtime.update_hooks.append(keep)
     pipeline.run(build(schedule, NUM_STAGES, MICROBATCHES, MICROBATCHES, args.max_steps), batches)
     curve = []

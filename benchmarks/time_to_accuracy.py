@@ -54,7 +54,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_paci import PACIStrategy, stage_state_dict
+from lightning_paci import PACIStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import ByteBlocks, stdlib_corpus  # noqa: E402
@@ -166,6 +166,11 @@ class SleepyLM(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def copy_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A carved stage's state dict (only its own tensors), cloned so training can go on."""
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
 class Record(Callback):
     """Every stage keeps its weights right after its k-th update for k = every, 2 * every, ... (the runtime's
     ``update_hooks``); rank 0 notes when it got there and the end of every training batch; every stage writes its
@@ -189,7 +194,7 @@ class Record(Callback):
 
         def keep(version: int) -> None:
             if version % self.every == 0:
-                self.versions[version] = (time.perf_counter() - self.start, stage_state_dict(pl_module, copy=True))
+                self.versions[version] = (time.perf_counter() - self.start, copy_state(pl_module.state_dict()))
 
         runtime.update_hooks.append(keep)
 

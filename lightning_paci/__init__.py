@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_paci.callbacks import BubbleMonitor, DriftMonitor, MemoryMonitor, TimelineMonitor
-from lightning_paci.partition import PartitionPlan, plan_partition, stage_state_dict
+from lightning_paci.partition import PartitionPlan, plan_partition
 from lightning_paci.reference import ReferencePipeline
 from lightning_paci.schedules import Action, Schedule, ScheduleError, build, drift_bound, validate
 from lightning_paci.simulation import SimulationResult, simulate
@@ -18,7 +18,6 @@ __all__ = [
     "PartitionPlan",
     "ReferencePipeline",
     "plan_partition",
-    "stage_state_dict",
     "Action",
     "Schedule",
     "ScheduleError",

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-__all__ = ["BlockCosts", "PartitionPlan", "profile_block_costs", "stage_costs", "StageCarve", "StageDone", "carve_stage", "find_block_container", "plan_partition", "stage_state_dict"]
+__all__ = ["BlockCosts", "PartitionPlan", "profile_block_costs", "stage_costs", "StageCarve", "StageDone", "carve_stage", "find_block_container", "plan_partition"]
 
 PartitionSpec = Literal["balanced", "parameters", "uniform"] | Sequence[int]
 
@@ -560,10 +560,3 @@ def _check_no_shared_parameters(module: nn.Module, removed: dict[str, nn.Module]
             f"`config.tie_word_embeddings=False`) or keep both users on one stage."
         )
 
-
-def stage_state_dict(module: nn.Module, *, copy: bool = False) -> dict[str, torch.Tensor]:
-    """The state a carved stage holds: its own parameters and buffers, detached (the other stages' parts are
-    meta-device placeholders and are left out). The union over all stages is the full model's state dict. With
-    ``copy`` the tensors are cloned, e.g. to keep a version while training goes on."""
-    return {k: (v.detach().clone() if copy else v.detach()) for k, v in module.state_dict().items()
-            if v.device.type != "meta"}

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lightning_paci.comm import LocalComm
-from lightning_paci.partition import PartitionPlan, carve_stage, stage_state_dict
+from lightning_paci.partition import PartitionPlan, carve_stage
 from lightning_paci.program import LightningStageProgram
 from lightning_paci.runtime import StageOptimizer, StageRuntime, loss_scale_for, split_microbatches
 from lightning_paci.schedules import RECV_KINDS, Action, Schedule, message_key, validate
@@ -93,10 +93,11 @@ class ReferencePipeline:
             runtime.microbatch_base = base + schedule.total_microbatches
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The union of the stages' state dicts: the full model's keys (a tied weight from stage 0, its owner)."""
+        """The union of the stages' state dicts: the full model's keys (a tied weight from stage 0, its owner). A
+        carved copy's state dict holds only its stage's own tensors (placeholders keep theirs out of it)."""
         full: dict[str, torch.Tensor] = {}
         for module in reversed(self.modules):
-            full.update(stage_state_dict(module))
+            full.update(module.state_dict())
         return full
 
 

@@ -12,7 +12,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_paci import PACIStrategy, stage_state_dict
+from lightning_paci import PACIStrategy
 
 
 def _parameter_storages() -> dict[int, int]:
@@ -128,15 +128,18 @@ class KeepVersion(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         stage = trainer.strategy.stage_index
-        seen: list[int] = []
+        self.seen: list[int] = []
 
         def keep(version: int) -> None:
-            seen.append(version)
-            (self.directory / f"versions{stage}.json").write_text(json.dumps(seen))
+            self.seen.append(version)
             if version == self.version:
-                torch.save(stage_state_dict(pl_module, copy=True), self.directory / f"stage{stage}.pt")
+                weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+                torch.save(weights, self.directory / f"stage{stage}.pt")
 
         trainer.strategy.runtime.update_hooks.append(keep)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        (self.directory / f"versions{trainer.strategy.stage_index}.json").write_text(json.dumps(self.seen))
 
 
 class RecordFreezeCount(Callback):
