@@ -117,7 +117,7 @@ class DumpIntervals(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         runtime = trainer.strategy.runtime
-        data = [list(iv) for iv in runtime.intervals]
+        data = [list(iv) for iv in runtime.records.intervals]
         (self.directory / f"stage{trainer.strategy.stage_index}.json").write_text(json.dumps(data))
 
 

@@ -26,7 +26,9 @@ from emulated import EmulatedModel, emulated_loader, run_emulated, run_seconds
 from lightning_paci.comm import DistComm
 from lightning_paci.partition import carve_stage, plan_partition
 from lightning_paci.program import LightningStageProgram
-from lightning_paci.runtime import StageOptimizer, StageRuntime, loss_scale_for, split_microbatches
+from lightning_paci.microbatch import loss_scale_for, split_microbatches
+from lightning_paci.runtime import StageRuntime
+from lightning_paci.stage_optimizer import StageOptimizer
 from lightning_paci.schedules import build
 
 
@@ -46,7 +48,7 @@ def _bare_worker(rank: int, n: int, m: int, k: int, fwd_ms: float, bwd_ms: float
     runtime.run(build("paci", n, m, m, k).actions[rank])
     runtime.comm.flush()
     gathered: list = [None] * n
-    dist.all_gather_object(gathered, list(runtime.intervals))
+    dist.all_gather_object(gathered, list(runtime.records.intervals))
     if rank == 0:
         with open(out, "w") as fh:
             fh.write(str(run_seconds(gathered)))

@@ -187,7 +187,7 @@ class Record(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         runtime = trainer.strategy.runtime  # type: ignore[attr-defined]
-        runtime.track_activation_bytes = True
+        runtime.records.measure(activation_bytes=True)
         self.start = time.perf_counter()
         self.batch_ends: list[float] = []
         self.versions: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}
@@ -206,7 +206,8 @@ class Record(Callback):
         stage = trainer.strategy.stage_index  # type: ignore[attr-defined]
         for version, (_, weights) in self.versions.items():
             torch.save(weights, self.directory / f"stage{stage}_v{version}.pt")
-        record = {"peak_inflight": runtime.peak_inflight, "peak_activation_bytes": runtime.peak_activation_bytes,
+        record = {"peak_inflight": runtime.records.peak_inflight,
+                  "peak_activation_bytes": runtime.records.peak_activation_bytes,
                   "seconds": time.perf_counter() - self.start, "batch_ends": self.batch_ends,
                   "version_times": {v: t for v, (t, _) in self.versions.items()}}
         (self.directory / f"stage{stage}.json").write_text(json.dumps(record))

@@ -1,16 +1,20 @@
-"""lightning_paci: asynchronous, bubble-free pipeline-parallel training (PACI) for PyTorch Lightning."""
+"""lightning_paci: asynchronous, bubble-free pipeline-parallel training (PACI) for PyTorch Lightning.
+
+``import lightning_paci`` registers ``Trainer(strategy="paci")``, ``"paci_fork"`` and ``"paci_spawn"``. The public
+names below are loaded on first use, so the pure tools (``python -m lightning_paci.simulate``, the schedule
+builders) start without importing torch or Lightning; the strategy itself is imported, and registered, at once
+unless the package is being imported only to run one of its command-line modules.
+"""
 
 from __future__ import annotations
 
-from lightning_paci.callbacks import BubbleMonitor, DriftMonitor, MemoryMonitor, TimelineMonitor
-from lightning_paci.partition import PartitionPlan, plan_partition
-from lightning_paci.reference import ReferencePipeline
-from lightning_paci.schedules import Action, Schedule, ScheduleError, build, drift_bound, validate
-from lightning_paci.simulation import SimulationResult, simulate
-from lightning_paci.strategy import PACIStrategy  # registers "paci", "paci_fork", "paci_spawn"
+import importlib
+import sys
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "PACIStrategy",
+    "PACIConfig",
     "BubbleMonitor",
     "DriftMonitor",
     "MemoryMonitor",
@@ -28,3 +32,47 @@ __all__ = [
     "validate",
 ]
 __version__ = "0.1.0.dev0"
+
+_HOME = {
+    "PACIStrategy": "strategy",
+    "PACIConfig": "config",
+    "BubbleMonitor": "callbacks",
+    "DriftMonitor": "callbacks",
+    "MemoryMonitor": "callbacks",
+    "TimelineMonitor": "callbacks",
+    "PartitionPlan": "partition",
+    "plan_partition": "partition",
+    "ReferencePipeline": "reference",
+    "Action": "schedules",
+    "Schedule": "schedules",
+    "ScheduleError": "schedules",
+    "build": "schedules",
+    "drift_bound": "schedules",
+    "validate": "schedules",
+    "SimulationResult": "simulation",
+    "simulate": "simulation",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'lightning_paci' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"lightning_paci.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+if TYPE_CHECKING:
+    from lightning_paci.callbacks import BubbleMonitor, DriftMonitor, MemoryMonitor, TimelineMonitor
+    from lightning_paci.config import PACIConfig
+    from lightning_paci.partition import PartitionPlan, plan_partition
+    from lightning_paci.reference import ReferencePipeline
+    from lightning_paci.schedules import Action, Schedule, ScheduleError, build, drift_bound, validate
+    from lightning_paci.simulation import SimulationResult, simulate
+    from lightning_paci.strategy import PACIStrategy
+elif sys.argv[:1] != ["-m"]:  # `python -m lightning_paci.<tool>` imports the package first with argv[0] == "-m"
+    from lightning_paci.strategy import PACIStrategy  # registers "paci", "paci_fork", "paci_spawn"

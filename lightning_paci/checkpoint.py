@@ -18,17 +18,20 @@ With ``PACIStrategy(checkpoint_layout="sharded")`` nothing is gathered: the chec
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch import nn
 
-from lightning_paci.runtime import StageOptimizer
+from lightning_paci.stage_optimizer import StageOptimizer
 
-__all__ = ["atomic_save", "consolidate_checkpoint", "load_sharded", "load_stage_optimizer_state", "save_shard",
-           "stage_optimizer_state"]
+__all__ = ["PipelineCheckpoints", "atomic_save", "consolidate_checkpoint", "cpu_state", "gather_to_first",
+           "load_sharded", "load_stage_optimizer_state", "stage_optimizer_state"]
 
 
 def atomic_save(checkpoint: dict[str, Any], path: str | Path) -> None:
@@ -92,10 +95,6 @@ def shard_file(stage: int) -> str:
     return f"stage_{stage:03d}.pt"
 
 
-def save_shard(directory: str | Path, stage: int, state_dict: dict[str, Any], optimizer: dict[str, Any]) -> None:
-    atomic_save({"state_dict": state_dict, "optimizer": optimizer}, Path(directory) / shard_file(stage))
-
-
 def load_sharded(directory: str | Path) -> dict[str, Any]:
     """Assemble a sharded checkpoint directory into the consolidated form (every stage's weights and optimizer
     state), whatever number of stages wrote it."""
@@ -116,6 +115,105 @@ def load_sharded(directory: str | Path) -> dict[str, Any]:
     checkpoint["optimizer_states"] = [{"paci": {**counters, "params": params}}]
     checkpoint.pop("paci_num_stages")
     return checkpoint
+
+
+def cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+
+
+def gather_to_first(local: dict[str, Any]) -> dict[str, Any] | None:
+    """Every stage's name-keyed dict (disjoint keys), merged on global rank 0; None on the other ranks, which send
+    their own part and never receive another stage's (their peak memory stays their own stage)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return local
+    first = dist.get_rank() == 0
+    parts: list[Any] | None = [None] * dist.get_world_size() if first else None
+    dist.gather_object(local, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()} if parts is not None else None
+
+
+class PipelineCheckpoints:
+    """What the strategy's checkpoint hooks do, in the one module that owns the format.
+
+    Args:
+        layout: ``"consolidated"`` (one file, gathered on rank 0) or ``"sharded"`` (a directory, no gather).
+        stage, num_stages: this process's stage and the pipeline's length (stage 0 is global rank 0).
+        checkpoint_io: the Trainer's ``CheckpointIO``. The default ``TorchCheckpointIO`` is replaced by an atomic
+            write (temporary file, fsync, rename); any other is used as given, with the ``storage_options``.
+    """
+
+    def __init__(self, layout: str, stage: int, num_stages: int, checkpoint_io: CheckpointIO) -> None:
+        self.layout, self.stage, self.num_stages = layout, stage, num_stages
+        self.checkpoint_io = checkpoint_io
+
+    def _writer(self, storage_options: Any | None) -> Callable[[dict[str, Any], Path], None]:
+        io = self.checkpoint_io
+        if type(io) is not TorchCheckpointIO:
+            return lambda obj, path: io.save_checkpoint(obj, path, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                f"`Trainer.save_checkpoint(..., storage_options={storage_options!r})` is not supported with the "
+                f"default `TorchCheckpointIO`: pass a custom `CheckpointIO` to `PACIStrategy(checkpoint_io=...)` that "
+                f"defines how to use `storage_options`."
+            )
+        return atomic_save
+
+    def weights(self, module: nn.Module) -> dict[str, Any]:
+        """The checkpoint's ``state_dict``: the whole model on rank 0 (consolidated), the stage's own (sharded)."""
+        local = cpu_state(module)
+        if self.layout == "sharded":
+            return local
+        return gather_to_first(local) or {}
+
+    def optimizer_state(self, optimizer: StageOptimizer, module: nn.Module, *, backwards: int, steps: int) -> dict[str, Any]:
+        """Every stage's optimizer state keyed by parameter name, with the accumulation counters (module docstring)."""
+        counters = {"num_stages": self.num_stages, "backwards": backwards, "steps": steps}
+        local = stage_optimizer_state(optimizer, module)
+        if self.layout == "sharded":
+            return {"paci": {**counters, "params": local}}
+        params = gather_to_first(local)
+        return {"paci": {**counters, "params": params}} if params is not None else {}
+
+    def save(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
+        write = self._writer(storage_options)
+        if self.layout == "consolidated":
+            if self.stage == 0:
+                write(checkpoint, Path(filepath))
+            return
+        # sharded: every stage writes its own file; stage 0 adds everything else
+        states = checkpoint.get("optimizer_states") or [{}]
+        shard = {"state_dict": checkpoint["state_dict"], "optimizer": states[0].get("paci", {})}
+        write(shard, Path(filepath) / shard_file(self.stage))
+        if self.stage == 0:
+            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            meta["paci_num_stages"] = self.num_stages
+            write(meta, Path(filepath) / META_FILE)
+
+    def load(self, path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        if Path(path).is_dir():
+            return load_sharded(path)
+        return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+
+    def load_optimizer_state(self, checkpoint: Mapping[str, Any], optimizer: StageOptimizer,
+                             module: nn.Module) -> tuple[int, int, int]:
+        """Load the stage's optimizer state; return the saved ``(num_stages, backwards, steps)``."""
+        states = checkpoint["optimizer_states"]
+        if not states or "paci" not in states[0]:
+            raise ValueError(
+                "This checkpoint has no pipeline optimizer state (it was not written by PACIStrategy). Load its "
+                "weights with `Model.load_from_checkpoint(path)` and start a new run instead of `ckpt_path=`."
+            )
+        saved = states[0]["paci"]
+        load_stage_optimizer_state(optimizer, module, saved["params"])
+        return int(saved["num_stages"]), int(saved["backwards"]), int(saved["steps"])
+
+    def remove(self, filepath: str | Path) -> None:
+        if self.stage == 0:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
 
 
 def consolidate_checkpoint(directory: str | Path, output: str | Path) -> Path:

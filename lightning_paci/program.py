@@ -9,20 +9,18 @@ instead of logged: the strategy replays them on every rank once the records have
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
 
+from lightning_paci.logs import LogRecord, recording_logs
+from lightning_paci.microbatch import microbatch_size
 from lightning_paci.partition import StageCarve, StageDone
-from lightning_paci.runtime import ForwardOutput, LogRecord, microbatch_size
+from lightning_paci.runtime import ForwardOutput
 
-__all__ = ["METRIC_OPTION", "LightningStageProgram", "extract_loss", "recording_logs"]
-
-METRIC_OPTION = "__paci_metric__"  # a log record naming a torchmetrics Metric attribute instead of a value
-_LOG_OPTIONS = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph", "add_dataloader_idx")
-
+__all__ = ["LightningStageProgram", "extract_loss"]
 
 def extract_loss(output: Any, step_name: str) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
@@ -34,39 +32,6 @@ def extract_loss(output: Any, step_name: str) -> torch.Tensor:
         f"{type(output).__name__}. Returning None to skip a batch is not supported in pipeline training: every "
         f"stage has already run its part of the micro-batch."
     )
-
-
-@contextlib.contextmanager
-def recording_logs(module: LightningModule, records: list[LogRecord], size: int, step_name: str) -> Iterator[None]:
-    """Shadow ``module.log`` with a recorder (an instance attribute; the method comes back on exit)."""
-
-    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if args:
-            raise TypeError("lightning_paci records `self.log(name, value, **options)`: pass options by keyword.")
-        batch_size = int(kwargs.get("batch_size") or size)
-        options = tuple(sorted((k, kwargs[k]) for k in _LOG_OPTIONS if k in kwargs))
-        if hasattr(value, "compute") and hasattr(value, "update"):  # a torchmetrics Metric object
-            if step_name == "training_step":
-                raise TypeError(
-                    f"`self.log({name!r}, <Metric>)` in `training_step` under pipeline training: log the metric's "
-                    f"value (`metric(preds, target)` returns it) instead of the Metric object; its state is "
-                    f"updated on the last stage only, while the training loop never waits for it."
-                )
-            path = next((n for n, m in module.named_modules() if m is value), None)
-            if path is None:
-                raise TypeError(f"`self.log({name!r}, <Metric>)`: the Metric must be an attribute of the module.")
-            # replayed on every rank with that rank's own Metric object: torchmetrics syncs the states over the
-            # process group at compute(), and only the last stage's state is non-empty (sum/cat reductions)
-            records.append(LogRecord(name, float("nan"), batch_size, options + ((METRIC_OPTION, path),)))
-            return
-        value = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
-        records.append(LogRecord(name, value, batch_size, options))
-
-    module.log = log  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del module.log
 
 
 class LightningStageProgram:

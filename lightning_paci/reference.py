@@ -18,8 +18,10 @@ from lightning.pytorch import LightningModule
 from lightning_paci.comm import LocalComm
 from lightning_paci.partition import PartitionPlan, carve_stage
 from lightning_paci.program import LightningStageProgram
-from lightning_paci.runtime import StageOptimizer, StageRuntime, loss_scale_for, split_microbatches
+from lightning_paci.microbatch import loss_scale_for, split_microbatches
+from lightning_paci.runtime import StageRuntime
 from lightning_paci.schedules import RECV_KINDS, Action, Schedule, message_key, validate
+from lightning_paci.stage_optimizer import StageOptimizer, optimizer_and_step_schedulers
 
 __all__ = ["ReferencePipeline", "run_lists"]
 
@@ -102,6 +104,4 @@ class ReferencePipeline:
 
 
 def _configured_optimizer(module: LightningModule) -> tuple[torch.optim.Optimizer, list[Any]]:
-    from lightning_paci.strategy import optimizer_and_step_schedulers
-
     return optimizer_and_step_schedulers(module.configure_optimizers())

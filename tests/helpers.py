@@ -34,8 +34,8 @@ class DumpStageRecords(Callback):
         self.activation_bytes = activation_bytes
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.strategy.runtime.track_activation_bytes = self.activation_bytes
-        trainer.strategy.runtime.tied_fingerprints = []  # digest of every tied-weight version (tied models)
+        # digest of every tied-weight version (tied models)
+        trainer.strategy.runtime.records.measure(activation_bytes=self.activation_bytes, tied_fingerprints=True)
         self.baseline = _parameter_storages()
         own = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
         optimized = {p.untyped_storage().data_ptr() for g in trainer.optimizers[0].param_groups for p in g["params"]}
@@ -47,18 +47,19 @@ class DumpStageRecords(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         runtime = trainer.strategy.runtime
+        records = runtime.records
         record = {
             "stage": trainer.strategy.stage_index,
-            "gaps": {str(k): v for k, v in runtime.version_gaps.items()},
-            "peak_inflight": runtime.peak_inflight,
-            "peak_activation_bytes": runtime.peak_activation_bytes,
+            "gaps": {str(k): v for k, v in records.version_gaps.items()},
+            "peak_inflight": records.peak_inflight,
+            "peak_activation_bytes": records.peak_activation_bytes,
             "own_param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
             "extra_param_bytes_in_flight": self.extra_bytes,
             "optimizer_shares_storage": self.optimizer_shares_storage,
             "optimizer_steps": runtime.version,
             "plan": trainer.strategy.plan.describe(),
-            "tied_fingerprints": runtime.tied_fingerprints,
-            "tied_lags": {str(k): v for k, v in runtime.tied_lags.items()},
+            "tied_fingerprints": list(records.tied_fingerprints or []),
+            "tied_lags": {str(k): v for k, v in records.tied_lags.items()},
         }
         (self.directory / f"stage{record['stage']}.json").write_text(json.dumps(record))
 
@@ -108,7 +109,7 @@ class DumpLastStageLosses(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
         if strategy.stage_index == strategy.num_stages - 1:
-            losses = strategy.runtime.losses
+            losses = strategy.runtime.records.losses
             self.directory.mkdir(parents=True, exist_ok=True)
             (self.directory / f"losses_from_{min(losses)}.json").write_text(json.dumps(losses))
 

@@ -138,3 +138,101 @@ def test_sharded_layout_writes_one_file_per_stage_resumes_and_consolidates(tmp_p
     resumed = SequentialMLP(depth=4)
     trainer(tmp_path / "again", 2).fit(resumed, loader, ckpt_path=str(directory))
     assert (tmp_path / "again" / "epoch=1.ckpt" / "meta.pt").exists()
+
+
+class _SaveAndRecordGathers(L.Callback):
+    """At the end of training every rank saves a consolidated checkpoint while recording what each collective
+    hands it: non-zero ranks must send their own stage and receive nothing."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import json
+
+        import torch.distributed as dist
+
+        received: list[str] = []
+        gather_object = dist.gather_object
+
+        def recording_gather(obj, object_gather_list=None, dst=0, group=None):
+            received.append("gather_object:" + ("list" if object_gather_list is not None else "none"))
+            return gather_object(obj, object_gather_list, dst=dst, group=group)
+
+        def forbidden(name):
+            def call(*args, **kwargs):
+                received.append(name)
+                raise AssertionError(f"{name} during a consolidated save hands every rank every stage's tensors")
+            return call
+
+        originals = {n: getattr(dist, n) for n in ("all_gather_object", "broadcast_object_list", "scatter_object_list")}
+        dist.gather_object = recording_gather
+        for name in originals:
+            setattr(dist, name, forbidden(name))
+        try:
+            weights = trainer.strategy.lightning_module_state_dict()
+            optimizer = trainer.strategy.optimizer_state(trainer.optimizers[0])
+            trainer.save_checkpoint(self.directory / "gathered.ckpt")
+        finally:
+            dist.gather_object = gather_object
+            for name, original in originals.items():
+                setattr(dist, name, original)
+        own = sorted(k for k in pl_module.state_dict())
+        record = {"weights": sorted(weights), "optimizer": sorted(optimizer.get("paci", {}).get("params", {})),
+                  "received": received, "own": own}
+        (self.directory / f"gathers{trainer.strategy.stage_index}.json").write_text(json.dumps(record))
+
+
+def test_consolidated_save_gathers_to_rank_zero_only(tmp_path):
+    import json
+
+    torch.manual_seed(33)
+    model = SequentialMLP(depth=8)
+    full_keys = sorted(model.state_dict())
+    trainer = L.Trainer(
+        strategy=PACIStrategy(start_method="fork", microbatches=4, partition="parameters"), accelerator="cpu",
+        devices=4, max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, use_distributed_sampler=False, callbacks=[_SaveAndRecordGathers(tmp_path)])
+    trainer.fit(model, regression_loader(num_batches=4))
+    records = [json.loads((tmp_path / f"gathers{s}.json").read_text()) for s in range(4)]
+    assert records[0]["weights"] == full_keys  # rank 0 holds the whole model ...
+    assert len(records[0]["optimizer"]) == len([k for k in full_keys if "weight" in k or "bias" in k])
+    for stage, record in enumerate(records[1:], start=1):  # ... every other rank only ever held its own stage
+        assert record["weights"] == [] and record["optimizer"] == []
+        assert set(record["received"]) == {"gather_object:none"}, f"stage {stage}: {record['received']}"
+        assert record["own"] and set(record["own"]) < set(full_keys)
+    assert set(records[0]["received"]) == {"gather_object:list"}
+    saved = torch.load(tmp_path / "gathered.ckpt", weights_only=False)
+    assert sorted(saved["state_dict"]) == full_keys
+
+
+def test_storage_options_are_refused_with_the_default_checkpoint_io(tmp_path):
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    from lightning_paci.checkpoint import PipelineCheckpoints
+
+    checkpoints = PipelineCheckpoints("consolidated", 0, 2, TorchCheckpointIO())
+    with pytest.raises(TypeError, match=r"storage_options=\{'a': 1\}.*custom `CheckpointIO`"):
+        checkpoints.save({"state_dict": {}}, tmp_path / "x.ckpt", storage_options={"a": 1})
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_a_custom_checkpoint_io_writes_the_consolidated_file(tmp_path):
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    class Recording(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            (tmp_path / "calls.txt").open("a").write(f"{path} {storage_options}\n")
+            super().save_checkpoint(checkpoint, path)
+
+    torch.manual_seed(34)
+    model = SequentialMLP()
+    trainer = L.Trainer(
+        strategy=PACIStrategy(start_method="fork", microbatches=4, partition="parameters", checkpoint_io=Recording()),
+        accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="last")])
+    trainer.fit(model, regression_loader(num_batches=2))
+    calls = (tmp_path / "calls.txt").read_text().split("\n")
+    assert calls[0] == f"{tmp_path / 'last.ckpt'} None" and calls[1:] == [""]  # rank 0 wrote it, once
+    assert sorted(torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]) == sorted(model.state_dict())

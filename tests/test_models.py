@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import copy
 
 import pytest
@@ -132,7 +134,7 @@ def test_model_checkpoint_and_early_stopping_on_val_loss_behave_as_on_one_device
     single = run("auto", 1, tmp_path / "single")
     scores = single["callbacks"]
     history_score = next(v["best_model_score"] for k, v in scores.items() if k.startswith("ModelCheckpoint"))
-    assert single["epoch"] == 5 or float(history_score) > 0
+    assert math.isfinite(float(history_score)) and float(history_score) > 0  # a real validation loss was tracked
     # stop once val_loss falls below a value reached mid-run on one device
     threshold = float(history_score) * 1.02
     single = run("auto", 1, tmp_path / "single_es", threshold)

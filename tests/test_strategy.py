@@ -79,7 +79,7 @@ def test_paci_equals_reference_executor_and_drift_is_at_the_bound(tmp_path, accu
         s = record["stage"]
         assert max(record["gaps"].values()) == drift_bound(num_stages, s, accumulation) == math.ceil((num_stages - 1 - s) / accumulation)
         # the same gaps the reference executor measured for the same lists
-        assert {int(k): v for k, v in record["gaps"].items()} == reference.runtimes[s].version_gaps
+        assert {int(k): v for k, v in record["gaps"].items()} == reference.runtimes[s].records.version_gaps
         assert record["peak_inflight"] <= num_stages - s
         assert record["peak_inflight"] == min(num_stages - s, m * steps)
         # no copies: the optimizer steps the module's own storage, and no parameter storage appears while

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
@@ -17,10 +17,23 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-__all__ = ["DEFAULT_SUBDIR", "StageMonitor", "metric_tag", "monitor_directory", "stage_writer"]
+if TYPE_CHECKING:
+    from lightning_paci.strategy import PACIStrategy
+
+__all__ = ["DEFAULT_SUBDIR", "StageMonitor", "metric_tag", "monitor_directory", "paci_strategy", "stage_writer"]
 
 DEFAULT_SUBDIR = "paci_monitors"
 _warned = False
+
+
+def paci_strategy(trainer: L.Trainer) -> PACIStrategy:
+    """The Trainer's ``PACIStrategy``, typed: the one way the monitors reach the strategy and its runtime."""
+    from lightning_paci.strategy import PACIStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, PACIStrategy):
+        raise TypeError(f"lightning_paci monitors need `Trainer(strategy='paci')`, got {type(strategy).__name__}.")
+    return strategy
 
 
 def metric_tag(figure: str, stage: int) -> str:

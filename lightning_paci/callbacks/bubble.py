@@ -7,7 +7,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
-from lightning_paci.callbacks._writer import StageMonitor, metric_tag, monitor_directory, stage_writer
+from lightning_paci.callbacks._writer import StageMonitor, metric_tag, monitor_directory, paci_strategy, stage_writer
 
 __all__ = ["BubbleMonitor", "bubble_window_metrics"]
 
@@ -64,14 +64,16 @@ class BubbleMonitor(StageMonitor):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._writer = stage_writer(monitor_directory(trainer), trainer.strategy.stage_index)  # type: ignore[attr-defined]
-        self._last = trainer.strategy.runtime.time_snapshot()  # type: ignore[attr-defined]
+        strategy = paci_strategy(trainer)
+        self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index)
+        self._last = strategy.runtime.records.time_snapshot()
 
     def _log(self, trainer: L.Trainer) -> None:
         if self._writer is None or self._last is None:
             return
-        now = trainer.strategy.runtime.time_snapshot()  # type: ignore[attr-defined]
-        stage = trainer.strategy.stage_index  # type: ignore[attr-defined]
+        strategy = paci_strategy(trainer)
+        now = strategy.runtime.records.time_snapshot()
+        stage = strategy.stage_index
         for figure, value in bubble_window_metrics(self._last, now).items():
             self._writer.add_scalar(metric_tag(figure, stage), value, trainer.global_step)
         self._last = now

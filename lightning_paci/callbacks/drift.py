@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
 from typing_extensions import override
 
-from lightning_paci.callbacks._writer import StageMonitor, metric_tag, monitor_directory, stage_writer
+from lightning_paci.callbacks._writer import StageMonitor, metric_tag, monitor_directory, paci_strategy, stage_writer
+from lightning_paci.records import BackwardRecord
 from lightning_paci.schedules import build, derived_drift_bound
 
 __all__ = ["DriftMonitor", "drift_window_metrics"]
 
 
-def drift_window_metrics(records: list[tuple[int, int, float, bool]], bound: int) -> dict[str, float]:
+def drift_window_metrics(records: Sequence[BackwardRecord], bound: int) -> dict[str, float]:
     """Figures of one logging window from ``(micro-batch, version gap, relative weight drift, exact)`` records of
     the backwards that ran in it. Pure, so it is tested directly."""
     gaps = [r[1] for r in records]
@@ -66,26 +68,27 @@ class DriftMonitor(StageMonitor):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        strategy = trainer.strategy
-        runtime = strategy.runtime  # type: ignore[attr-defined]
-        runtime.track_weight_drift = self.weight_drift
-        self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index)  # type: ignore[attr-defined]
-        schedule = build(strategy.schedule_name, strategy.num_stages, strategy.num_microbatches,  # type: ignore[attr-defined]
-                         strategy.accumulation, 4 + 2 * strategy.accumulation)  # type: ignore[attr-defined]
-        self._bound = derived_drift_bound(schedule.actions[strategy.stage_index], strategy.accumulation)  # type: ignore[attr-defined]
-        self._seen = len(runtime.backward_log)
+        strategy = paci_strategy(trainer)
+        records = strategy.runtime.records
+        records.measure(weight_drift=self.weight_drift)
+        self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index)
+        schedule = build(strategy.schedule_name, strategy.num_stages, strategy.num_microbatches,
+                         strategy.accumulation, 4 + 2 * strategy.accumulation)
+        self._bound = derived_drift_bound(schedule.actions[strategy.stage_index], strategy.accumulation)
+        self._seen = records.num_backwards
+        self._seen_lags = records.tied_lags.count
 
     def _log(self, trainer: L.Trainer) -> None:
-        runtime = trainer.strategy.runtime  # type: ignore[attr-defined]
-        stage = trainer.strategy.stage_index  # type: ignore[attr-defined]
-        records = runtime.backward_log[self._seen:]
-        if not records or self._writer is None:
+        strategy = paci_strategy(trainer)
+        records, stage = strategy.runtime.records, strategy.stage_index
+        backwards = records.backwards_since(self._seen)
+        if not backwards or self._writer is None:
             return
-        self._seen = len(runtime.backward_log)
-        for figure, value in drift_window_metrics(records, self._bound).items():
+        self._seen = records.num_backwards
+        for figure, value in drift_window_metrics(backwards, self._bound).items():
             self._writer.add_scalar(metric_tag(figure, stage), value, trainer.global_step)
-        lags = list(runtime.tied_lags.values())[self._seen_lags:]
+        lags = records.tied_lags_since(self._seen_lags)
+        self._seen_lags = records.tied_lags.count
         if lags:
-            self._seen_lags += len(lags)
             self._writer.add_scalar(metric_tag("tied_lag_max", stage), max(lags), trainer.global_step)
         self._writer.flush()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 from typing_extensions import override
 
-from lightning_paci.callbacks._writer import StageMonitor, metric_tag, monitor_directory, stage_writer
+from lightning_paci.callbacks._writer import StageMonitor, metric_tag, monitor_directory, paci_strategy, stage_writer
 
 __all__ = ["MemoryMonitor"]
 
@@ -31,15 +31,16 @@ class MemoryMonitor(StageMonitor):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._writer = stage_writer(monitor_directory(trainer), trainer.strategy.stage_index)  # type: ignore[attr-defined]
-        trainer.strategy.runtime.track_activation_bytes = True  # type: ignore[attr-defined]
+        strategy = paci_strategy(trainer)
+        self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index)
+        strategy.runtime.records.measure(activation_bytes=True)
 
     def _log(self, trainer: L.Trainer) -> None:
         if self._writer is None:
             return
-        runtime = trainer.strategy.runtime  # type: ignore[attr-defined]
-        stage = trainer.strategy.stage_index  # type: ignore[attr-defined]
-        self._writer.add_scalar(metric_tag("peak_inflight", stage), runtime.peak_inflight, trainer.global_step)
-        self._writer.add_scalar(metric_tag("peak_activation_bytes", stage), runtime.peak_activation_bytes,
+        strategy = paci_strategy(trainer)
+        records, stage = strategy.runtime.records, strategy.stage_index
+        self._writer.add_scalar(metric_tag("peak_inflight", stage), records.peak_inflight, trainer.global_step)
+        self._writer.add_scalar(metric_tag("peak_activation_bytes", stage), records.peak_activation_bytes,
                                 trainer.global_step)
         self._writer.flush()

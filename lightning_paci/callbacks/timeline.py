@@ -19,7 +19,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
-from lightning_paci.callbacks._writer import StageMonitor, monitor_directory, stage_writer
+from lightning_paci.callbacks._writer import StageMonitor, monitor_directory, paci_strategy, stage_writer
 from lightning_paci.timeline import Interval, draw_timeline, write_chrome_trace
 
 __all__ = ["TimelineMonitor", "recent_intervals"]
@@ -58,7 +58,7 @@ class TimelineMonitor(StageMonitor):
         self.directory = Path(base) / "timeline"
         self.directory.mkdir(parents=True, exist_ok=True)
         if trainer.is_global_zero:
-            self._writer = stage_writer(base, trainer.strategy.stage_index)  # type: ignore[attr-defined]
+            self._writer = stage_writer(base, paci_strategy(trainer).stage_index)
 
     def _log(self, trainer: L.Trainer) -> None:
         if self.directory is not None:
@@ -66,9 +66,9 @@ class TimelineMonitor(StageMonitor):
 
     def _record(self, trainer: L.Trainer) -> None:
         assert self.directory is not None
-        strategy = trainer.strategy
-        mine = recent_intervals(list(strategy.runtime.intervals), self.last_microbatches)  # type: ignore[attr-defined]
-        path = self.directory / f"stage_{strategy.stage_index}.json"  # type: ignore[attr-defined]
+        strategy = paci_strategy(trainer)
+        mine = recent_intervals(list(strategy.runtime.records.intervals), self.last_microbatches)
+        path = self.directory / f"stage_{strategy.stage_index}.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps([list(iv) for iv in mine]))
         os.replace(tmp, path)
@@ -79,7 +79,7 @@ class TimelineMonitor(StageMonitor):
         import matplotlib.pyplot as plt
 
         assert self.directory is not None
-        num_stages = trainer.strategy.num_stages  # type: ignore[attr-defined]
+        num_stages = paci_strategy(trainer).num_stages
         every: list[Interval] = []
         for s in range(num_stages):
             path = self.directory / f"stage_{s}.json"

@@ -1,0 +1,81 @@
+"""Feeding Lightning batches into a stage's runtime as *streams*: the runs between two drains.
+
+[Note: no flush per Lightning batch]
+Lightning calls ``training_step`` once per batch. Each stage runs, in call ``k`` of a stream, its actions of round
+``k`` (see ``schedules.assign_rounds``): everything it can do before it needs mini-batch ``k + 1``. Stages then
+return to Lightning at different moments and never wait for each other except for real data dependencies, so the
+pipeline stays full across batches. The pipeline drains (runs the cool-down of the current stream) only when the
+caller says so -- inside the last call before validation, at the end of an epoch, at ``max_steps``, before a
+checkpoint or teardown -- and after ``max_stream_batches`` batches without another drain.
+
+This module knows nothing about Lightning: the strategy decides *when* to drain, the driver knows *how*.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_paci.cursor import StreamCursor
+from lightning_paci.microbatch import split_microbatches
+from lightning_paci.runtime import StageRuntime
+
+__all__ = ["StreamDriver"]
+
+
+class StreamDriver:
+    """One stage's stream state: the cursor into its action list and the number of batches fed.
+
+    Args:
+        runtime: the stage's runtime (its ``microbatch_base`` counts the micro-batches of all finished streams).
+        schedule, num_microbatches, accumulation: what each stream's lists are built with (``accumulation`` may be
+            changed between streams).
+        tied: the first and last stage share tied weights.
+        max_stream_batches: drain at least this often (bounds a stream's lists and the time between drains).
+    """
+
+    def __init__(self, runtime: StageRuntime, *, schedule: str, num_microbatches: int, accumulation: int,
+                 tied: bool, max_stream_batches: int) -> None:
+        self.runtime = runtime
+        self.schedule = schedule
+        self.num_microbatches = num_microbatches
+        self.accumulation = accumulation
+        self.tied = tied
+        self.max_stream_batches = max_stream_batches
+        self._cursor: StreamCursor | None = None
+        self.calls = 0  # batches fed into the current stream
+
+    @property
+    def in_stream(self) -> bool:
+        return self._cursor is not None
+
+    def feed(self, batch: Any, batch_idx: int, *, drain: bool) -> None:
+        """Split ``batch`` into micro-batches, run this stage's actions of the current round, and drain when
+        ``drain`` (or when the stream reached ``max_stream_batches``)."""
+        runtime, m = self.runtime, self.num_microbatches
+        if self._cursor is None:
+            done = runtime.microbatch_base  # backwards run so far on every stage (streams end drained)
+            self._cursor = StreamCursor(self.schedule, runtime.num_stages, m, self.accumulation, runtime.stage,
+                                        backward_offset=done % self.accumulation, tied=self.tied)
+            self.calls = 0
+            runtime.records.set_phase("startup")  # the new stream fills the pipeline
+        for i, part in enumerate(split_microbatches(batch, m)):
+            runtime.add_microbatch(self.calls * m + i, part, batch_idx)
+        self.calls += 1
+        if drain or self.calls >= self.max_stream_batches:
+            self.drain()
+        else:
+            runtime.run(self._cursor.segment(self.calls - 1))
+
+    def drain(self) -> None:
+        """Run the cool-down of the current stream on this stage and wait for its sends (no-op outside a stream)."""
+        runtime, cursor = self.runtime, self._cursor
+        if cursor is None:
+            return
+        runtime.records.set_phase("drain")
+        runtime.run(cursor.drain(self.calls))
+        runtime.comm.flush()
+        if runtime.held or runtime.data:
+            raise AssertionError(f"stage {runtime.stage}: drain left {len(runtime.held)} micro-batches in flight")
+        runtime.microbatch_base += self.calls * self.num_microbatches
+        self._cursor = None
+        runtime.records.set_phase("outside")  # validation, checkpoints, epoch ends: not pipeline time

@@ -1,0 +1,122 @@
+"""Every private Lightning symbol lightning_paci relies on, in one module, each checked.
+
+Lightning has no public API for some of what a pipeline strategy must do (start its own process group, pick a
+launcher, ask whether the next batch is followed by validation, stop the per-batch SIGTERM broadcast). Private
+symbols can be renamed in any release, and a rename must never turn into a silent change of behaviour: a patch
+through ``setattr`` on a renamed method would create an unused attribute, and every batch would quietly get a full
+barrier again -- the very flush PACI exists to avoid. So:
+
+* module-level symbols are resolved at import: a missing one raises :class:`LightningAPIError` naming it and the
+  installed Lightning version;
+* methods are patched only through :func:`patch_method`, which checks that the class defines the method with the
+  expected parameters before shadowing it;
+* where a fallback is correct (the early drain before validation), a missing symbol gives one warning instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning
+
+__all__ = [
+    "LIGHTNING_VERSION",
+    "LightningAPIError",
+    "MultiProcessingLauncher",
+    "SubprocessScriptLauncher",
+    "all_gather_if_available",
+    "distributed_is_initialized",
+    "init_dist_connection",
+    "patch_method",
+    "should_validate_after_batch",
+    "training_dataloader",
+]
+
+LIGHTNING_VERSION = lightning.__version__
+
+
+class LightningAPIError(RuntimeError):
+    """A private Lightning symbol that lightning_paci relies on is missing or has changed."""
+
+
+def _missing(symbol: str, detail: str) -> LightningAPIError:
+    return LightningAPIError(
+        f"lightning_paci relies on `{symbol}`, a private Lightning API, which lightning {LIGHTNING_VERSION} "
+        f"{detail}. Install a Lightning version this release supports (see pyproject.toml: lightning>=2.5,<2.7) or "
+        f"report it to lightning_paci."
+    )
+
+
+def _require(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        raise _missing(f"{module}.{name}", "does not have") from None
+
+
+init_dist_connection: Callable[..., None] = _require("lightning.fabric.utilities.distributed", "_init_dist_connection")
+distributed_is_initialized: Callable[[], bool] = _require(
+    "lightning.fabric.utilities.distributed", "_distributed_is_initialized")
+all_gather_if_available: Callable[..., Any] = _require(
+    "lightning.fabric.utilities.distributed", "_all_gather_ddp_if_available")
+MultiProcessingLauncher: type = _require("lightning.pytorch.strategies.launchers", "_MultiProcessingLauncher")
+SubprocessScriptLauncher: type = _require("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher")
+
+
+def patch_method(obj: Any, name: str, replacement: Callable[..., Any], *, parameters: tuple[str, ...]) -> Callable[[], None]:
+    """Shadow ``obj.name`` with an instance attribute; return the function that undoes it.
+
+    The class of ``obj`` must define ``name`` as a method taking exactly ``parameters`` (after ``self``): a patch
+    of a renamed or reshaped method would do nothing, silently.
+    """
+    owner = type(obj)
+    symbol = f"{owner.__module__}.{owner.__qualname__}.{name}"
+    method = getattr(owner, name, None)
+    if not callable(method):
+        raise _missing(symbol, "does not have")
+    found = tuple(inspect.signature(method).parameters)[1:]
+    if found != parameters:
+        raise _missing(symbol, f"defines with parameters {found} instead of {parameters}")
+    setattr(obj, name, replacement)
+
+    def undo() -> None:
+        if name in vars(obj):
+            delattr(obj, name)
+
+    return undo
+
+
+def training_dataloader(trainer: Any) -> Any:
+    """The training dataloader of a fitting Trainer, before the fit loop has iterated it."""
+    source = getattr(trainer.fit_loop, "_data_source", None)
+    if source is None or not callable(getattr(source, "dataloader", None)):
+        raise _missing("lightning.pytorch.loops.fit_loop._FitLoop._data_source.dataloader", "does not have")
+    return source.dataloader()
+
+
+_warned_validation = False
+
+
+def should_validate_after_batch(trainer: Any) -> bool:
+    """Whether Lightning runs validation right after the current training batch.
+
+    Fallback when the private method is gone: False, with one warning. That is correct, only slower: the pipeline
+    then drains in ``on_validation_start`` (one more call than needed) instead of inside the last batch's call.
+    """
+    global _warned_validation
+    epoch_loop = trainer.fit_loop.epoch_loop
+    check = getattr(type(epoch_loop), "_should_check_val_fx", None)
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if check is None or fetcher is None:
+        if not _warned_validation:
+            warnings.warn(
+                f"lightning_paci: lightning {LIGHTNING_VERSION} has no `_TrainingEpochLoop._should_check_val_fx` / "
+                f"`_FitLoop._data_fetcher`; the pipeline drains at the start of validation instead of inside the "
+                f"batch before it (correct, slightly slower).", stacklevel=2)
+            _warned_validation = True
+        return False
+    return bool(check(epoch_loop, fetcher))

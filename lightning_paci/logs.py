@@ -1,0 +1,110 @@
+"""``self.log`` under pipeline training: recorded on the last stage, carried upstream, replayed on every rank.
+
+The user's step runs to its ``self.log`` calls on the last stage only. Each call becomes a :class:`LogRecord`
+that travels upstream with the micro-batch's gradients (no collective per batch, see [Note: no flush per Lightning
+batch] in strategy.py). Once all micro-batches of a mini-batch have reached a rank, :class:`LogRelay` replays the
+records there through the real ``LightningModule.log``, so rank 0's progress bar, loggers and
+``trainer.callback_metrics`` see them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+from lightning.pytorch import LightningModule
+
+__all__ = ["LOSS_KEY", "METRIC_OPTION", "LogRecord", "LogRelay", "recording_logs", "replay_logs"]
+
+LOSS_KEY = "__paci_loss__"  # the log record carrying the step's returned loss upstream
+METRIC_OPTION = "__paci_metric__"  # a log record naming a torchmetrics Metric attribute instead of a value
+_LOG_OPTIONS = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph", "add_dataloader_idx")
+
+
+class LogRecord(NamedTuple):
+    """One ``self.log`` call made by the user's step on the last stage, travelling upstream with the gradients."""
+
+    name: str
+    value: float
+    batch_size: int
+    options: tuple[tuple[str, Any], ...]  # prog_bar, logger, on_step, on_epoch, ...
+
+
+@contextlib.contextmanager
+def recording_logs(module: LightningModule, records: list[LogRecord], size: int, step_name: str) -> Iterator[None]:
+    """Shadow ``module.log`` with a recorder (an instance attribute; the method comes back on exit)."""
+
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise TypeError("lightning_paci records `self.log(name, value, **options)`: pass options by keyword.")
+        batch_size = int(kwargs.get("batch_size") or size)
+        options = tuple(sorted((k, kwargs[k]) for k in _LOG_OPTIONS if k in kwargs))
+        if hasattr(value, "compute") and hasattr(value, "update"):  # a torchmetrics Metric object
+            if step_name == "training_step":
+                raise TypeError(
+                    f"`self.log({name!r}, <Metric>)` in `training_step` under pipeline training: log the metric's "
+                    f"value (`metric(preds, target)` returns it) instead of the Metric object; its state is "
+                    f"updated on the last stage only, while the training loop never waits for it."
+                )
+            path = next((n for n, m in module.named_modules() if m is value), None)
+            if path is None:
+                raise TypeError(f"`self.log({name!r}, <Metric>)`: the Metric must be an attribute of the module.")
+            # replayed on every rank with that rank's own Metric object: torchmetrics syncs the states over the
+            # process group at compute(), and only the last stage's state is non-empty (sum/cat reductions)
+            records.append(LogRecord(name, float("nan"), batch_size, options + ((METRIC_OPTION, path),)))
+            return
+        value = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+        records.append(LogRecord(name, value, batch_size, options))
+
+    module.log = log  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log
+
+
+def replay_logs(module: LightningModule, records: list[LogRecord]) -> float | None:
+    """Call the real ``self.log`` once per key with the batch-size-weighted mean; return the loss record's mean."""
+    totals: dict[str, list[Any]] = {}
+    for record in records:
+        options = dict(record.options)
+        if METRIC_OPTION in options:
+            module.log(record.name, module.get_submodule(options.pop(METRIC_OPTION)), **options)
+            continue
+        entry = totals.setdefault(record.name, [0.0, 0, record.options])
+        entry[0] += record.value * record.batch_size
+        entry[1] += record.batch_size
+    loss = None
+    for name, (weighted, size, options) in totals.items():
+        if name == LOSS_KEY:
+            loss = weighted / size
+            continue
+        module.log(name, weighted / size, batch_size=size, **dict(options))
+    return loss
+
+
+class LogRelay:
+    """Replays, on this rank, the records of every mini-batch whose ``m`` micro-batches have all arrived.
+
+    ``pending`` (micro-batch -> records) is filled by the runtime: on the last stage at each forward, upstream with
+    each received gradient. Records leave it when replayed, so it holds at most the micro-batches in flight.
+    """
+
+    def __init__(self, num_microbatches: int) -> None:
+        self.num_microbatches = num_microbatches
+        self.last_loss = float("nan")  # the mean loss of the last mini-batch replayed here
+
+    def emit(self, module: LightningModule, pending: dict[int, list[LogRecord]]) -> None:
+        m = self.num_microbatches
+        complete = sorted(k for k in {mb // m for mb in pending} if all(k * m + i in pending for i in range(m)))
+        if not complete:
+            return
+        records: list[LogRecord] = []
+        for k in complete:
+            for i in range(m):
+                records.extend(pending.pop(k * m + i))
+        loss = replay_logs(module, records)
+        if loss is not None:
+            self.last_loss = loss

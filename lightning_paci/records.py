@@ -1,0 +1,199 @@
+"""What a stage records while it runs, bounded: losses, version gaps, backwards, tied-weight lags, intervals, time.
+
+Every record that grows with the number of micro-batches keeps only its most recent ``retention`` entries, so a
+stage's record memory is constant however long the run (a 380k-step run would otherwise hold millions of entries
+per stage). Readers that consume a stream of records (the monitors) keep a *count* of what they have read and ask
+for what came after it (``backwards_since``, ``tied_lags_since``); they never index by ``len()``, which stops
+growing at the cap.
+
+Measurements that cost time are off until a monitor asks for them (``measure``): the relative weight drift (steps
+the optimizer one tensor at a time), activation bytes (``saved_tensors_hooks`` during each forward) and a digest of
+every tied-weight version (tests).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import torch
+
+from lightning_paci.comm import flatten
+from lightning_paci.timeline import Interval
+
+__all__ = ["PHASES", "ActivationMeter", "BackwardRecord", "RecentDict", "StageRecords"]
+
+PHASES = ("startup", "steady", "drain", "outside")
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class BackwardRecord(NamedTuple):
+    """One backward of this stage, in execution order."""
+
+    microbatch: int  # index in the whole run
+    version_gap: int  # this stage's optimizer steps between the micro-batch's forward and its backward
+    weight_drift: float  # ||theta_B - theta_F|| / ||theta_B|| (0 when not measured, nan when unknown)
+    exact: bool  # False when ``weight_drift`` is the triangle-inequality upper bound
+
+
+class RecentDict(dict, Generic[_K, _V]):  # type: ignore[type-arg]
+    """A dict that keeps its ``retention`` most recently inserted keys (insertion order, oldest evicted first)."""
+
+    def __init__(self, retention: int) -> None:
+        super().__init__()
+        self.retention = retention
+        self.count = 0  # insertions ever made
+
+    def __setitem__(self, key: _K, value: _V) -> None:
+        super().__setitem__(key, value)
+        self.count += 1
+        if len(self) > self.retention:
+            del self[next(iter(self))]
+
+    def since(self, count: int) -> list[_V]:
+        """Values inserted after the first ``count`` insertions (those still kept)."""
+        return list(self.values())[max(0, len(self) - (self.count - count)):]
+
+
+class ActivationMeter:
+    """Bytes a micro-batch keeps alive from its forward to its backward: the tensors autograd saves for the
+    backward, the received inputs and the outgoing activations, each storage counted once; parameters (and their
+    views) are not activations and are left out. Counted with ``saved_tensors_hooks`` while the forward runs,
+    so the figure is exact and deterministic (no allocator or RSS noise) -- what the paper's "identical peak
+    memory" claim is about, since the weights and optimizer state are the same single copy under every schedule.
+    """
+
+    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
+        self._exclude = {p.untyped_storage().data_ptr() for p in parameters}
+        self._storages: dict[int, int] = {}  # storage pointer -> bytes
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _add(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "meta":  # other stages' placeholders: no memory
+            return
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._exclude:
+            self._storages[storage.data_ptr()] = storage.nbytes()
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._add(tensor)
+        return tensor
+
+    def __enter__(self) -> None:
+        self._hooks.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+    def total(self, leaves: list[torch.Tensor], outgoing: Any) -> int:
+        for tensor in [*leaves, *flatten(outgoing)[1]]:
+            self._add(tensor)
+        return sum(self._storages.values())
+
+
+class StageRecords:
+    """One stage's records (see the module docstring). ``retention`` bounds every per-micro-batch record."""
+
+    def __init__(self, stage: int, *, clock: Callable[[], float], retention: int = 16384,
+                 keep_intervals: int = 8192) -> None:
+        if retention < 1:
+            raise ValueError(f"`retention` must be >= 1 micro-batches, got {retention}.")
+        self.stage = stage
+        self.clock = clock
+        self.losses: RecentDict[int, float] = RecentDict(retention)  # micro-batch -> loss (last stage: its own)
+        self.version_gaps: RecentDict[int, int] = RecentDict(retention)
+        self.tied_lags: RecentDict[int, int] = RecentDict(retention)  # last stage: tied updates a forward was behind
+        self.backwards: deque[BackwardRecord] = deque(maxlen=retention)
+        self.num_backwards = 0
+        self.intervals: deque[Interval] = deque(maxlen=keep_intervals)
+        self.peak_inflight = 0
+        self.activation_bytes: dict[int, int] = {}  # micro-batch in flight -> bytes (only while measured)
+        self.peak_activation_bytes = 0
+        self.tied_fingerprints: deque[str] | None = None
+        self.weight_drift = False
+        self.activations = False
+        self._update_norms: dict[int, float] = {}  # version v -> ||theta_v - theta_{v-1}||
+        self._weight_norms: dict[int, float] = {}  # version v -> ||theta_v||
+        # time per phase: "startup" until the stream's first backward here, "steady", "drain" (the stream's
+        # cool-down), "outside" (between streams: validation, checkpoints)
+        self.phase = "startup"
+        self._phase_since = clock()
+        self.phase_time = {p: {"wall": 0.0, "compute": 0.0, "wait": 0.0, "comm": 0.0, "optimizer": 0.0}
+                           for p in PHASES}
+        self._retention = retention
+
+    def measure(self, *, weight_drift: bool | None = None, activation_bytes: bool | None = None,
+                tied_fingerprints: bool | None = None) -> None:
+        """Switch the costly measurements on or off (``None`` leaves one as it is)."""
+        if weight_drift is not None:
+            self.weight_drift = weight_drift
+        if activation_bytes is not None:
+            self.activations = activation_bytes
+        if tied_fingerprints is not None:
+            self.tied_fingerprints = deque(maxlen=self._retention) if tied_fingerprints else None
+
+    # -- per micro-batch ---------------------------------------------------------------------------------------
+    def add_backward(self, record: BackwardRecord) -> None:
+        self.version_gaps[record.microbatch] = record.version_gap
+        self.backwards.append(record)
+        self.num_backwards += 1
+
+    def backwards_since(self, count: int) -> list[BackwardRecord]:
+        """The backwards after the first ``count`` (those still kept); pair with ``num_backwards``."""
+        kept = len(self.backwards)
+        return list(self.backwards)[max(0, kept - (self.num_backwards - count)):]
+
+    def tied_lags_since(self, count: int) -> list[int]:
+        return self.tied_lags.since(count)
+
+    def fingerprint(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Record a digest of one tied-weight version (when measured)."""
+        if self.tied_fingerprints is not None:
+            digest = hashlib.sha1()
+            for p in tensors:
+                digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+            self.tied_fingerprints.append(digest.hexdigest())
+
+    # -- weight drift ------------------------------------------------------------------------------------------
+    def record_update(self, version: int, update_norm: float, weight_norm: float) -> None:
+        self._update_norms[version] = update_norm
+        self._weight_norms[version] = weight_norm
+
+    def weight_drift_between(self, forward_version: int, version: int) -> tuple[float, bool]:
+        """||theta_B - theta_F|| / ||theta_B|| from the recorded update norms, without any copy of the weights.
+
+        Exact when at most one update fell between the forward and the backward (every ``a >= N - 1``); with
+        several it is the triangle-inequality upper bound sum ||update|| (exactness would need the updates
+        themselves, i.e. a copy of the weights), and the second value is False.
+        """
+        if not self.weight_drift or forward_version == version:
+            return 0.0, True
+        updates = [self._update_norms.get(v) for v in range(forward_version + 1, version + 1)]
+        norm = self._weight_norms.get(version)
+        if any(u is None for u in updates) or not norm:
+            return float("nan"), False  # measuring started while this micro-batch was in flight
+        for v in [v for v in self._update_norms if v < forward_version - 64]:  # keep the dicts small
+            self._update_norms.pop(v, None)
+            self._weight_norms.pop(v, None)
+        return sum(updates) / norm, len(updates) == 1  # type: ignore[arg-type]
+
+    # -- time --------------------------------------------------------------------------------------------------
+    def account(self, category: str, interval: Interval) -> None:
+        """Add one action's span to the current phase (``category``: compute, optimizer, wait or comm)."""
+        self.phase_time[self.phase][category] += interval.end - interval.start
+        self.intervals.append(interval)
+
+    def set_phase(self, phase: str) -> None:
+        """Close the current phase's wall-clock span and open ``phase``'s."""
+        now = self.clock()
+        self.phase_time[self.phase]["wall"] += now - self._phase_since
+        self.phase, self._phase_since = phase, now
+
+    def time_snapshot(self) -> dict[str, dict[str, float]]:
+        """Cumulative seconds per phase (wall, compute, wait, comm, optimizer), the open span included."""
+        snap = {p: dict(v) for p, v in self.phase_time.items()}
+        snap[self.phase]["wall"] += self.clock() - self._phase_since
+        return snap

@@ -1,0 +1,131 @@
+"""The stage's own optimizer: stepped in place without a parameter copy and without bumping autograd versions.
+
+[Note: alias optimizer]
+A micro-batch still in flight saved these weights in its graph; a plain in-place ``optimizer.step()`` bumps their
+version counters and its backward would fail ("modified by an inplace operation"). The user's optimizer is
+re-pointed at *alias* parameters ``nn.Parameter(p.data)``: same storage (no copy), own version counter. At a step
+the real gradients are handed over, the optimizer updates the shared storage in place, and the in-flight backward
+uses the updated weights (PACI's "backward with current weights", see docs/paci-algorithm.md sec. 3-4). Because the
+optimizer only sees the aliases, Lightning's own ``zero_grad`` cannot wipe gradients the schedule is still
+accumulating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["StageOptimizer", "optimizer_and_step_schedulers"]
+
+
+def optimizer_and_step_schedulers(output: Any) -> tuple[torch.optim.Optimizer, list[Any]]:
+    """The single optimizer and the per-step LR schedulers of a ``configure_optimizers`` return value (used by the
+    reference executor; the strategy reads Lightning's parsed configuration)."""
+    if isinstance(output, torch.optim.Optimizer):
+        return output, []
+    if isinstance(output, dict):
+        scheduler = output.get("lr_scheduler")
+        if isinstance(scheduler, dict):
+            scheduler = scheduler["scheduler"]
+        return output["optimizer"], [scheduler] if scheduler is not None else []
+    if isinstance(output, (list, tuple)) and len(output) == 2 and isinstance(output[0], (list, tuple)):
+        return output[0][0], [s["scheduler"] if isinstance(s, dict) else s for s in output[1]]
+    if isinstance(output, (list, tuple)) and len(output) == 1:
+        return optimizer_and_step_schedulers(output[0])
+    raise ValueError(f"Unsupported `configure_optimizers` return value for pipeline training: {type(output).__name__}.")
+
+
+class StageOptimizer:
+    """The user's optimizer over this stage's parameters, stepped through aliases (see [Note: alias optimizer]).
+
+    Args:
+        optimizer: built by ``configure_optimizers`` from the carved module's ``parameters()``.
+        params: the stage's own parameters (the optimizer may hold only these).
+        schedulers: step-interval LR schedulers, stepped after every local update.
+        clip: gradient clipping applied to the real gradients before the update.
+        exclude: tied-weight replicas on the last stage: stage 0 updates them (see [Note: tied weights]).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[nn.Parameter],
+        *,
+        schedulers: Sequence[Any] = (),
+        clip: Callable[[list[nn.Parameter]], None] | None = None,
+        exclude: Sequence[nn.Parameter] = (),
+    ) -> None:
+        owned = {id(p): p for p in params}
+        skipped = {id(p) for p in exclude}
+        self.optimizer = optimizer
+        self.schedulers = list(schedulers)
+        self.clip = clip
+        self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (alias, real)
+        for group in optimizer.param_groups:
+            aliases = []
+            for p in group["params"]:
+                if id(p) in skipped:
+                    continue
+                if id(p) not in owned:
+                    raise ValueError(
+                        f"The optimizer holds a parameter of shape {tuple(p.shape)} that is not one of this stage's "
+                        f"module parameters. `configure_optimizers` must build its optimizer from `self.parameters()` "
+                        f"(or named subsets of it), which the strategy restricts to the stage's own parameters."
+                    )
+                alias = nn.Parameter(p.data, requires_grad=p.requires_grad)
+                aliases.append(alias)
+                self.pairs.append((alias, p))
+            group["params"] = aliases
+        if optimizer.state:
+            raise ValueError("The optimizer already has state; build it fresh in `configure_optimizers`.")
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The real parameters' accumulated gradients (those that have one)."""
+        return [p.grad for _, p in self.pairs if p.grad is not None]
+
+    def step(self, *, measure: bool = False) -> tuple[float, float]:
+        """One update with the accumulated gradients, then the schedulers; gradients are cleared afterwards.
+
+        With ``measure`` the parameters are stepped one tensor at a time so that the update's size needs at most
+        one tensor's transient copy; returns ``(||theta_after - theta_before||, ||theta_after||)`` (else zeros).
+        Stepping per tensor is equivalent for per-parameter optimizers (SGD, Adam, AdamW, ...), not for ones that
+        couple parameters (e.g. a global-norm LAMB).
+        """
+        real = [p for _, p in self.pairs if p.grad is not None]
+        if self.clip is not None:
+            self.clip(real)
+        norms = (0.0, 0.0)
+        if measure:
+            norms = self._step_measuring()
+        else:
+            for alias, p in self.pairs:
+                alias.grad = p.grad
+            self.optimizer.step()
+        for scheduler in self.schedulers:
+            scheduler.step()
+        for alias, p in self.pairs:
+            alias.grad = None
+            p.grad = None
+        return norms
+
+    def _step_measuring(self) -> tuple[float, float]:
+        update_sq = weight_sq = 0.0
+        for alias, p in self.pairs:
+            if p.grad is None:  # the optimizer skips parameters without a gradient
+                weight_sq += float(p.detach().float().pow(2).sum())
+                continue
+            before = p.detach().clone()  # the one transient copy
+            alias.grad = p.grad
+            self.optimizer.step()
+            alias.grad = None
+            update_sq += float((p.detach() - before).float().pow(2).sum())
+            weight_sq += float(p.detach().float().pow(2).sum())
+            del before
+        return update_sq ** 0.5, weight_sq ** 0.5
+
+    def weight_norm(self) -> float:
+        """||theta|| over the stage's parameters."""
+        return float(sum(p.detach().float().pow(2).sum() for _, p in self.pairs)) ** 0.5

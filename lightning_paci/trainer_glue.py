@@ -1,0 +1,107 @@
+"""What the strategy reads from the Trainer: the checks at setup, gradient clipping, a sample batch for block
+timing, and whether the current batch is the last before a drain point."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_paci import lightning_api as api
+from lightning_paci.logs import recording_logs
+from lightning_paci.microbatch import microbatch_size, split_microbatches
+from lightning_paci.partition import BlockCosts, profile_block_costs
+from lightning_paci.program import extract_loss
+
+__all__ = ["SUPPORTED_PRECISION", "check_trainer", "clip_function", "measure_block_costs", "must_drain"]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "64-true")
+
+
+def check_trainer(trainer: Trainer, module: LightningModule, num_stages: int) -> None:
+    """Refuse, at setup, what a pipeline cannot run, naming the setting and the fix."""
+    if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+        raise ValueError(
+            "`PACIStrategy` supports automatic optimization only (`self.automatic_optimization = True`): in "
+            "manual optimization the non-last stages never reach your `optimizer.step()`. Remove "
+            "`self.automatic_optimization = False` and return the loss from `training_step`."
+        )
+    precision = str(trainer.precision)
+    if precision not in SUPPORTED_PRECISION:
+        raise ValueError(
+            f"`Trainer(precision={precision!r})` is not supported by `PACIStrategy`: float16 training needs loss "
+            f"scaling, and a GradScaler per stage would scale each stage differently. Use one of "
+            f"{', '.join(SUPPORTED_PRECISION)} (bf16-mixed is the recommended low-precision setting)."
+        )
+    if num_stages < 2:
+        raise ValueError(f"`PACIStrategy` needs at least 2 devices (stages), got {num_stages}. Pass "
+                         f"`Trainer(devices=N)` with N >= 2.")
+
+
+def clip_function(trainer: Trainer) -> Callable[[list[torch.nn.Parameter]], None] | None:
+    """The Trainer's ``gradient_clip_val`` / ``gradient_clip_algorithm`` as a function of the stage's parameters."""
+    value = trainer.gradient_clip_val
+    if not value:
+        return None
+    algorithm = trainer.gradient_clip_algorithm or "norm"
+
+    def clip(params: list[torch.nn.Parameter]) -> None:
+        if algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, value)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, value)
+
+    return clip
+
+
+def measure_block_costs(strategy: Any, trainer: Trainer) -> BlockCosts | None:
+    """Time every block's forward+backward on one sample micro-batch of the training data (the unchanged module,
+    before any carving). Every rank draws the same sample, so a dataloader with side effects stays in step across
+    ranks; rank 0 measures and shares the result, so every rank plans the same split. The RNG state is restored
+    afterwards. A dataloader, module or step that cannot be timed falls back to parameter counts (logged)."""
+    if trainer.state.fn != TrainerFn.FITTING:
+        return None
+    module = strategy.lightning_module
+    costs: BlockCosts | None = None
+    cpu_rng = torch.random.get_rng_state()
+    loader = api.training_dataloader(trainer)
+    try:
+        batch = next(iter(loader))
+        torch.random.set_rng_state(cpu_rng)  # measuring must not change the data order or dropout masks
+        size = microbatch_size(batch)
+        sample = split_microbatches(batch, max(1, min(strategy.num_microbatches, size)))[0]
+
+        def run_step() -> None:
+            with recording_logs(module, [], size, "training_step"), strategy.precision_plugin.train_step_context():
+                loss = extract_loss(module.training_step(sample, 0), "training_step")
+            loss.backward()
+            module.zero_grad(set_to_none=True)
+
+        if strategy.is_global_zero:
+            costs = profile_block_costs(module, strategy.config.block_container, run_step)
+    except (RuntimeError, ValueError, TypeError, StopIteration) as err:  # an iterable dataset, no grads, ...
+        log.warning(f"lightning_paci: block timing not possible ({type(err).__name__}: {err}); balancing by "
+                    f"parameter count")
+    finally:
+        torch.random.set_rng_state(cpu_rng)
+    return strategy.broadcast(costs, src=0)
+
+
+def must_drain(trainer: Trainer, batch_idx: int) -> bool:
+    """Whether this call is the last before validation, an epoch end or the end of training."""
+    if trainer.should_stop or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        return True
+    if batch_idx + 1 >= trainer.num_training_batches:
+        return True
+    # Lightning counts a step every `accumulate_grad_batches` batches (aligned to the epoch start)
+    closes_step = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+    max_steps = trainer.max_steps
+    if max_steps is not None and max_steps >= 0 and closes_step and trainer.global_step + 1 >= max_steps:
+        return True
+    return api.should_validate_after_batch(trainer)
