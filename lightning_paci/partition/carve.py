@@ -14,8 +14,9 @@ Two forward pre-hooks mark the boundaries:
 What crosses a boundary is therefore exactly what the next block is called with: hidden states, attention masks,
 rotary position embeddings, ``None`` caches, ints. Modules with parameters registered before the container (an
 embedding) live on stage 0, those registered after it (final norm, LM head) on the last stage; parameter-free
-modules stay everywhere. On other stages they are placeholders that pass their first argument through, which the
-ingress hook then replaces::
+modules stay everywhere. On other stages every removed module is a placeholder that returns zeros of the real
+output's form (a block whose output has its input's form passes the input through), which the ingress hook then
+replaces::
 
     stage 0:  embed -> [b0 b1] -> (egress: capture args of b2, stop)
     stage 1:  (placeholder) -> [pass pass] -> (ingress: args of b2) b2 b3 -> norm -> head -> loss
@@ -52,7 +53,7 @@ class _Placeholder(nn.Module):
     afterwards (its value is replaced at this stage's ingress anyway).
     """
 
-    def __init__(self, owner: str, shadow: nn.Module | None = None, *, may_pass_through: bool = False) -> None:
+    def __init__(self, owner: str, shadow: nn.Module, *, may_pass_through: bool = False) -> None:
         super().__init__()
         self.owner = owner
         # kept outside nn.Module registration: the shadow's meta parameters must not appear in state_dict()
@@ -62,14 +63,14 @@ class _Placeholder(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else next(iter(kwargs.values()), None)
-        shadow = self.__dict__["_shadow"]
-        if shadow is None or self._pass_through:
+        if self._pass_through:
             return first
+        shadow = self.__dict__["_shadow"]
         device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
         try:
             with torch.no_grad():
                 out = shadow(*map_tensors(args, _to_meta), **map_tensors(kwargs, _to_meta))
-        except Exception as err:  # an op without a meta kernel: fall back to passing the input through
+        except Exception as err:  # e.g. an op without a meta kernel: the output form is unknown, so stop and say why
             raise RuntimeError(
                 f"Could not infer the output form of {type(shadow).__name__} (owned by {self.owner}) on the meta "
                 f"device: {err}. Move the code that uses its output into a module on the same stage, or place the "
@@ -129,11 +130,9 @@ class StageCarve:
         for name, original in self.removed.items():
             parent_name, _, child = name.rpartition(".")
             parent = module.get_submodule(parent_name) if parent_name else module
-            placeholder = parent._modules[child]
             device = next((p.device for p in module.parameters() if p.device.type != "meta"), torch.device("cpu"))
             original.to_empty(device=device)
             parent._modules[child] = original
-            del placeholder
         self.removed.clear()
         if full_state is not None:
             module.load_state_dict(full_state, strict=False)
@@ -151,8 +150,8 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
     last = plan.num_stages - 1
     keep = set(plan.blocks(stage))
     removed: dict[str, nn.Module] = {}
-    # untie first: the last stage's user gets its own copy (a replica), so moving the other user's module to the
-    # meta device cannot take the shared tensor with it
+    # untie first: stage 0's user keeps the shared Parameter, the last stage's user gets its own copy (a replica
+    # that its optimizer skips and that receives stage 0's updates, see [Note: tied weights] in schedules.py)
     for _, last_name in plan.tied:
         owner_name, _, attr = last_name.rpartition(".")
         owner = module.get_submodule(owner_name)
@@ -177,7 +176,6 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
     if stage != last:
         for name in plan.after:
             swap(name, f"stage {last}")
-    _check_no_shared_parameters(module, removed)
 
     boundary = BoundaryState()
     handles = []
@@ -201,15 +199,4 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
                   if stage in (0, last)] if plan.tied else []
     return StageCarve(plan=plan, stage=stage, boundary=boundary, removed=removed, handles=handles,
                       tied_params=tied_local)
-
-
-def _check_no_shared_parameters(module: nn.Module, removed: dict[str, nn.Module]) -> None:
-    # A parameter used by two stages (tied embedding / LM head) would have been moved to meta under the other user.
-    meta = [name for name, p in module.named_parameters(remove_duplicate=False) if p.device.type == "meta"]
-    if meta:
-        raise ValueError(
-            f"Parameters {meta[:4]} are shared with modules another stage owns ({', '.join(sorted(removed)[:4])}...): "
-            f"tied weights across pipeline stages are not supported yet. Untie them (e.g. "
-            f"`config.tie_word_embeddings=False`) or keep both users on one stage."
-        )
 

@@ -63,7 +63,7 @@ def _outside_modules(root: nn.Module, container_path: str) -> tuple[list[str], l
     after: list[str] = []
     parts = container_path.split(".") if container_path else []
     node, prefix = root, ""
-    for depth, part in enumerate(parts):
+    for part in parts:
         if any(True for _ in node.parameters(recurse=False)):
             raise ValueError(
                 f"Module `{prefix or type(root).__name__}` on the path to the block container `{container_path}` "
@@ -80,7 +80,6 @@ def _outside_modules(root: nn.Module, container_path: str) -> tuple[list[str], l
             (after if seen_path else before).append(f"{prefix}{name}")
         node = getattr(node, part)
         prefix = f"{prefix}{part}."
-        del depth
     return before, after
 
 
