@@ -17,7 +17,7 @@ from typing import Literal
 from torch import nn
 
 from lightning_paci.partition.blocks import balanced_boundaries, find_block_container, num_params
-from lightning_paci.partition.profile import BlockCosts, canonical_time_split, stage_costs, time_split_wins
+from lightning_paci.partition.profile import BlockCosts, prefer_time_split
 
 __all__ = ["PartitionPlan", "PartitionSpec", "plan_partition"]
 
@@ -95,7 +95,8 @@ def plan_partition(
 
     ``partition``: ``"balanced"`` (default) minimises the largest stage's parameter count, counting the outside
     modules on the first and last stage; with ``measured`` block times it takes the time-balanced split instead
-    when that lowers the slowest stage's time by at least ``TIME_BALANCE_MIN_GAIN``. ``"parameters"`` always
+    when that lowers the slowest stage's time by at least ``TIME_BALANCE_MIN_GAIN`` and ``TIME_BALANCE_MIN_SECONDS``
+    in every measured repetition (``prefer_time_split``). ``"parameters"`` always
     balances parameter counts; ``"uniform"`` gives equal block counts; a list gives the ``num_stages - 1`` block
     indices where stages 1..N-1 start.
     """
@@ -120,13 +121,7 @@ def plan_partition(
             if partition == "balanced" and measured is not None:
                 if len(measured.blocks) != num_blocks:
                     raise AssertionError("measured costs do not match the container")
-                timed = canonical_time_split(measured, num_stages)
-                winner = time_split_wins(bounds, measured, num_stages)
-                by_params, by_time = stage_costs(bounds, measured), stage_costs(timed, measured)
-                timing_note = (f"measured F+B ms per stage: by parameters {[round(1e3 * c, 1) for c in by_params]}, "
-                               f"by time {[round(1e3 * c, 1) for c in by_time]} -> using "
-                               f"{'time' if winner is not None else 'parameters'}")
-                bounds = winner if winner is not None else bounds
+                bounds, timing_note = prefer_time_split(bounds, measured, num_stages)
         else:
             raise ValueError(f"`partition` must be 'balanced', 'parameters', 'uniform' or a list of {num_stages - 1} "
                              f"split indices, got {partition!r}.")

@@ -3,7 +3,7 @@
 Parameter counts are a proxy for time that fails on blocks of equal size and unequal cost (an attention block at a
 long sequence, a block with a custom kernel). The strategy therefore times each block's forward and backward on one
 sample micro-batch of the unchanged module (``profile_block_costs``) and hands the result to ``plan_partition``,
-which takes the time-balanced split only when it clearly wins (``time_split_wins``): timings are noisy, and a
+which takes the time-balanced split only when it clearly wins (``prefer_time_split``): timings are noisy, and a
 partition that flips between runs would change which blocks drift by how much under "paci".
 """
 
@@ -23,6 +23,7 @@ __all__ = [
     "TIME_BALANCE_MIN_SECONDS",
     "BlockCosts",
     "canonical_time_split",
+    "prefer_time_split",
     "profile_block_costs",
     "stage_costs",
     "time_split_wins",
@@ -41,14 +42,18 @@ class BlockCosts:
 
 
 def profile_block_costs(module: nn.Module, container: str | None, run_step: Callable[[], None],
-                        *, repeats: int = 3) -> BlockCosts:
+                        *, repeats: int = 3, clock: Callable[[], float] = time.perf_counter) -> BlockCosts:
     """Time each block's forward and backward while ``run_step`` runs one full forward+backward of the unchanged
-    module (on a sample micro-batch); the median over ``repeats`` runs after one warm-up."""
+    module (on a sample micro-batch); the median over ``repeats`` runs after one warm-up.
+
+    ``clock`` returns seconds; it is read in the block hooks and around ``run_step``, nowhere else. The wall clock
+    is the point in production; a clock that advances by known amounts makes the measured costs -- and so the
+    partition decided from them -- exact, which is how the tests pin the decision rule down without sleeping.
+    """
     _, blocks = find_block_container(module, container)
     n = len(blocks)
     marks: dict[str, float] = {}
     handles = []
-    clock = time.perf_counter
 
     def mark(key: str) -> Callable[..., None]:
         def hook(*_: Any) -> None:
@@ -117,11 +122,22 @@ def canonical_time_split(sample: BlockCosts, num_stages: int, tolerance: float =
     return bounds if max(stage_costs(bounds, sample)) <= limit else optimal
 
 
-def time_split_wins(by_params: list[int], measured: BlockCosts, num_stages: int) -> list[int] | None:
-    """The time split of the median repetition, if it beats the parameter split in *every* repetition."""
+def time_split_wins(slow_params: float, slow_time: float) -> bool:
+    """Whether, in one repetition, the time split's slowest stage (``slow_time`` seconds) is clearly faster than the
+    parameter split's (``slow_params``): by ``TIME_BALANCE_MIN_GAIN`` of it and by ``TIME_BALANCE_MIN_SECONDS``."""
+    return not (slow_time > (1 - TIME_BALANCE_MIN_GAIN) * slow_params
+                or slow_params - slow_time < TIME_BALANCE_MIN_SECONDS)
+
+
+def prefer_time_split(by_params: list[int], measured: BlockCosts, num_stages: int) -> tuple[list[int], str]:
+    """The split to use and a note for the setup log line: the time split of the median repetition if it wins
+    (``time_split_wins``) in *every* repetition, else ``by_params``. The note gives both splits' per-stage times
+    in the median repetition."""
     timed = canonical_time_split(measured, num_stages)
-    for sample in measured.repeats or (measured,):
-        slow_params, slow_time = max(stage_costs(by_params, sample)), max(stage_costs(timed, sample))
-        if slow_time > (1 - TIME_BALANCE_MIN_GAIN) * slow_params or slow_params - slow_time < TIME_BALANCE_MIN_SECONDS:
-            return None
-    return timed
+    wins = all(time_split_wins(max(stage_costs(by_params, sample)), max(stage_costs(timed, sample)))
+               for sample in measured.repeats or (measured,))
+    by_param_ms = [round(1e3 * c, 1) for c in stage_costs(by_params, measured)]
+    by_time_ms = [round(1e3 * c, 1) for c in stage_costs(timed, measured)]
+    note = (f"measured F+B ms per stage: by parameters {by_param_ms}, by time {by_time_ms} -> using "
+            f"{'time' if wins else 'parameters'}")
+    return (timed if wins else by_params), note
