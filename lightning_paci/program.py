@@ -1,7 +1,7 @@
 """Run one micro-batch of an unchanged LightningModule's step on one pipeline stage.
 
 The user's ``training_step(batch, batch_idx)`` is called as written. On a non-last stage it stops inside the model,
-at the egress hook (see [Note: stage boundaries are block inputs] in partition.py), so its loss and logging code
+at the egress hook (see [Note: stage boundaries are block inputs] in partition/carve.py), so its loss and logging code
 never runs there; on the last stage it runs to the end and returns the loss. ``self.log`` calls are recorded
 instead of logged: the strategy replays them on every rank once the records have travelled upstream.
 """

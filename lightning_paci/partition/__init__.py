@@ -1,0 +1,41 @@
+"""Partition an unchanged module into pipeline stages, in place, keeping every parameter's name.
+
+Three steps, one module each, run in this order by the strategy (and by ``ReferencePipeline``):
+
+* ``profile.py``: time each block's forward+backward on a sample micro-batch (``profile_block_costs``);
+* ``plan.py``: choose the block boundaries and the owners of the outside modules (``plan_partition`` ->
+  ``PartitionPlan``), by parameter counts, or by the measured times when they clearly win;
+* ``carve.py``: reduce a module to one stage and install the boundary hooks (``carve_stage`` -> ``StageCarve``);
+  see [Note: stage boundaries are block inputs] there.
+
+``blocks.py`` holds what the first two share: finding the block container and the contiguous min-max split.
+"""
+
+from __future__ import annotations
+
+from lightning_paci.partition.blocks import find_block_container
+from lightning_paci.partition.carve import BoundaryState, StageCarve, StageDone, carve_stage
+from lightning_paci.partition.plan import PartitionPlan, PartitionSpec, plan_partition
+from lightning_paci.partition.profile import (
+    TIME_BALANCE_MIN_GAIN,
+    TIME_BALANCE_MIN_SECONDS,
+    BlockCosts,
+    profile_block_costs,
+    stage_costs,
+)
+
+__all__ = [
+    "TIME_BALANCE_MIN_GAIN",
+    "TIME_BALANCE_MIN_SECONDS",
+    "BlockCosts",
+    "BoundaryState",
+    "PartitionPlan",
+    "PartitionSpec",
+    "StageCarve",
+    "StageDone",
+    "carve_stage",
+    "find_block_container",
+    "plan_partition",
+    "profile_block_costs",
+    "stage_costs",
+]

@@ -1,0 +1,202 @@
+"""Carve one pipeline stage out of an unchanged module, in place, keeping every parameter's name.
+
+[Note: stage boundaries are block inputs]
+A model's ``forward`` is left as the user wrote it. Stage ``s`` owns the blocks ``start .. end-1`` of the repeated-
+block container (an ``nn.Sequential``, or an ``nn.ModuleList`` that ``forward`` loops over); every other block is
+replaced by a parameter-free ``_Placeholder`` so that the union of the stages' state dicts is the full state dict.
+Two forward pre-hooks mark the boundaries:
+
+* ingress (stage ``s > 0``, on block ``start``): replaces that block's ``(args, kwargs)`` by the ones received from
+  stage ``s - 1``;
+* egress (stage ``s < N - 1``, on the placeholder at block ``end``): captures the ``(args, kwargs)`` the next stage's
+  first block would get and ends the forward by raising ``StageDone``.
+
+What crosses a boundary is therefore exactly what the next block is called with: hidden states, attention masks,
+rotary position embeddings, ``None`` caches, ints. Modules with parameters registered before the container (an
+embedding) live on stage 0, those registered after it (final norm, LM head) on the last stage; parameter-free
+modules stay everywhere. On other stages every removed module is a placeholder that returns zeros of the real
+output's form (a block whose output has its input's form passes the input through), which the ingress hook then
+replaces::
+
+    stage 0:  embed -> [b0 b1] -> (egress: capture args of b2, stop)
+    stage 1:  (placeholder) -> [pass pass] -> (ingress: args of b2) b2 b3 -> norm -> head -> loss
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_paci.comm import flatten, map_tensors
+from lightning_paci.partition.plan import PartitionPlan
+
+__all__ = ["BoundaryState", "StageCarve", "StageDone", "carve_stage"]
+
+
+class StageDone(BaseException):
+    """Raised by the egress hook to end a non-last stage's forward inside the user's code.
+
+    A ``BaseException`` so that a user's ``except Exception`` cannot swallow it.
+    """
+
+
+class _Placeholder(nn.Module):
+    """Parameter-free stand-in for a module another stage owns.
+
+    It must return what the real module would return in *form* (structure, shapes, dtypes), or the user's code
+    between it and this stage's first block may fail (an embedding's output dtype feeds mask construction, a block
+    may return a tuple). It runs the original module on the meta device -- no compute, no memory -- and returns
+    zeros of that form. A block whose output has the form of its first argument is learned once and passed through
+    afterwards (its value is replaced at this stage's ingress anyway).
+    """
+
+    def __init__(self, owner: str, shadow: nn.Module, *, may_pass_through: bool = False) -> None:
+        super().__init__()
+        self.owner = owner
+        # kept outside nn.Module registration: the shadow's meta parameters must not appear in state_dict()
+        self.__dict__["_shadow"] = shadow
+        self._may_pass_through = may_pass_through
+        self._pass_through = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if self._pass_through:
+            return first
+        shadow = self.__dict__["_shadow"]
+        device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
+        try:
+            with torch.no_grad():
+                out = shadow(*map_tensors(args, _to_meta), **map_tensors(kwargs, _to_meta))
+        except Exception as err:  # e.g. an op without a meta kernel: the output form is unknown, so stop and say why
+            raise RuntimeError(
+                f"Could not infer the output form of {type(shadow).__name__} (owned by {self.owner}) on the meta "
+                f"device: {err}. Move the code that uses its output into a module on the same stage, or place the "
+                f"module explicitly with `partition=`."
+            ) from err
+        if self._may_pass_through and isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor) and (
+            out.shape == first.shape and out.dtype == first.dtype
+        ):
+            self._pass_through = True
+            return first
+        return map_tensors(out, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device))
+
+    def extra_repr(self) -> str:
+        return f"lives on {self.owner}"
+
+
+def _to_meta(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("meta")
+
+
+def _tensors(structure: Any) -> list[torch.Tensor]:
+    return flatten(structure)[1]
+
+
+@dataclass
+class BoundaryState:
+    """Per-forward state the hooks share with the runtime."""
+
+    incoming: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # (args, kwargs) for the first local block
+    outgoing: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # captured (args, kwargs) for the next stage
+
+
+@dataclass
+class StageCarve:
+    """A module carved down to one stage, with what is needed to put it back together."""
+
+    plan: PartitionPlan
+    stage: int
+    boundary: BoundaryState
+    removed: dict[str, nn.Module]
+    handles: list[Any]
+    tied_params: list[nn.Parameter] = field(default_factory=list)  # stage 0: the owned weights; last: replicas
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.plan.num_stages - 1
+
+    def restore(self, module: nn.Module, full_state: dict[str, torch.Tensor] | None = None) -> None:
+        """Remove the hooks and put the removed modules back (materialised from ``full_state`` when given)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        for name, original in self.removed.items():
+            parent_name, _, child = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            device = next((p.device for p in module.parameters() if p.device.type != "meta"), torch.device("cpu"))
+            original.to_empty(device=device)
+            parent._modules[child] = original
+        self.removed.clear()
+        if full_state is not None:
+            module.load_state_dict(full_state, strict=False)
+        for first, last_name in self.plan.tied:  # tie again: one Parameter object under both names
+            owner_name, _, attr = last_name.rpartition(".")
+            setattr(module.get_submodule(owner_name), attr, module.get_parameter(first))
+
+
+def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarve:
+    """Keep only ``stage``'s parameters in ``module`` (in place) and install the boundary hooks.
+
+    Removed modules are moved to the meta device (their memory is freed) and kept for :meth:`StageCarve.restore`.
+    """
+    container = module.get_submodule(plan.container)
+    last = plan.num_stages - 1
+    keep = set(plan.blocks(stage))
+    removed: dict[str, nn.Module] = {}
+    # untie first: stage 0's user keeps the shared Parameter, the last stage's user gets its own copy (a replica
+    # that its optimizer skips and that receives stage 0's updates, see [Note: tied weights] in schedules.py)
+    for _, last_name in plan.tied:
+        owner_name, _, attr = last_name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        shared = getattr(owner, attr)
+        setattr(owner, attr, nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad))
+
+    def swap(name: str, owner: str, *, is_block: bool = False) -> None:
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        original = parent._modules[child]
+        assert original is not None
+        removed[name] = original.to("meta")
+        parent._modules[child] = _Placeholder(owner, removed[name], may_pass_through=is_block)
+
+    for i in range(plan.num_blocks):
+        if i not in keep:
+            owner = next(s for s in range(plan.num_stages) if i in plan.blocks(s))
+            swap(f"{plan.container}.{i}" if plan.container else str(i), f"stage {owner}", is_block=True)
+    if stage != 0:
+        for name in plan.before:
+            swap(name, "stage 0")
+    if stage != last:
+        for name in plan.after:
+            swap(name, f"stage {last}")
+
+    boundary = BoundaryState()
+    handles = []
+    blocks = plan.blocks(stage)
+    if stage > 0:
+        def ingress(_module: nn.Module, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            if boundary.incoming is None:
+                raise AssertionError(f"stage {stage}: block {blocks.start} ran without a received input")
+            return boundary.incoming
+
+        handles.append(container[blocks.start].register_forward_pre_hook(ingress, with_kwargs=True))
+    if stage < last:
+        def egress(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            boundary.outgoing = (tuple(args), dict(kwargs))
+            raise StageDone
+
+        handles.append(container[blocks.stop].register_forward_pre_hook(egress, with_kwargs=True))
+    names = dict(module.named_parameters())
+    tied_local = [names[first if stage == 0 else last_name] for first, last_name in plan.tied
+                  if stage in (0, last)] if plan.tied else []
+    return StageCarve(plan=plan, stage=stage, boundary=boundary, removed=removed, handles=handles,
+                      tied_params=tied_local)
+

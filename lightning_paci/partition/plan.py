@@ -1,0 +1,200 @@
+"""Which blocks and which outside modules each pipeline stage owns: the ``PartitionPlan``.
+
+A plan is computed once, from the unchanged module, identically on every rank; carving (carve.py) then only
+executes it. Besides the block boundaries it fixes the owners of everything outside the block container: modules
+with parameters registered before it (an embedding) go to stage 0, those registered after it (final norm, LM head)
+to the last stage, parameter-free ones run everywhere. A parameter registered under two names on two stages is
+supported in one shape only -- an embedding tied to an LM head, stage 0 and the last stage -- and the plan records
+that pair so that carving can give the last stage a replica (see [Note: tied weights] in schedules.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import nn
+
+from lightning_paci.partition.blocks import balanced_boundaries, find_block_container, num_params
+from lightning_paci.partition.profile import BlockCosts, prefer_time_split
+
+__all__ = ["PartitionPlan", "PartitionSpec", "plan_partition"]
+
+PartitionSpec = Literal["balanced", "parameters", "uniform"] | Sequence[int]
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """Which blocks and outside modules each stage owns. ``boundaries[s] .. boundaries[s+1]-1`` are stage ``s``'s
+    blocks; ``before`` modules live on stage 0, ``after`` modules on the last stage (dotted names)."""
+
+    container: str
+    num_blocks: int
+    boundaries: tuple[int, ...]
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    stage_params: tuple[int, ...] = field(default=())
+    tied: tuple[tuple[str, str], ...] = ()  # (name on stage 0, name on the last stage) of each tied weight
+    note: str = ""  # how the split was chosen (measured times), for the setup log line
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.boundaries) - 1
+
+    def blocks(self, stage: int) -> range:
+        return range(self.boundaries[stage], self.boundaries[stage + 1])
+
+    def describe(self) -> str:
+        parts = []
+        for s in range(self.num_stages):
+            blocks = self.blocks(s)
+            extra = (" + " + ", ".join(self.before) if s == 0 and self.before else "") + (
+                " + " + ", ".join(self.after) if s == self.num_stages - 1 and self.after else "")
+            count = f", {self.stage_params[s]:,} params" if self.stage_params else ""
+            parts.append(f"stage {s}: {self.container}[{blocks.start}:{blocks.stop}]{extra}{count}")
+        tied = f"; tied {', '.join(f'{a} = {b}' for a, b in self.tied)} (owned by stage 0)" if self.tied else ""
+        return "; ".join(parts) + tied + (f" ({self.note})" if self.note else "")
+
+
+def _outside_modules(root: nn.Module, container_path: str) -> tuple[list[str], list[str]]:
+    """Parameterized modules outside the container, split by registration order relative to the path to it."""
+    before: list[str] = []
+    after: list[str] = []
+    parts = container_path.split(".") if container_path else []
+    node, prefix = root, ""
+    for part in parts:
+        if any(True for _ in node.parameters(recurse=False)):
+            raise ValueError(
+                f"Module `{prefix or type(root).__name__}` on the path to the block container `{container_path}` "
+                f"holds parameters directly ({', '.join(n for n, _ in node.named_parameters(recurse=False))}); "
+                f"they cannot be assigned to one stage. Move them into a submodule (e.g. an nn.Embedding)."
+            )
+        seen_path = False
+        for name, child in node.named_children():
+            if name == part:
+                seen_path = True
+                continue
+            if num_params(child) == 0:
+                continue  # parameter-free modules (dropout, rotary tables) run on every stage
+            (after if seen_path else before).append(f"{prefix}{name}")
+        node = getattr(node, part)
+        prefix = f"{prefix}{part}."
+    return before, after
+
+
+def plan_partition(
+    module: nn.Module,
+    num_stages: int,
+    *,
+    container: str | None = None,
+    partition: PartitionSpec = "balanced",
+    measured: BlockCosts | None = None,
+) -> PartitionPlan:
+    """Plan the split of ``module`` into ``num_stages`` stages.
+
+    ``partition``: ``"balanced"`` (default) minimises the largest stage's parameter count, counting the outside
+    modules on the first and last stage; with ``measured`` block times it takes the time-balanced split instead
+    when that lowers the slowest stage's time by at least ``TIME_BALANCE_MIN_GAIN`` and ``TIME_BALANCE_MIN_SECONDS``
+    in every measured repetition (``prefer_time_split``). ``"parameters"`` always
+    balances parameter counts; ``"uniform"`` gives equal block counts; a list gives the ``num_stages - 1`` block
+    indices where stages 1..N-1 start.
+    """
+    path, blocks = find_block_container(module, container)
+    num_blocks = len(blocks)
+    if num_blocks < num_stages:
+        raise ValueError(
+            f"Cannot split `{path}` ({type(blocks).__name__} of {num_blocks} blocks) of {type(module).__name__} into "
+            f"{num_stages} stages: every stage needs at least one block. Use at most {num_blocks} devices, or a model "
+            f"with more blocks."
+        )
+    before, after = _outside_modules(module, path)
+    first_extra = sum(num_params(module.get_submodule(n)) for n in before)
+    last_extra = sum(num_params(module.get_submodule(n)) for n in after)
+    timing_note = ""
+    if isinstance(partition, str):
+        if partition == "uniform":
+            bounds = [round(s * num_blocks / num_stages) for s in range(num_stages + 1)]
+        elif partition in ("balanced", "parameters"):
+            bounds = balanced_boundaries([float(num_params(b)) for b in blocks], float(first_extra),
+                                         float(last_extra), num_stages)
+            if partition == "balanced" and measured is not None:
+                if len(measured.blocks) != num_blocks:
+                    raise AssertionError("measured costs do not match the container")
+                bounds, timing_note = prefer_time_split(bounds, measured, num_stages)
+        else:
+            raise ValueError(f"`partition` must be 'balanced', 'parameters', 'uniform' or a list of {num_stages - 1} "
+                             f"split indices, got {partition!r}.")
+    else:
+        splits = list(partition)
+        bounds = [0, *splits, num_blocks]
+        if len(splits) != num_stages - 1 or any(not isinstance(b, int) for b in splits) or any(
+            bounds[i] >= bounds[i + 1] for i in range(num_stages)
+        ):
+            example = [round(s * num_blocks / num_stages) for s in range(1, num_stages)]
+            raise ValueError(
+                f"`partition={partition!r}` must list the {num_stages - 1} strictly increasing block indices where "
+                f"stages 1..{num_stages - 1} start, each in 1..{num_blocks - 1} (e.g. {example})."
+            )
+    stage_params = []
+    for s in range(num_stages):
+        count = sum(num_params(blocks[i]) for i in range(bounds[s], bounds[s + 1]))
+        count += first_extra if s == 0 else 0
+        count += last_extra if s == num_stages - 1 else 0
+        stage_params.append(count)
+    empty = [s for s, c in enumerate(stage_params) if c == 0]
+    if empty:
+        raise ValueError(
+            f"Stage(s) {empty} of the split {bounds} of `{path}` own no parameters (their blocks are parameter-free, "
+            f"e.g. activations), so their optimizer would be empty. Use `partition='balanced'` or give explicit "
+            f"split indices that put at least one parameterized block on every stage."
+        )
+    tied = _find_tied(module, path, bounds, before, after)
+    if tied:  # a tied weight counts once, on stage 0
+        names = dict(module.named_parameters(remove_duplicate=False))
+        stage_params[-1] -= sum(names[last].numel() for _, last in tied)
+    return PartitionPlan(container=path, num_blocks=num_blocks, boundaries=tuple(bounds), before=tuple(before),
+                         after=tuple(after), stage_params=tuple(stage_params), tied=tied, note=timing_note)
+
+
+def _owner_stage(name: str, container: str, bounds: Sequence[int], before: Sequence[str],
+                 after: Sequence[str]) -> int | None:
+    num_stages = len(bounds) - 1
+    if any(name == b or name.startswith(b + ".") for b in before):
+        return 0
+    if any(name == a or name.startswith(a + ".") for a in after):
+        return num_stages - 1
+    prefix = f"{container}." if container else ""
+    if name.startswith(prefix):
+        index = int(name[len(prefix):].split(".")[0])
+        return next(s for s in range(num_stages) if bounds[s] <= index < bounds[s + 1])
+    return None
+
+
+def _find_tied(module: nn.Module, container: str, bounds: Sequence[int], before: Sequence[str],
+               after: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """Parameters registered under several names on different stages. Supported: one user on stage 0 and one on
+    the last stage (an embedding tied to an LM head); see [Note: tied weights] in schedules.py."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    num_stages = len(bounds) - 1
+    tied = []
+    for group in names.values():
+        if len(group) < 2:
+            continue
+        owners = {n: _owner_stage(n, container, bounds, before, after) for n in group}
+        stages = set(owners.values())
+        if len(stages) == 1:
+            continue  # every user on one stage: nothing crosses a boundary
+        first = [n for n, s in owners.items() if s == 0]
+        last = [n for n, s in owners.items() if s == num_stages - 1]
+        if len(group) == 2 and len(first) == 1 and len(last) == 1:
+            tied.append((first[0], last[0]))
+            continue
+        raise ValueError(
+            f"Parameter {group} is used on stages {sorted(s for s in stages if s is not None)}: only weights tied "
+            f"between the first and the last stage (an embedding and an LM head) are supported. Untie it, or choose "
+            f"`partition=` split indices that keep all its users on one stage."
+        )
+    return tuple(tied)
