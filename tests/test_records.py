@@ -85,7 +85,8 @@ def test_a_2000_batch_stream_keeps_every_stage_record_constant_after_the_cap():
         assert max(sizes[1998][s].values()) <= retention
         assert runtimes[s].records.num_backwards == num_batches * m  # the counters keep counting
     assert runtimes[-1].records.losses.count == num_batches * m
-    assert all(sink.calls == num_batches for sink in sinks)  # every mini-batch's train_loss replayed once per rank
+    # the last stage replays each mini-batch in its own call; upstream ranks merge the ones the drain completes
+    assert sinks[-1].calls == num_batches and all(num_batches - num_stages < sink.calls for sink in sinks)
     assert all(not r.logs and not r.held for r in runtimes)
 
 

@@ -297,19 +297,28 @@ def test_validation_runs_through_the_pipeline_after_a_drain(tmp_path):
     assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(float(expected), rel=1e-5)
 
 
-def test_setup_logs_the_time_balanced_split(tmp_path):
-    from test_partition import SleepyBlock
+def test_setup_logs_the_time_balanced_split(tmp_path, monkeypatch):
+    # block times come from a clock the blocks themselves advance, so CPU load cannot change the decision
+    from functools import partial
 
-    class Sleepy(SequentialMLP):
+    from test_partition import FakeClock, TickBlock
+
+    from lightning_paci import trainer_glue
+    from lightning_paci.partition import profile_block_costs
+
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_glue, "profile_block_costs", partial(profile_block_costs, clock=clock))  # forked
+
+    class Ticking(SequentialMLP):
         def __init__(self):
             super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), *[SleepyBlock(16, 0.004) for _ in range(6)],
-                                           SleepyBlock(16, 0.012), torch.nn.Linear(16, 4))
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), *[TickBlock(16, clock, 0.004) for _ in range(6)],
+                                           TickBlock(16, clock, 0.012), torch.nn.Linear(16, 4))
 
-    fit(Sleepy(), regression_loader(num_batches=3), devices=4, max_steps=2, microbatches=4,
+    fit(Ticking(), regression_loader(num_batches=3), devices=4, max_steps=2, microbatches=4,
         callbacks=[DumpStageRecords(tmp_path)])
     line = read_stage_records(tmp_path, 4)[0]["plan"]  # the text of the setup log line
-    assert "measured F+B ms per stage: by parameters [" in line and "-> using time" in line
+    assert "by parameters [8.0, 16.0, 16.0, 32.0], by time [24.0, 24.0, 24.0, 0.0] -> using time" in line
     assert "stage 2: net[7:8]" in line  # the slow block alone on its stage
 
 
