@@ -1,5 +1,5 @@
-"""What the strategy reads from the Trainer: the checks at setup, gradient clipping, a sample batch for block
-timing, and whether the current batch is the last before a drain point."""
+"""What the strategy reads from, and changes in, the Trainer: the checks at setup, gradient clipping, a sample batch
+for block timing, whether the current batch is the last before a drain point, and the two patches training needs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_paci import lightning_api as api
 from lightning_paci.logs import recording_logs
@@ -17,7 +18,8 @@ from lightning_paci.microbatch import microbatch_size, split_microbatches
 from lightning_paci.partition import BlockCosts, profile_block_costs
 from lightning_paci.program import extract_loss
 
-__all__ = ["SUPPORTED_PRECISION", "check_trainer", "clip_function", "measure_block_costs", "must_drain"]
+__all__ = ["SUPPORTED_PRECISION", "check_trainer", "clip_function", "measure_block_costs", "must_drain",
+           "patch_for_pipeline"]
 
 log = logging.getLogger(__name__)
 
@@ -105,3 +107,29 @@ def must_drain(trainer: Trainer, batch_idx: int) -> bool:
     if max_steps is not None and max_steps >= 0 and closes_step and trainer.global_step + 1 >= max_steps:
         return True
     return api.should_validate_after_batch(trainer)
+
+
+def patch_for_pipeline(trainer: Trainer, module: LightningModule,
+                       owned_schedulers: list[Any]) -> list[Callable[[], None]]:
+    """Patch what would break a flush-free pipeline; return the functions that undo the patches.
+
+    * ``module.lr_scheduler_step`` skips the "step"-interval schedulers the stage optimizer steps itself (per local
+      update; Lightning would step them once per Lightning optimizer step);
+    * the epoch loop's per-batch SIGTERM broadcast from rank 0 (a full barrier on gloo) becomes a local check
+      (Lightning's launchers deliver the signal to every process).
+    """
+    original = module.lr_scheduler_step
+
+    def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+        if not any(scheduler is s for s in owned_schedulers):
+            original(scheduler, metric)
+
+    def local_sigterm_check() -> None:
+        if getattr(trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    return [
+        api.patch_method(module, "lr_scheduler_step", lr_scheduler_step, parameters=("scheduler", "metric")),
+        api.patch_method(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", local_sigterm_check,
+                         parameters=()),
+    ]

@@ -1,0 +1,135 @@
+"""``PipelineStage``: this process's part of the pipeline and everything that runs it.
+
+The strategy (strategy.py) is Lightning plumbing; what a stage *is* -- its carved module, its runtime, its stream
+driver, its log relay, its evaluator -- lives here, built once at setup, so that each Lightning hook delegates in a
+line or two and the pieces can be read (and tested) without a Trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_paci.checkpoint import PipelineCheckpoints, cpu_state
+from lightning_paci.comm import Comm
+from lightning_paci.config import PACIConfig
+from lightning_paci.driver import StreamDriver
+from lightning_paci.evaluation import PipelineEvaluator
+from lightning_paci.logs import LogRelay
+from lightning_paci.microbatch import loss_scale_for
+from lightning_paci.partition import PartitionPlan, StageCarve
+from lightning_paci.program import LightningStageProgram
+from lightning_paci.runtime import StageRuntime
+from lightning_paci.stage_optimizer import StageOptimizer
+
+__all__ = ["PipelineStage"]
+
+log = logging.getLogger(__name__)
+
+_Context = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+class PipelineStage:
+    """One stage: the carved module and, once training is set up, its runtime, driver and log relay.
+
+    Args:
+        module: the user's LightningModule, carved in place to this stage (``carve``).
+        plan: the partition every stage agreed on.
+        config: the strategy's options; num_microbatches: micro-batches per Lightning batch.
+        comm: point-to-point messages to the other stages (a new one per use: evaluation, training).
+        broadcast: ``broadcast(obj, src)`` over all stages, for evaluation's log records.
+        eval_context: the precision plugin's evaluation context.
+    """
+
+    def __init__(self, module: LightningModule, plan: PartitionPlan, carve: StageCarve, *, config: PACIConfig,
+                 num_microbatches: int, comm: Callable[[], Comm], broadcast: Callable[[Any, int], Any],
+                 eval_context: _Context) -> None:
+        self.module, self.plan, self.carve, self.config = module, plan, carve, config
+        self.num_microbatches = num_microbatches
+        self._comm = comm
+        self.evaluator = PipelineEvaluator(module, carve, comm(), num_microbatches=num_microbatches,
+                                           broadcast=broadcast, context=eval_context)
+        self.runtime: StageRuntime | None = None
+        self.driver: StreamDriver | None = None
+        self.relay = LogRelay(num_microbatches)
+
+    @property
+    def index(self) -> int:
+        return self.carve.stage
+
+    def start_training(self, optimizers: list[torch.optim.Optimizer], *, schedulers: list[Any], accumulation: int,
+                       clip: Callable[[list[torch.nn.Parameter]], None] | None, train_context: _Context) -> None:
+        """Wrap the stage's optimizer (see [Note: alias optimizer]) and build the runtime and stream driver."""
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"`configure_optimizers` returned {len(optimizers)} optimizers; `PACIStrategy` steps exactly one "
+                f"optimizer per stage. Return a single optimizer (param groups may differ per submodule)."
+            )
+        optimizer = optimizers[0]
+        carve, last = self.carve, self.plan.num_stages - 1
+        replicas = carve.tied_params if self.index == last else []
+        stage_optimizer = StageOptimizer(optimizer, list(self.module.parameters()), schedulers=schedulers, clip=clip,
+                                         exclude=replicas)
+        program = LightningStageProgram(self.module, carve, context=train_context)
+        self.runtime = StageRuntime(self.index, self.plan.num_stages, program, self._comm(), stage_optimizer,
+                                    loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
+                                    skip_nonfinite=self.config.nonfinite == "skip")
+        self.driver = StreamDriver(self.runtime, schedule=self.config.schedule, num_microbatches=self.num_microbatches,
+                                   accumulation=accumulation, tied=bool(self.plan.tied),
+                                   max_stream_batches=self.config.max_stream_batches)
+        self.relay = LogRelay(self.num_microbatches)
+
+    def train(self, batch: Any, batch_idx: int, *, label: str, drain: bool) -> float:
+        """Feed one Lightning batch; replay the logs of every mini-batch complete here; return the last mean loss
+        replayed on this rank (NaN before the first one arrives)."""
+        runtime, driver = self.runtime, self.driver
+        if runtime is None or driver is None:
+            raise RuntimeError("PipelineStage.train before start_training")
+        runtime.step_label = label
+        driver.feed(batch, batch_idx, drain=drain)
+        self.relay.emit(self.module, runtime.logs)
+        return self.relay.last_loss
+
+    def drain(self) -> None:
+        if self.driver is not None:
+            self.driver.drain()
+
+    def evaluate(self, step_name: str, batch: Any, rest: tuple[Any, ...]) -> Any:
+        return self.evaluator.step(step_name, batch, rest)
+
+    def optimizer_state(self, checkpoints: PipelineCheckpoints) -> dict[str, Any]:
+        """The checkpoint's optimizer entry (see checkpoint.py): name-keyed state and the accumulation counters."""
+        runtime = self.runtime
+        assert runtime is not None and runtime.optimizer is not None
+        return checkpoints.optimizer_state(runtime.optimizer, self.module, backwards=runtime.microbatch_base,
+                                           steps=runtime.version)
+
+    def load_optimizer_state(self, checkpoints: PipelineCheckpoints, checkpoint: dict[str, Any]) -> None:
+        """Resume the optimizer state and the counters, so the next step falls where the saved run's would."""
+        runtime = self.runtime
+        assert runtime is not None and runtime.optimizer is not None
+        num_stages, runtime.microbatch_base, runtime.version = checkpoints.load_optimizer_state(
+            checkpoint, runtime.optimizer, self.module)
+        if num_stages != self.plan.num_stages:
+            rank_zero_info(f"lightning_paci: resumed a {num_stages}-stage checkpoint on {self.plan.num_stages} "
+                           f"stages (weights and optimizer state repartitioned by parameter name)")
+
+    def restore_full_model(self, *, gather: bool) -> None:
+        """Put the other stages' modules back, holding the complete trained weights (gathered from every stage
+        when ``gather``; a failed gather leaves them as they were at carving, with a warning)."""
+        full = None
+        if gather:
+            try:
+                gathered: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, cpu_state(self.module))
+                full = {k: v for part in gathered for k, v in part.items()}
+            except (RuntimeError, ConnectionError) as err:
+                log.warning(f"lightning_paci: could not gather the full weights at teardown: {err}")
+        self.carve.restore(self.module, full)
