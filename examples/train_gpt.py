@@ -60,9 +60,11 @@ class GPT(L.LightningModule):
                  warmup: int = 15, max_steps: int = 150) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # byte-level vocabulary: GPT-2's default bos/eos id 50256 would lie outside it
         config = GPT2Config(vocab_size=256, n_positions=context, n_embd=width, n_layer=layers, n_head=heads,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
         self.model = GPT2LMHeadModel(config)
+        self.model.loss_type = "ForCausalLM"  # transformers cannot infer it from the class name "GPT2LMHeadModel"
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_paci import lightning_api as api
 from lightning_paci.config import PACIConfig
-from lightning_paci.supervision import StageWatchdog, connect_store
+from lightning_paci.supervision import StageWatchdog, connect_store, print_setup_errors_once
 
 __all__ = ["PipelineProcesses"]
 
@@ -117,6 +117,7 @@ class PipelineProcesses(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
+        print_setup_errors_once(self.global_rank)
         if self._process_group_backend is None:
             self._process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         kwargs: dict[str, Any] = {"timeout": self.config.timeout}

@@ -39,6 +39,7 @@ from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage, 
 from lightning_paci.runtime import StageRuntime
 from lightning_paci.stage import PipelineStage
 from lightning_paci.stage_optimizer import optimizer_and_step_schedulers
+from lightning_paci.supervision import mark_setup_error
 from lightning_paci.trainer_glue import check_trainer, clip_function, measure_block_costs, must_drain, patch_for_pipeline
 from lightning_paci.processes import PipelineProcesses
 
@@ -102,10 +103,6 @@ class PACIStrategy(PipelineProcesses):
         self._undo_patches: list[Callable[[], None]] = []
 
     @property
-    def schedule_name(self) -> str:
-        return self.config.schedule
-
-    @property
     def num_microbatches(self) -> int:
         return self.config.microbatches or self.num_stages
 
@@ -130,6 +127,12 @@ class PACIStrategy(PipelineProcesses):
     # -- setup ----------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer) -> None:
+        try:
+            self._setup(trainer)
+        except (ValueError, TypeError, api.LightningAPIError) as err:  # the same on every rank: print it once
+            raise mark_setup_error(err)
+
+    def _setup(self, trainer: Trainer) -> None:
         self._trainer = trainer
         module = self.lightning_module
         assert module is not None
@@ -195,10 +198,9 @@ class PACIStrategy(PipelineProcesses):
     def on_train_end(self) -> None:
         self._drain()
 
-    # -- evaluation -----------------------------------------------------------------------------------------------
     def _evaluate(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        assert self._stage is not None
         batch = kwargs.pop("batch", args[0] if args else None)
+        assert self._stage is not None
         return self._stage.evaluate(step_name, batch, args[1:] if args else tuple(kwargs.values()))
 
     @override

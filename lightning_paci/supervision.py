@@ -26,7 +26,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["StageFailure", "StageWatchdog", "connect_store"]
+__all__ = ["StageFailure", "StageWatchdog", "connect_store", "mark_setup_error", "print_setup_errors_once"]
 
 FAILED_KEY = "paci/failed"
 
@@ -122,3 +122,35 @@ class StageWatchdog:
             elif now - since > self.dead_after:
                 return other, f"stopped responding (no heartbeat for {now - since:.0f} s: killed, out of memory or hung)"
         return None
+
+
+_SETUP_MARK = "_lightning_paci_setup_error"
+
+
+def mark_setup_error(error: BaseException) -> BaseException:
+    """Mark an error raised by the checks at setup: every rank runs the same checks and raises the same error."""
+    setattr(error, _SETUP_MARK, True)
+    return error
+
+
+def print_setup_errors_once(rank: int) -> None:
+    """On ranks other than 0, report a marked setup error in one line instead of a full traceback.
+
+    A setup error is the same on every rank; with the default launcher each rank is its own Python process, and
+    8 stages printed 8 identical tracebacks (186 lines) for one bad option. Rank 0 prints the traceback; the others
+    print one line that names their rank and points at it. Any other uncaught exception is reported as before.
+    """
+    if rank == 0:
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        if getattr(value, _SETUP_MARK, False):
+            first_line = str(value).splitlines()[0] if str(value) else ""
+            print(f"lightning_paci: rank {rank} stopped at setup with the error rank 0 reports in full: "
+                  f"{kind.__name__}: {first_line}", file=sys.stderr)
+        else:
+            previous(kind, value, traceback)
+
+    sys.excepthook = hook
+

@@ -233,6 +233,7 @@ def test_a_custom_checkpoint_io_writes_the_consolidated_file(tmp_path):
         enable_model_summary=False, use_distributed_sampler=False,
         callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="last")])
     trainer.fit(model, regression_loader(num_batches=2))
-    calls = (tmp_path / "calls.txt").read_text().split("\n")
-    assert calls[0] == f"{tmp_path / 'last.ckpt'} None" and calls[1:] == [""]  # rank 0 wrote it, once
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    # rank 0 wrote the checkpoint once (the fork launcher also hands rank 0's weights back through the same IO)
+    assert [c for c in calls if c.startswith(str(tmp_path))] == [f"{tmp_path / 'last.ckpt'} None"]
     assert sorted(torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]) == sorted(model.state_dict())

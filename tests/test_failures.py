@@ -12,6 +12,8 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.multiprocessing import ProcessRaisedException
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -103,7 +105,7 @@ def _nan_loader(batch: int = 3) -> DataLoader:
 
 
 def test_a_nan_loss_stops_the_run_naming_the_stage_and_the_step():
-    with pytest.raises(Exception, match=r"stage 3: the loss of micro-batch 14 is nan at Lightning batch 3"):
+    with pytest.raises(ProcessRaisedException, match=r"stage 3: the loss of micro-batch 14 is nan at Lightning batch 3"):
         fit(SequentialMLP(), _nan_loader(), devices=4, max_steps=6, microbatches=4, partition="parameters")
 
 
@@ -120,7 +122,7 @@ def test_nonfinite_skip_drops_the_microbatch_and_training_goes_on(tmp_path):
 # -- bad input at setup: the message names the argument and the fix ---------------------------------------------
 
 def test_more_stages_than_blocks():
-    with pytest.raises(Exception, match=r"Cannot split `blocks` \(ModuleList of 2 blocks\).*at most 2 devices"):
+    with pytest.raises(ProcessRaisedException, match=r"Cannot split `blocks` \(ModuleList of 2 blocks\).*at most 2 devices"):
         fit(LoopTransformer(layers=2), token_loader(), devices=4)
 
 
@@ -129,19 +131,19 @@ def test_optimizer_over_parameters_that_are_not_the_modules():
         def configure_optimizers(self):
             return torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
 
-    with pytest.raises(Exception, match=r"not one of this stage's module parameters.*`configure_optimizers`"):
+    with pytest.raises(ProcessRaisedException, match=r"not one of this stage's module parameters.*`configure_optimizers`"):
         fit(Foreign(), regression_loader(), devices=2)
 
 
 def test_unsupported_precision():
-    with pytest.raises(Exception, match=r"`Trainer\(precision='16-true'\)` is not supported.*bf16-mixed"):
+    with pytest.raises(ProcessRaisedException, match=r"`Trainer\(precision='16-true'\)` is not supported.*bf16-mixed"):
         fit(SequentialMLP(), regression_loader(), devices=2, trainer_kwargs={"precision": "16-true"})
 
 
 def test_cuda_requested_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    with pytest.raises(Exception, match=r"(?i)cuda.*not available|can not run on your system"):
+    with pytest.raises(MisconfigurationException, match=r"(?i)cuda.*not available|can not run on your system"):
         L.Trainer(strategy="paci", accelerator="cuda", devices=2)
 
 
@@ -161,3 +163,20 @@ def test_bad_failure_options(kwargs, argument):
 
 
 assert timedelta
+
+
+def test_a_setup_error_is_printed_in_full_by_rank_0_and_in_one_line_by_the_others(capsys, monkeypatch):
+    import sys
+
+    from lightning_paci.supervision import mark_setup_error, print_setup_errors_once
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    print_setup_errors_once(0)
+    assert sys.excepthook is sys.__excepthook__  # rank 0 keeps the full traceback
+    print_setup_errors_once(3)
+    error = mark_setup_error(ValueError("Cannot split `blocks` into 4 stages.\nPass `devices=2`."))
+    sys.excepthook(ValueError, error, None)
+    assert capsys.readouterr().err == ("lightning_paci: rank 3 stopped at setup with the error rank 0 reports in "
+                                       "full: ValueError: Cannot split `blocks` into 4 stages.\n")
+    sys.excepthook(RuntimeError, RuntimeError("stage 3 only"), None)  # not a setup error: reported as before
+    assert capsys.readouterr().err == "RuntimeError: stage 3 only\n"

@@ -7,6 +7,7 @@ import math
 import copy
 
 import pytest
+from torch.multiprocessing import ProcessRaisedException
 import torch
 
 from helpers import RecordLosses, fit
@@ -80,7 +81,7 @@ def test_batch_smaller_than_the_microbatch_count_fails_clearly():
     from torch.utils.data import DataLoader, TensorDataset
 
     loader = DataLoader(TensorDataset(torch.randint(0, 64, (11, 8))), batch_size=8)  # last batch: 3 samples
-    with pytest.raises(Exception, match=r"cannot be split into `microbatches=4`"):
+    with pytest.raises(ProcessRaisedException, match=r"cannot be split into `microbatches=4`"):
         fit(HFCausalLM("gpt2"), loader, devices=2, max_steps=-1, trainer_kwargs={"max_epochs": 1}, microbatches=4)
 
 

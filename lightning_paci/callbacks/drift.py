@@ -71,7 +71,7 @@ class DriftMonitor(StageMonitor):
         records = strategy.runtime.records
         records.measure(weight_drift=self.weight_drift)
         self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index)
-        schedule = build(strategy.schedule_name, strategy.num_stages, strategy.num_microbatches,
+        schedule = build(strategy.config.schedule, strategy.num_stages, strategy.num_microbatches,
                          strategy.accumulation, 4 + 2 * strategy.accumulation)
         self._bound = derived_drift_bound(schedule.actions[strategy.stage_index], strategy.accumulation)
         self._seen = records.num_backwards
