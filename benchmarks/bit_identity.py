@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from lightning_paci import ReferencePipeline, build, plan_partition  # noqa: E402
+
 from helpers import DumpLastStageLosses, RecordLosses, fit  # noqa: E402
 from models import HFCausalLM, LoopTransformer, SequentialMLP, regression_loader, token_loader  # noqa: E402
-
-from lightning_paci import ReferencePipeline, build, plan_partition  # noqa: E402
 
 STAGES, MICROBATCHES, ACCUMULATION, STEPS = 4, 4, 2, 6
 

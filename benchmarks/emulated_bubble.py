@@ -14,10 +14,10 @@ import json
 import logging
 import warnings
 
-from emulated import run_emulated, run_seconds
-
 from lightning_paci.schedules import build
 from lightning_paci.simulation import measured_phases, simulate
+
+from emulated import run_emulated, run_seconds
 
 
 def measure(num_stages: int, schedule: str, m: int, k: int, forward_ms: float, backward_ms: float) -> dict:
@@ -26,7 +26,8 @@ def measure(num_stages: int, schedule: str, m: int, k: int, forward_ms: float, b
     t0 = min(iv.start for ivs in stages for iv in ivs)
     t1 = t0 + run_seconds(stages)
     phases = [measured_phases(ivs, m, k, t0, t1) for ivs in stages]
-    predicted = simulate(build(schedule, num_stages, m, m, k), forward_cost=2 * forward_ms, backward_cost=2 * backward_ms)
+    predicted = simulate(build(schedule, num_stages, m, m, k), forward_cost=2 * forward_ms,
+                         backward_cost=2 * backward_ms)
     return {
         "stages": num_stages, "schedule": schedule, "microbatches": m, "minibatches": k,
         "steady_bubble": [p["steady_bubble_fraction"] for p in phases],

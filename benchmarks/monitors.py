@@ -22,10 +22,11 @@ import warnings
 from pathlib import Path
 
 import lightning as L
-from emulated import run_emulated, run_seconds
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_paci import BubbleMonitor, DriftMonitor, TimelineMonitor, build, simulate
+
+from emulated import run_emulated, run_seconds
 
 
 def main() -> None:

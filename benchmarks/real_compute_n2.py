@@ -1,13 +1,14 @@
 """Real compute, no emulation: 2 stages on the 2 cores, paci vs 1f1b throughput for m = 4.
 
-    cd benchmarks && python real_compute_n2.py [--microbatches 4] [--minibatches 12] [--repeats 5] [--dim 1024] [--json out.json]
+    cd benchmarks && python real_compute_n2.py [--microbatches 4] [--minibatches 12] [--repeats 5] [--dim 1024]
+        [--json out.json]
 
 Each stage owns 2 blocks of ``Linear(dim, dim)`` on micro-batches of 256 rows (no sleeps: the time is matrix work,
 one thread per process, one core each), after an elementwise input scale (an embedding's stand-in: the first block's
 input then needs a gradient, so both stages do the same matrix work per backward; without it stage 0 skips one
-product and the stages are unequal, which the (m+1)/m prediction does not assume). The steady rate (stage 0, mini-batches 1..K-2, as in
-vs_torch_pipelining.py) is compared with the bubble-free prediction (m + N - 1) / m for N = 2. Real compute on 2
-shared cores is noisy: runs alternate and the medians are compared.
+product and the stages are unequal, which the (m+1)/m prediction does not assume). The steady rate (stage 0,
+mini-batches 1..K-2, as in vs_torch_pipelining.py) is compared with the bubble-free prediction (m + N - 1) / m for
+N = 2. Real compute on 2 shared cores is noisy: runs alternate and the medians are compared.
 """
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ def train_curve(job: tuple[str, int, argparse.Namespace]) -> dict[str, Any]:
     train = DataLoader(ByteBlocks(data[:split], CONTEXT), batch_size=GLOBAL_BATCH, shuffle=True, drop_last=True,
                        generator=torch.Generator().manual_seed(seed))
     if len(train) < args.max_steps:
-        raise SystemExit(f"--corpus-bytes {args.corpus_bytes} gives {len(train)} batches < --max-steps {args.max_steps}")
+        raise SystemExit(f"--corpus-bytes {args.corpus_bytes} gives {len(train)} batches "
+                         f"< --max-steps {args.max_steps}")
     batches = [b for _, b in zip(range(args.max_steps), train)]
     val = DataLoader(ByteBlocks(data[split:], CONTEXT), batch_size=GLOBAL_BATCH)
     torch.manual_seed(seed)

@@ -15,21 +15,21 @@ import json
 import logging
 import os
 import tempfile
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from emulated import EmulatedModel, emulated_loader, run_emulated, run_seconds
 
 from lightning_paci.comm import DistComm
+from lightning_paci.microbatch import loss_scale_for, split_microbatches
 from lightning_paci.partition import carve_stage, plan_partition
 from lightning_paci.program import LightningStageProgram
-from lightning_paci.microbatch import loss_scale_for, split_microbatches
 from lightning_paci.runtime import StageRuntime
-from lightning_paci.stage_optimizer import StageOptimizer
 from lightning_paci.schedules import build
+from lightning_paci.stage_optimizer import StageOptimizer
+
+from emulated import EmulatedModel, emulated_loader, run_emulated, run_seconds
 
 
 def _bare_worker(rank: int, n: int, m: int, k: int, fwd_ms: float, bwd_ms: float, path: str, out: str) -> None:

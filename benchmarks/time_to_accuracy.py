@@ -49,12 +49,13 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from emulated import OneThread, sleep_until
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_paci import PACIStrategy
+
+from emulated import OneThread, sleep_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import ByteBlocks, stdlib_corpus  # noqa: E402
@@ -236,7 +237,8 @@ def evaluate(directory: Path, versions: list[int], args: argparse.Namespace) -> 
     return losses
 
 
-def run(schedule: str, m: int, seed: int, max_steps: int, args: argparse.Namespace, *, validate: bool = True) -> dict[str, Any]:
+def run(schedule: str, m: int, seed: int, max_steps: int, args: argparse.Namespace, *,
+        validate: bool = True) -> dict[str, Any]:
     train_data, _ = _corpus()
     train = DataLoader(ByteBlocks(train_data, CONTEXT), batch_size=GLOBAL_BATCH, shuffle=True, drop_last=True,
                        generator=torch.Generator().manual_seed(seed))
@@ -275,7 +277,8 @@ def mean_curve(runs: list[dict[str, Any]], scale: float = 1.0) -> list[tuple[int
     out = []
     for points in zip(*(r["curve"] for r in runs)):
         assert len({p[0] for p in points}) == 1, "seeds validated at different steps"
-        out.append((points[0][0], scale * sum(p[1] for p in points) / len(points), sum(p[2] for p in points) / len(points)))
+        out.append((points[0][0], scale * sum(p[1] for p in points) / len(points),
+                    sum(p[2] for p in points) / len(points)))
     return out
 
 
@@ -345,7 +348,8 @@ def main() -> None:
     target = args.target if args.target is not None else max(c[-1][2] for c in curves.values())
     times = {name: time_to(c, target) for name, c in curves.items()}
     best_flush = min((times[f"1f1b m={m}"], m) for m in flush_ms)
-    per_seed = [_speedup(time_to(mean_curve([f]), target), time_to(mean_curve([p]), target)) for p, f in zip(paci, flush)]
+    per_seed = [_speedup(time_to(mean_curve([f]), target), time_to(mean_curve([p]), target))
+                for p, f in zip(paci, flush)]
 
     print(f"\n{NUM_STAGES} emulated stages, global batch {GLOBAL_BATCH}, {args.max_steps} steps, seeds {args.seeds}, "
           f"block forward {args.fixed_ms} ms + {args.ms_per_sample} ms/sample, backward 2x")
@@ -366,11 +370,13 @@ def main() -> None:
         print(f"{name:>10} {wall:>15.1f} {times[name]:>19.1f} {curve[-1][2]:>15.4f} "
               f"{str(memory['peak_inflight']):>26} {kib:>40}" + ("" if trained else "  (time rescaled)"))
     speedup = _speedup(best_flush[0], times["paci m=8"])
-    equal = [(step, p, f, (p - f) / f) for (step, _, p), (_, _, f) in zip(curves["paci m=8"], curves[f"1f1b m={fastest}"])]
+    equal = [(step, p, f, (p - f) / f)
+             for (step, _, p), (_, _, f) in zip(curves["paci m=8"], curves[f"1f1b m={fastest}"])]
     print(f"wall clock for the {args.max_steps}-step budget: paci {rows[0]['wall_clock_s']:.1f} s, "
           f"fastest 1f1b {rows[1 + flush_ms.index(fastest)]['wall_clock_s']:.1f} s: "
           f"{rows[1 + flush_ms.index(fastest)]['wall_clock_s'] / rows[0]['wall_clock_s']:.2f}x")
-    print(f"target val loss {target:.4f}; PACI reaches it {_ratio(speedup)} sooner than the fastest 1f1b (m={best_flush[1]}) "
+    print(f"target val loss {target:.4f}; PACI reaches it {_ratio(speedup)} sooner than the fastest 1f1b "
+          f"(m={best_flush[1]}) "
           f"(per seed, own curves: {', '.join(_ratio(x) for x in per_seed)})")
     ladder = []  # every quality level the fastest flush passed at a validation: how much sooner PACI got there
     for step, seconds, loss in curves[f"1f1b m={fastest}"]:
@@ -381,7 +387,8 @@ def main() -> None:
           "; ".join(f"step {s}: {p:.4f} vs {f:.4f} ({100 * d:+.2f}%)" for s, p, f, d in equal))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rates": rates, "target": target, "speedup": speedup,
-                                               "per_seed_speedup": per_seed, "rows": rows, "equal_samples": equal, "ladder": ladder,
+                                               "per_seed_speedup": per_seed, "rows": rows, "equal_samples": equal,
+                                               "ladder": ladder,
                                                "runs": paci + flush + list(rate_runs.values())}, indent=1))
     if args.plot:
         import matplotlib

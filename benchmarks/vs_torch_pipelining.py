@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from emulated import EmulatedModel, emulated_loader, run_emulated, run_seconds, steady_seconds
 from torch import nn
+
+from emulated import EmulatedModel, emulated_loader, run_emulated, run_seconds, steady_seconds
 
 
 def _torch_worker(rank: int, args: tuple, path: str, out: str) -> None:
@@ -72,14 +73,16 @@ def run_torch(name: str, n: int, m: int, k: int, fwd_ms: float, bwd_ms: float, p
     """(whole-run seconds, seconds from the start of mini-batch 1 to the start of mini-batch K-1)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "seconds")
-        mp.start_processes(_torch_worker, args=((name, n, m, k, fwd_ms, bwd_ms, per_stage), os.path.join(tmp, "rdv"), out),
+        mp.start_processes(_torch_worker,
+                           args=((name, n, m, k, fwd_ms, bwd_ms, per_stage), os.path.join(tmp, "rdv"), out),
                            nprocs=n, start_method="fork")
         with open(out) as fh:
             data = json.load(fh)
         return data["seconds"], data["steady"]
 
 
-def run_ours(schedule: str, n: int, m: int, k: int, fwd_ms: float, bwd_ms: float, per_stage: int) -> tuple[float, float]:
+def run_ours(schedule: str, n: int, m: int, k: int, fwd_ms: float, bwd_ms: float,
+             per_stage: int) -> tuple[float, float]:
     stages = run_emulated(num_stages=n, schedule=schedule, num_microbatches=m, num_minibatches=k,
                           forward_ms=fwd_ms, backward_ms=bwd_ms, blocks_per_stage=per_stage)
     return run_seconds(stages), steady_seconds(stages, m, k)
@@ -108,7 +111,8 @@ def main() -> None:
                     rows.append({"stages": n, "microbatches": m, "schedule": name, "seconds": None,
                                  "note": "torch requires n_microbatches >= num_stages"})
                     continue
-                seconds, steady = (run_torch if name.startswith("torch") else run_ours)(name, n, m, k, fwd, bwd, per_stage)
+                seconds, steady = (run_torch if name.startswith("torch") else run_ours)(name, n, m, k, fwd, bwd,
+                                                                                       per_stage)
                 rows.append({"stages": n, "microbatches": m, "schedule": name, "seconds": seconds,
                              "efficiency": limit / seconds, "throughput": k * m / seconds,
                              "steady_efficiency": limit * (k - 2) / k / steady,

@@ -99,7 +99,8 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu", help="cpu, gpu or auto")
     parser.add_argument("--schedule", default="paci", choices=["paci", "1f1b", "gpipe"])
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch")
-    parser.add_argument("--accumulation", type=int, default=None, help="local backwards per step (default: microbatches)")
+    parser.add_argument("--accumulation", type=int, default=None,
+                        help="local backwards per step (default: microbatches)")
     parser.add_argument("--max-steps", type=int, default=150)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--context", type=int, default=128)

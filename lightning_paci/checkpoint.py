@@ -82,7 +82,8 @@ def load_stage_optimizer_state(optimizer: StageOptimizer, module: nn.Module, par
     for alias, real in optimizer.pairs:
         entry = params[names[id(real)]]
         optimizer.optimizer.state[alias] = {
-            k: (v.to(real.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in entry["state"].items()
+            k: (v.to(real.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+            for k, v in entry["state"].items()
         }
         group_of[id(alias)].update({k: v for k, v in entry["group"].items() if k != "params"})
 
@@ -165,7 +166,8 @@ class PipelineCheckpoints:
             return local
         return gather_to_first(local) or {}
 
-    def optimizer_state(self, optimizer: StageOptimizer, module: nn.Module, *, backwards: int, steps: int) -> dict[str, Any]:
+    def optimizer_state(self, optimizer: StageOptimizer, module: nn.Module, *, backwards: int,
+                        steps: int) -> dict[str, Any]:
         """Every stage's optimizer state keyed by parameter name, with the accumulation counters (module docstring)."""
         counters = {"num_stages": self.num_stages, "backwards": backwards, "steps": steps}
         local = stage_optimizer_state(optimizer, module)

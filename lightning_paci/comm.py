@@ -135,7 +135,9 @@ class DistComm:
         start = -(-head // _ALIGN) * _ALIGN  # tensor bytes start aligned after the header
         total = start + data_bytes
         buffer = torch.empty(max(total, FIRST_BYTES), dtype=torch.uint8)
-        buffer[:head] = torch.frombuffer(bytearray(len(blob).to_bytes(8, "little") + data_bytes.to_bytes(8, "little") + blob), dtype=torch.uint8)
+        buffer[:head] = torch.frombuffer(
+            bytearray(len(blob).to_bytes(8, "little") + data_bytes.to_bytes(8, "little") + blob), dtype=torch.uint8
+        )
         buffer = buffer.to(self._device)
         for meta, tensor in zip(metas, tensors):
             if meta.nbytes:
@@ -213,7 +215,8 @@ class LocalComm:
     def recv(self, stage: int, channel: int = 0) -> Any:
         box = self._boxes[(stage, self._stage, channel)]
         if not box:
-            raise StageMismatchError(f"stage {self._stage}: nothing to receive from stage {stage} (reference executor order bug)")
+            raise StageMismatchError(f"stage {self._stage}: nothing to receive from stage {stage} "
+                                     f"(reference executor order bug)")
         skeleton, tensors = box.popleft()
         for meta, tensor in zip(_metas(skeleton), tensors):
             if meta.requires_grad:

@@ -22,7 +22,7 @@ from lightning_paci.microbatch import merge_microbatch_outputs, microbatch_size,
 from lightning_paci.partition import StageCarve
 from lightning_paci.program import LightningStageProgram
 from lightning_paci.runtime import StageRuntime
-from lightning_paci.schedules import Action, F, RECV_F, SEND_F
+from lightning_paci.schedules import RECV_F, SEND_F, Action, F
 from lightning_paci.supervision import StageFailure
 
 __all__ = ["PipelineEvaluator", "forward_only_actions"]

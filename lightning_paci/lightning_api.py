@@ -67,7 +67,8 @@ MultiProcessingLauncher: type = _require("lightning.pytorch.strategies.launchers
 SubprocessScriptLauncher: type = _require("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher")
 
 
-def patch_method(obj: Any, name: str, replacement: Callable[..., Any], *, parameters: tuple[str, ...]) -> Callable[[], None]:
+def patch_method(obj: Any, name: str, replacement: Callable[..., Any], *,
+                 parameters: tuple[str, ...]) -> Callable[[], None]:
     """Shadow ``obj.name`` with an instance attribute; return the function that undoes it.
 
     The class of ``obj`` must define ``name`` as a method taking exactly ``parameters`` (after ``self``): a patch

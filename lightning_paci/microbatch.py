@@ -33,7 +33,8 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
             f"micro-batch needs at least one sample. Use a batch size >= {num_microbatches} (also for the last, "
             f"smaller batch: set `drop_last=True` in the DataLoader) or fewer micro-batches."
         )
-    parts = [torch.tensor_split(t, num_microbatches, dim=0) if t.dim() and t.shape[0] == size else [t] * num_microbatches
+    parts = [torch.tensor_split(t, num_microbatches, dim=0) if t.dim() and t.shape[0] == size
+             else [t] * num_microbatches
              for t in tensors]
     return [unflatten(skeleton, [p[i] for p in parts]) for i in range(num_microbatches)]
 

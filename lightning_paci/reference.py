@@ -16,9 +16,9 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lightning_paci.comm import LocalComm
+from lightning_paci.microbatch import loss_scale_for, split_microbatches
 from lightning_paci.partition import PartitionPlan, carve_stage
 from lightning_paci.program import LightningStageProgram
-from lightning_paci.microbatch import loss_scale_for, split_microbatches
 from lightning_paci.runtime import StageRuntime
 from lightning_paci.schedules import RECV_KINDS, Action, Schedule, message_key, validate
 from lightning_paci.stage_optimizer import StageOptimizer, optimizer_and_step_schedulers

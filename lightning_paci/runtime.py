@@ -27,14 +27,14 @@ from lightning_paci.schedules import (
     RECV_B,
     RECV_F,
     RECV_KINDS,
-    SEND_KINDS,
-    Action,
-    B,
-    F,
     RECV_T,
     SEND_B,
     SEND_F,
+    SEND_KINDS,
     SEND_T,
+    Action,
+    B,
+    F,
     message_key,
 )
 from lightning_paci.stage_optimizer import StageOptimizer

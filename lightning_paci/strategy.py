@@ -36,12 +36,18 @@ from lightning_paci.checkpoint import PipelineCheckpoints, cpu_state
 from lightning_paci.comm import DistComm
 from lightning_paci.config import PACIConfig
 from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage, plan_partition
+from lightning_paci.processes import PipelineProcesses
 from lightning_paci.runtime import StageRuntime
 from lightning_paci.stage import PipelineStage
 from lightning_paci.stage_optimizer import optimizer_and_step_schedulers
 from lightning_paci.supervision import mark_setup_error
-from lightning_paci.trainer_glue import check_trainer, clip_function, measure_block_costs, must_drain, patch_for_pipeline
-from lightning_paci.processes import PipelineProcesses
+from lightning_paci.trainer_glue import (
+    check_trainer,
+    clip_function,
+    measure_block_costs,
+    must_drain,
+    patch_for_pipeline,
+)
 
 __all__ = ["PACIStrategy", "optimizer_and_step_schedulers"]
 

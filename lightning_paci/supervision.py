@@ -120,7 +120,8 @@ class StageWatchdog:
             if count != last:
                 self._seen[other] = (count, now)
             elif now - since > self.dead_after:
-                return other, f"stopped responding (no heartbeat for {now - since:.0f} s: killed, out of memory or hung)"
+                return other, (f"stopped responding (no heartbeat for {now - since:.0f} s: "
+                               f"killed, out of memory or hung)")
         return None
 
 

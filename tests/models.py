@@ -70,7 +70,8 @@ class _Block(nn.Module):
 class LoopTransformer(LightningModule):
     """A hand-written causal LM whose ``forward`` loops over an ``nn.ModuleList``."""
 
-    def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 2, layers: int = 4, seq: int = 8, lr: float = 3e-3) -> None:
+    def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 2, layers: int = 4, seq: int = 8,
+                 lr: float = 3e-3) -> None:
         super().__init__()
         self.tok_emb = nn.Embedding(vocab, dim)
         self.pos_emb = nn.Embedding(seq, dim)
@@ -151,7 +152,8 @@ assert math  # keep import for readers computing expected values
 class HFCausalLM(LightningModule):
     """A transformers causal LM wrapped the ordinary way; ``training_step`` returns ``self.model(...).loss``."""
 
-    def __init__(self, kind: str = "gpt2", *, layers: int = 4, tied: bool = False, lr: float = 3e-3, vocab: int = 64) -> None:
+    def __init__(self, kind: str = "gpt2", *, layers: int = 4, tied: bool = False, lr: float = 3e-3,
+                 vocab: int = 64) -> None:
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 

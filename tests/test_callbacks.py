@@ -4,8 +4,8 @@ brute-force weight copies made in the test."""
 from __future__ import annotations
 
 import copy
-from collections import deque
 import math
+from collections import deque
 from pathlib import Path
 
 import lightning as L
@@ -13,7 +13,15 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_paci import BubbleMonitor, DriftMonitor, MemoryMonitor, ReferencePipeline, build, plan_partition, simulate
+from lightning_paci import (
+    BubbleMonitor,
+    DriftMonitor,
+    MemoryMonitor,
+    ReferencePipeline,
+    build,
+    plan_partition,
+    simulate,
+)
 from lightning_paci.callbacks.bubble import bubble_window_metrics
 from lightning_paci.callbacks.drift import drift_window_metrics
 from lightning_paci.schedules import drift_bound
@@ -90,7 +98,8 @@ def test_weight_drift_matches_brute_force_copies(accumulation):
     torch.manual_seed(21)
     model = SequentialMLP(depth=4, lr=0.5)
     plan = plan_partition(model, 4, partition="parameters")
-    reference = ReferencePipeline(model, plan, optimizer_factory=lambda m: (torch.optim.AdamW(m.parameters(), lr=0.05), []))
+    reference = ReferencePipeline(model, plan,
+                                  optimizer_factory=lambda m: (torch.optim.AdamW(m.parameters(), lr=0.05), []))
     brute: dict[tuple[int, int], float] = {}
     for runtime, module in zip(reference.runtimes, reference.modules):
         runtime.records.measure(weight_drift=True)

@@ -31,7 +31,8 @@ def _trainer(directory, devices, epochs, schedule, **kwargs):
                               partition="parameters"),
         accelerator="cpu", devices=devices, max_epochs=epochs, logger=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[ModelCheckpoint(dirpath=directory, save_top_k=-1, filename="{epoch}"), DumpLastStageLosses(directory)],
+        callbacks=[ModelCheckpoint(dirpath=directory, save_top_k=-1, filename="{epoch}"),
+                   DumpLastStageLosses(directory)],
         **kwargs,
     )
 
@@ -128,7 +129,8 @@ def test_sharded_layout_writes_one_file_per_stage_resumes_and_consolidates(tmp_p
     shard = torch.load(directory / "stage_000.pt", weights_only=False)
     assert set(shard["state_dict"]) < set(model.state_dict())
     # the documented command consolidates it into a file the unchanged module loads
-    out = subprocess.run([sys.executable, "-m", "lightning_paci.checkpoint", str(directory), str(tmp_path / "one.ckpt")],
+    out = subprocess.run([sys.executable, "-m", "lightning_paci.checkpoint", str(directory),
+                          str(tmp_path / "one.ckpt")],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     loaded = SequentialMLP.load_from_checkpoint(tmp_path / "one.ckpt")

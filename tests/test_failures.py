@@ -12,9 +12,9 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.multiprocessing import ProcessRaisedException
-import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_paci import PACIStrategy
@@ -105,7 +105,8 @@ def _nan_loader(batch: int = 3) -> DataLoader:
 
 
 def test_a_nan_loss_stops_the_run_naming_the_stage_and_the_step():
-    with pytest.raises(ProcessRaisedException, match=r"stage 3: the loss of micro-batch 14 is nan at Lightning batch 3"):
+    with pytest.raises(ProcessRaisedException,
+                       match=r"stage 3: the loss of micro-batch 14 is nan at Lightning batch 3"):
         fit(SequentialMLP(), _nan_loader(), devices=4, max_steps=6, microbatches=4, partition="parameters")
 
 
@@ -122,7 +123,8 @@ def test_nonfinite_skip_drops_the_microbatch_and_training_goes_on(tmp_path):
 # -- bad input at setup: the message names the argument and the fix ---------------------------------------------
 
 def test_more_stages_than_blocks():
-    with pytest.raises(ProcessRaisedException, match=r"Cannot split `blocks` \(ModuleList of 2 blocks\).*at most 2 devices"):
+    with pytest.raises(ProcessRaisedException,
+                       match=r"Cannot split `blocks` \(ModuleList of 2 blocks\).*at most 2 devices"):
         fit(LoopTransformer(layers=2), token_loader(), devices=4)
 
 
@@ -131,7 +133,8 @@ def test_optimizer_over_parameters_that_are_not_the_modules():
         def configure_optimizers(self):
             return torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
 
-    with pytest.raises(ProcessRaisedException, match=r"not one of this stage's module parameters.*`configure_optimizers`"):
+    with pytest.raises(ProcessRaisedException,
+                       match=r"not one of this stage's module parameters.*`configure_optimizers`"):
         fit(Foreign(), regression_loader(), devices=2)
 
 
@@ -152,11 +155,13 @@ def test_devices_not_matching_the_torchrun_world_size(monkeypatch):
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "x"}.items():
         monkeypatch.setenv(key, value)
     trainer = L.Trainer(strategy="paci", accelerator="cpu", devices=4, logger=False)
-    with pytest.raises(ValueError, match=r"`Trainer\(devices=4, num_nodes=1\)` starts 4 pipeline stages, but the launcher started 2 processes.*pass `devices=2`"):
+    with pytest.raises(ValueError, match=r"`Trainer\(devices=4, num_nodes=1\)` starts 4 pipeline stages, "
+                                         r"but the launcher started 2 processes.*pass `devices=2`"):
         trainer.fit(SequentialMLP(), regression_loader())
 
 
-@pytest.mark.parametrize("kwargs,argument", [({"nonfinite": "ignore"}, "nonfinite"), ({"failure_timeout": 0}, "failure_timeout")])
+@pytest.mark.parametrize("kwargs,argument",
+                         [({"nonfinite": "ignore"}, "nonfinite"), ({"failure_timeout": 0}, "failure_timeout")])
 def test_bad_failure_options(kwargs, argument):
     with pytest.raises(ValueError, match=f"`{argument}`"):
         PACIStrategy(**kwargs)

@@ -14,8 +14,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from torch.multiprocessing import ProcessRaisedException
 
-from helpers import fit
 from lightning_paci.lightning_api import LightningAPIError, patch_method
+
+from helpers import fit
 from models import SequentialMLP, regression_loader
 
 _COLLECTIVES = ("broadcast", "all_reduce", "barrier", "all_gather", "all_gather_object", "broadcast_object_list",

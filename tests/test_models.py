@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
-import copy
-
 import pytest
-from torch.multiprocessing import ProcessRaisedException
 import torch
+from torch.multiprocessing import ProcessRaisedException
 
 from helpers import RecordLosses, fit
 from models import HFCausalLM, hf_reference_accumulation, token_loader

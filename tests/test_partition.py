@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-from models import HFCausalLM, LoopTransformer, SequentialMLP, no_block_container
 from torch import nn
 
 from lightning_paci.partition import (
@@ -22,6 +21,8 @@ from lightning_paci.partition import (
     profile_block_costs,
     stage_costs,
 )
+
+from models import HFCausalLM, LoopTransformer, SequentialMLP, no_block_container
 
 
 class _Sleep(torch.autograd.Function):

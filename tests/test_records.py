@@ -59,7 +59,8 @@ def test_a_2000_batch_stream_keeps_every_stage_record_constant_after_the_cap():
     runtimes, sinks, relays, cursors = [], [], [], []
     for s in range(num_stages):
         program = _LinearStage(s, num_stages)
-        optimizer = StageOptimizer(torch.optim.SGD(program.module.parameters(), lr=0.01), list(program.module.parameters()))
+        optimizer = StageOptimizer(torch.optim.SGD(program.module.parameters(), lr=0.01),
+                                   list(program.module.parameters()))
         runtime = StageRuntime(s, num_stages, program, comms[s], optimizer, loss_scale=1 / m, retention=retention)
         runtime.records.measure(weight_drift=True, activation_bytes=True)
         runtimes.append(runtime)

@@ -8,15 +8,22 @@ import math
 
 import lightning as L
 import pytest
-from torch.multiprocessing import ProcessRaisedException
 import torch
+from torch.multiprocessing import ProcessRaisedException
 
 import lightning_paci
 from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
 from lightning_paci.schedules import drift_bound
 
 from helpers import DumpStageRecords, KeepVersion, RecordFreezeCount, RecordLosses, fit, read_stage_records
-from models import LoopTransformer, SequentialMLP, no_block_container, reference_accumulation, regression_loader, token_loader
+from models import (
+    LoopTransformer,
+    SequentialMLP,
+    no_block_container,
+    reference_accumulation,
+    regression_loader,
+    token_loader,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -78,7 +85,9 @@ def test_paci_equals_reference_executor_and_drift_is_at_the_bound(tmp_path, accu
     _assert_state_close(model, reference.state_dict(), rtol=1e-6)
     for record in read_stage_records(tmp_path, num_stages):
         s = record["stage"]
-        assert max(record["gaps"].values()) == drift_bound(num_stages, s, accumulation) == math.ceil((num_stages - 1 - s) / accumulation)
+        assert max(record["gaps"].values()) == drift_bound(num_stages, s, accumulation) == math.ceil(
+            (num_stages - 1 - s) / accumulation
+        )
         # the same gaps the reference executor measured for the same lists
         assert {int(k): v for k, v in record["gaps"].items()} == reference.runtimes[s].records.version_gaps
         assert record["peak_inflight"] <= num_stages - s
@@ -306,10 +315,10 @@ def test_setup_logs_the_time_balanced_split(tmp_path, monkeypatch):
     # block times come from a clock the blocks themselves advance, so CPU load cannot change the decision
     from functools import partial
 
-    from test_partition import FakeClock, TickBlock
-
     from lightning_paci import trainer_glue
     from lightning_paci.partition import profile_block_costs
+
+    from test_partition import FakeClock, TickBlock
 
     clock = FakeClock()
     monkeypatch.setattr(trainer_glue, "profile_block_costs", partial(profile_block_costs, clock=clock))  # forked

@@ -1,4 +1,5 @@
-"""Monitoring callbacks: per-stage drift, bubble time, activation memory and timelines, written to TensorBoard by each stage."""
+"""Monitoring callbacks: per-stage drift, bubble time, activation memory and timelines, written to TensorBoard by
+each stage."""
 
 from lightning_paci.callbacks.bubble import BubbleMonitor
 from lightning_paci.callbacks.drift import DriftMonitor

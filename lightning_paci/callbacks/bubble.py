@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import lightning as L
 from typing_extensions import override
 

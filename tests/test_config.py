@@ -1,0 +1,36 @@
+"""PACIConfig: every option checked at construction, the message naming the argument, the value and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightning_paci import PACIStrategy
+from lightning_paci.config import PACIConfig
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"schedule": "zb"}, r"`schedule` must be one of 'paci', '1f1b', 'gpipe', got 'zb'"),
+    ({"microbatches": 0}, r"`microbatches` must be an int >= 1 \(or None for the default\), got 0\. Use e\.g\."),
+    ({"accumulation": True}, r"`accumulation` must be an int >= 1 .*got True"),
+    ({"nonfinite": "ignore"}, r"`nonfinite` must be one of 'raise', 'skip', got 'ignore'"),
+    ({"checkpoint_layout": "zip"}, r"`checkpoint_layout` must be one of 'consolidated', 'sharded', got 'zip'"),
+    ({"max_stream_batches": 0}, r"`max_stream_batches` must be an int >= 1, got 0\. The default 256"),
+    ({"freeze_gc": "yes"}, r"`freeze_gc` must be True or False, got 'yes'"),
+    ({"failure_timeout": 0}, r"`failure_timeout` must be > 0 seconds, got 0\. The default 20\.0"),
+    ({"start_method": "thread"}, r"`start_method` must be one of 'popen', 'spawn', 'fork', 'forkserver'"),
+])
+def test_bad_options_are_refused_at_construction(options, message):
+    with pytest.raises(ValueError, match=message):
+        PACIConfig(**options)
+    with pytest.raises(ValueError, match=message):  # the strategy checks through the same dataclass
+        PACIStrategy(**options)
+
+
+def test_the_config_is_frozen_and_derives_variants():
+    config = PACIConfig(microbatches=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.microbatches = 4  # type: ignore[misc]
+    assert dataclasses.replace(config, schedule="1f1b").microbatches == 8
+    assert PACIStrategy(microbatches=8, schedule="1f1b").config == dataclasses.replace(config, schedule="1f1b")

@@ -1,0 +1,113 @@
+"""StageRuntime on its own: one handler per action kind, named failures, non-finite losses, and the records."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_paci.comm import LocalComm
+from lightning_paci.reference import run_lists
+from lightning_paci.runtime import ForwardOutput, StageRuntime
+from lightning_paci.schedules import Action, build, static_drift
+from lightning_paci.stage_optimizer import StageOptimizer
+from lightning_paci.supervision import StageFailure
+
+
+class LinearStage:
+    """The StageProgram protocol with one Linear layer; the last stage returns the mean square as its loss."""
+
+    def __init__(self, stage: int, last: bool, *, poison: int | None = None) -> None:
+        torch.manual_seed(stage)
+        self.module = nn.Linear(3, 3).double()
+        self.last = last
+        self.poison = poison  # the step argument (batch index) whose loss is NaN
+        self.calls = 0
+
+    def forward(self, data, *step_args, received):
+        self.calls += 1
+        out = self.module(data if received is None else received)
+        if not self.last:
+            return ForwardOutput(outgoing=out)
+        loss = out.pow(2).mean()
+        return ForwardOutput(loss=loss * float("nan") if step_args[0] == self.poison else loss)
+
+
+def _pipeline(num_stages: int, *, skip_nonfinite: bool = False, poison: int | None = None) -> list[StageRuntime]:
+    comms = LocalComm.network(num_stages)
+    runtimes = []
+    for s in range(num_stages):
+        program = LinearStage(s, s == num_stages - 1, poison=poison)
+        params = list(program.module.parameters())
+        optimizer = StageOptimizer(torch.optim.SGD(params, lr=0.1), params)
+        runtimes.append(StageRuntime(s, num_stages, program, comms[s], optimizer, loss_scale=0.25,
+                                     skip_nonfinite=skip_nonfinite))
+    return runtimes
+
+
+def _feed(runtimes: list[StageRuntime], num_minibatches: int, m: int) -> None:
+    for k in range(num_minibatches):
+        batch = torch.randn(m, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
+        for runtime in runtimes:
+            for i in range(m):
+                runtime.add_microbatch(k * m + i, batch[i:i + 1], k)
+
+
+def test_every_action_kind_runs_through_its_handler_and_is_recorded():
+    runtimes = _pipeline(3)
+    schedule = build("paci", 3, 4, 2, 3)
+    _feed(runtimes, 3, 4)
+    run_lists(runtimes, schedule.actions)
+    for s, runtime in enumerate(runtimes):
+        kinds = {iv.kind for iv in runtime.records.intervals}
+        expected = {"F", "B", "OPT"} | ({"WAIT_F", "SEND"} if s > 0 else set())
+        expected |= {"WAIT_B", "SEND"} if s < 2 else set()
+        assert kinds == expected
+        assert runtime.version == 6  # 12 backwards, a step every 2
+        assert dict(runtime.records.version_gaps) == static_drift(schedule.actions[s])  # the list's own gaps
+        assert runtime.records.peak_inflight == 3 - s and not runtime.held and not runtime.inbox
+    assert sorted(runtimes[-1].records.losses) == list(range(12))
+
+
+def test_a_failed_receive_names_the_peer_the_action_and_the_step():
+    runtimes = _pipeline(2)
+    runtimes[1].step_label = "Lightning batch 7 (global step 7)"
+    with pytest.raises(StageFailure, match=r"^stage 1: receiving from stage 0 failed at 1RECV_F0 \(Lightning batch 7 "
+                                           r"\(global step 7\)\): stage 1: nothing to receive from stage 0"):
+        runtimes[1].execute(Action.from_str("1RECV_F0"))
+
+
+def test_an_optimizer_step_on_a_stage_without_optimizer_is_an_internal_error():
+    runtime = StageRuntime(0, 1, LinearStage(0, True), LocalComm.network(1)[0], None, loss_scale=1.0)
+    with pytest.raises(AssertionError, match="stage 0: OPT scheduled on a stage without an optimizer"):
+        runtime.execute(Action.from_str("0OPT"))
+
+
+def test_a_nonfinite_loss_fails_naming_the_stage_and_the_microbatch():
+    runtimes = _pipeline(2, poison=1)
+    _feed(runtimes, 2, 2)
+    runtimes[1].step_label = "Lightning batch 1"
+    with pytest.raises(StageFailure, match=r"stage 1: the loss of micro-batch 2 is nan at Lightning batch 1\. Pass "
+                                           r"`PACIStrategy\(nonfinite='skip'\)`"):
+        run_lists(runtimes, build("1f1b", 2, 2, 2, 2).actions)
+
+
+def test_a_skipped_microbatch_sends_zero_gradients_and_no_loss():
+    runtimes = _pipeline(2, skip_nonfinite=True, poison=1)
+    _feed(runtimes, 2, 2)
+    grads: list[torch.Tensor] = []
+    first = runtimes[0]
+    original = first.records.add_backward
+
+    def record(backward):  # stage 0's weight gradient after each backward (accumulated within the window)
+        grad = first.program.module.weight.grad
+        grads.append(None if grad is None else grad.clone())
+        original(backward)
+
+    first.records.add_backward = record
+    run_lists(runtimes, build("1f1b", 2, 2, 2, 2).actions)
+    assert sorted(runtimes[1].records.losses) == [0, 1]  # micro-batches 2 and 3 (batch 1) were dropped
+    # batch 0 accumulated gradients; batch 1's window starts from cleared gradients and its backwards add nothing
+    assert grads[0] is not None and torch.count_nonzero(grads[1]) > 0
+    assert grads[2] is None and grads[3] is None
+    assert all(torch.isfinite(p).all() for r in runtimes for p in r.program.module.parameters())
