@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from enum import Enum
+from typing import NamedTuple
 
 __all__ = [
     "COMPUTE_KINDS",
@@ -34,21 +35,50 @@ __all__ = [
     "parse_actions",
 ]
 
-ActionKind = Literal["F", "B", "OPT", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_T", "RECV_T"]
 
-F: ActionKind = "F"
-B: ActionKind = "B"
-OPT: ActionKind = "OPT"
-SEND_F: ActionKind = "SEND_F"
-RECV_F: ActionKind = "RECV_F"
-SEND_B: ActionKind = "SEND_B"
-RECV_B: ActionKind = "RECV_B"
-SEND_T: ActionKind = "SEND_T"  # tied weights: stage 0 -> last stage after an update; tied grads: last -> stage 0
-RECV_T: ActionKind = "RECV_T"
-COMPUTE_KINDS: frozenset[str] = frozenset({F, B, OPT})
-_CANONICAL_KIND: dict[str, ActionKind] = {k: k for k in (F, B, OPT, SEND_F, RECV_F, SEND_B, RECV_B, SEND_T, RECV_T)}
-SEND_KINDS: frozenset[str] = frozenset({SEND_F, SEND_B, SEND_T})
-RECV_KINDS: frozenset[str] = frozenset({RECV_F, RECV_B, RECV_T})
+class ActionKind(str, Enum):
+    """What one action does. A ``str`` mixin, so a kind equals, hashes and prints like its bare value
+    (``ActionKind.F == "F"``, ``f"{ActionKind.SEND_F}" == "SEND_F"``): text forms, JSON, dictionaries keyed by
+    ``"F"`` and the timeline colours keep working. Every list built here holds the members themselves, so the hot
+    loops (runtime, simulator, rounds) compare kinds by identity: ``action.kind is F``.
+
+    ``str``/``format`` are pinned to the value because ``Enum`` changed both across Python versions (3.10 prints
+    ``ActionKind.F``); ``StrEnum`` would need 3.11.
+    """
+
+    F = "F"
+    B = "B"
+    OPT = "OPT"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    SEND_T = "SEND_T"  # tied weights: stage 0 -> last stage after an update; tied grads: last -> stage 0
+    RECV_T = "RECV_T"
+
+    # the C-level str hash (cached in the object) instead of Enum's Python-level hash(self._name_): kinds are
+    # looked up in frozensets for every action of every simulated stage
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, format_spec: str) -> str:
+        return format(self.value, format_spec)
+
+
+F = ActionKind.F
+B = ActionKind.B
+OPT = ActionKind.OPT
+SEND_F = ActionKind.SEND_F
+RECV_F = ActionKind.RECV_F
+SEND_B = ActionKind.SEND_B
+RECV_B = ActionKind.RECV_B
+SEND_T = ActionKind.SEND_T
+RECV_T = ActionKind.RECV_T
+COMPUTE_KINDS: frozenset[ActionKind] = frozenset({F, B, OPT})
+SEND_KINDS: frozenset[ActionKind] = frozenset({SEND_F, SEND_B, SEND_T})
+RECV_KINDS: frozenset[ActionKind] = frozenset({RECV_F, RECV_B, RECV_T})
 
 _TOKEN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|SEND_T|RECV_T|OPT|F|B)(\d*)$")
 
@@ -85,8 +115,8 @@ class Action(NamedTuple):
             raise ValueError(
                 f"Cannot parse action token {token!r}: {kind} needs a micro-batch index, e.g. '{stage}{kind}0'."
             )
-        # canonical constant objects: the simulator compares kinds by identity
-        return cls(int(stage), _CANONICAL_KIND[kind], int(number) if number else None)
+        # the member itself, never the parsed string: the simulator and the runtime compare kinds by identity
+        return cls(int(stage), ActionKind(kind), int(number) if number else None)
 
 
 def parse_actions(text: str) -> list[Action]:
