@@ -11,12 +11,18 @@ Phases (per stage ``s``; ``K`` mini-batches of ``m`` micro-batches):
   exactly ``(N - 1) / (m + N - 1)`` with balanced costs. It needs ``K >= 3``; with fewer mini-batches the steady
   figures fall back to the whole run.
 
-The command line is ``python -m lightning_paci.simulate`` (lightning_paci/simulate.py).
+The command line lives here too (``format_table``, ``main``), next to the engine it prints, so that a new figure
+in a report needs one edit; ``python -m lightning_paci.simulate`` (lightning_paci/simulate.py) only runs ``main``::
+
+    python -m lightning_paci.simulate --schedule paci --stages 8 --microbatches 8 --accumulation 8 \\
+        [--minibatches K] [--forward-cost F] [--backward-cost B] [--comm-cost C] [--json] [--timeline out.png]
 """
 
 from __future__ import annotations
 
+import argparse
 import bisect
+import json
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -25,8 +31,6 @@ from itertools import chain as _chain
 
 from lightning_paci.schedules import (
     COMPUTE_KINDS,
-    B,
-    F,
     OPT,
     RECV_B,
     RECV_F,
@@ -34,14 +38,21 @@ from lightning_paci.schedules import (
     SEND_F,
     SEND_T,
     Action,
+    B,
+    F,
     Schedule,
     build,
     format_grid,
     message_key,
 )
-from lightning_paci.timeline import Interval
+from lightning_paci.timeline import Interval, save_timeline_png
 
-__all__ = ["StageReport", "SimulationResult", "measured_phases", "simulate"]
+__all__ = ["SimulationResult", "StageReport", "format_table", "main", "measured_phases", "simulate"]
+
+# the first line of the old simulate.py docstring: argparse prints it in --help, which the README shows
+_CLI_DESCRIPTION = (
+    "``python -m lightning_paci.simulate``: print a schedule's predicted per-stage drift, in-flight depth and bubble."
+)
 
 
 @dataclass
@@ -181,7 +192,7 @@ def simulate(
                     waiting[key] = s
                     blocked = action
                     break
-                if t > now:
+                if t > now:  # noqa: PLR1730 -- hot loop: a comparison is cheaper than a max() call
                     now = t
             else:  # tied-weight messages between the first and last stage: rare, keyed as in the validator
                 tkey = message_key(action, n)
@@ -195,14 +206,15 @@ def simulate(
                         waiting[tkey] = s  # type: ignore[index]
                         blocked = action
                         break
-                    if t > now:
+                    if t > now:  # noqa: PLR1730 -- as above
                         now = t
         pending[s] = blocked
         clock[s] = now
     stuck = [s for s in range(n) if pending[s] is not None]
     if stuck:  # cannot happen for built schedules; hand-written lists should go through validate() first
         step = lists[stuck[0]].index(pending[stuck[0]])  # type: ignore[arg-type]
-        raise ValueError("Schedule deadlocks in simulation:\n" + format_grid(lists, error_stage=stuck[0], error_step=step))
+        grid = format_grid(lists, error_stage=stuck[0], error_step=step)
+        raise ValueError("Schedule deadlocks in simulation:\n" + grid)
 
     makespan = max(clock) if n else 0.0
     reports = [_stage_report(schedule, s, starts[s], fwd[s], bwd[s], optimizer_cost, makespan) for s in range(n)]
@@ -219,7 +231,8 @@ def _phases(starts: list[float], ends: list[float], t0: float, t_end: float, num
     busy = _busy_within(starts, ends, t0, t_end)
     idle = (t_end - t0) - busy
     lo = hi = t0
-    if num_minibatches >= 3 and None not in (first_backward, last_forward_end, first_forward_mb1, first_forward_last_mb):
+    boundaries = (first_backward, last_forward_end, first_forward_mb1, first_forward_last_mb)
+    if num_minibatches >= 3 and None not in boundaries:
         lo = max(first_backward, first_forward_mb1)  # type: ignore[type-var]
         hi = min(last_forward_end, first_forward_last_mb)  # type: ignore[type-var]
     if hi <= lo:
@@ -268,7 +281,7 @@ def _stage_report(schedule: Schedule, s: int, starts: list[float], f_cost: float
             ends.append(start + f_cost)
             at_forward[mb] = version
             held += 1
-            if held > peak:
+            if held > peak:  # noqa: PLR1730 -- once per simulated action: no max() call
                 peak = held
             last_f_end = start + f_cost
             if mb == steady_first:
@@ -299,3 +312,60 @@ def _stage_report(schedule: Schedule, s: int, starts: list[float], f_cost: float
         # the IR-derived bound (see schedules.derived_drift_bound), computed in this same pass
         drift_bound=math.ceil((peak - 1) / schedule.accumulation) if step_while_held else 0, drift=drift,
     )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Command line: python -m lightning_paci.simulate
+# --------------------------------------------------------------------------------------------------------------
+
+
+def format_table(result: SimulationResult) -> str:
+    """The per-stage report as the fixed-width table the command line prints (the README quotes it)."""
+    sch = result.schedule
+    head = (f"schedule={sch.name} stages={sch.num_stages} microbatches={sch.num_microbatches} "
+            f"accumulation={sch.accumulation} minibatches={sch.num_minibatches}")
+    cols = f"{'stage':>5} {'max_drift':>9} {'bound':>5} {'mean_drift':>10} {'peak_inflight':>13} " \
+           f"{'bubble':>7} {'steady_bubble':>13} {'startup_idle':>12} {'steady_idle':>11} {'drain_idle':>10}"
+    rows = [head, cols]
+    for st in result.stages:
+        rows.append(f"{st.stage:>5} {st.max_drift:>9} {st.drift_bound:>5} {st.mean_drift:>10.3f} "
+                    f"{st.peak_inflight:>13} {st.bubble_fraction:>7.3f} {st.steady_bubble_fraction:>13.3f} "
+                    f"{st.startup_idle:>12.1f} {st.steady_idle:>11.1f} {st.drain_idle:>10.1f}")
+    rows.append(f"makespan={result.makespan:.1f} throughput={result.throughput:.4f} micro-batches/unit")
+    return "\n".join(rows)
+
+
+def _costs(text: str) -> float | list[float]:
+    values = [float(v) for v in text.split(",")]
+    return values[0] if len(values) == 1 else values
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Build, simulate and print one schedule; argument errors exit with argparse's usage message."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_paci.simulate", description=_CLI_DESCRIPTION)
+    parser.add_argument("--schedule", default="paci", help="paci, 1f1b or gpipe (default paci)")
+    parser.add_argument("--stages", type=int, required=True, help="pipeline stages N")
+    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches m per mini-batch")
+    parser.add_argument("--accumulation", type=int, default=None,
+                        help="local backwards a per optimizer step (default m)")
+    parser.add_argument("--minibatches", type=int, default=4, help="mini-batches K in the run (default 4)")
+    parser.add_argument("--forward-cost", type=_costs, default=1.0, help="F cost, or comma-separated per stage")
+    parser.add_argument("--backward-cost", type=_costs, default=2.0, help="B cost, or comma-separated per stage")
+    parser.add_argument("--comm-cost", type=float, default=0.0, help="cost of one message")
+    parser.add_argument("--optimizer-cost", type=float, default=0.0, help="cost of one optimizer step")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--timeline", metavar="PNG", help="draw a Gantt chart of the run to this PNG file")
+    args = parser.parse_args(argv)
+    try:
+        schedule = build(args.schedule, args.stages, args.microbatches,
+                         args.accumulation if args.accumulation is not None else args.microbatches, args.minibatches)
+        result = simulate(schedule, forward_cost=args.forward_cost, backward_cost=args.backward_cost,
+                          comm_cost=args.comm_cost, optimizer_cost=args.optimizer_cost)
+    except (ValueError, TypeError) as err:
+        parser.error(str(err))
+    print(json.dumps(result.to_json()) if args.json else format_table(result))
+    if args.timeline:
+        save_timeline_png(result.intervals, schedule.num_stages, args.timeline, time_unit="simulated time",
+                          title=f"{schedule.name}: N={schedule.num_stages}, m={schedule.num_microbatches}, "
+                                f"a={schedule.accumulation}, {schedule.num_minibatches} mini-batches")
+    return 0

@@ -8,6 +8,7 @@ import pytest
 
 from lightning_paci.schedules import (
     Action,
+    ActionKind,
     ScheduleError,
     build,
     drift_bound,
@@ -66,6 +67,39 @@ def test_whole_schedule_text_round_trips():
     schedule = build("paci", 4, 4, 4, 2)
     for stage in range(4):
         assert tuple(parse_actions(schedule.stage_text(stage))) == schedule.actions[stage]
+
+
+@pytest.mark.parametrize("kind", list(ActionKind))
+def test_every_action_kind_round_trips_through_its_text(kind):
+    microbatch = None if kind is ActionKind.OPT else 7
+    action = Action(3, kind, microbatch)
+    text = str(action)
+    assert text == f"3{kind.value}{'' if microbatch is None else 7}"
+    parsed = Action.from_str(text)
+    assert parsed == action and parsed.kind is kind  # the member itself, not an equal string
+
+
+def test_action_kinds_are_str_enum_members_equal_to_their_values():
+    assert Action.from_str("0F1").kind is ActionKind.F
+    assert str(Action(1, ActionKind.SEND_F, 0)) == "1SEND_F0" and str(Action(3, ActionKind.OPT)) == "3OPT"
+    for kind in ActionKind:
+        assert isinstance(kind, str) and kind == kind.value and hash(kind) == hash(kind.value)
+        assert str(kind) == f"{kind}" == kind.value and f"{kind:>8}" == f"{kind.value:>8}"
+        assert ActionKind(kind.value) is kind
+    assert {"F": 1}[ActionKind.F] == 1 and ActionKind.B in {"B"} and "OPT" in {ActionKind.OPT}
+    import lightning_paci.schedules as schedules
+
+    for name in ("F", "B", "OPT", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_T", "RECV_T"):
+        assert getattr(schedules, name) is ActionKind[name]
+
+
+@pytest.mark.parametrize("name", ["paci", "1f1b", "gpipe"])
+def test_built_lists_hold_the_kind_members(name):
+    schedule = build(name, 3, 2, 3, 3, backward_offset=1, tied=True)
+    kinds = {action.kind for actions in schedule.actions for action in actions}
+    assert kinds == set(ActionKind)  # every kind occurs: tied messages, OPT, both directions
+    members = set(map(id, ActionKind))
+    assert all(id(action.kind) in members for actions in schedule.actions for action in actions)
 
 
 @pytest.mark.parametrize("token,match", [("F0", "Cannot parse"), ("1X0", "Cannot parse"), ("1OPT3", "OPT takes no"), ("1F", "needs a micro-batch")])

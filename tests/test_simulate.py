@@ -121,3 +121,23 @@ def test_measured_phases_agree_with_the_simulator_on_its_own_intervals(name):
         assert phases["steady_bubble_fraction"] == pytest.approx(report.steady_bubble_fraction)
         assert phases["startup_idle"] == pytest.approx(report.startup_idle)
         assert phases["drain_idle"] == pytest.approx(report.drain_idle)
+
+
+def test_engine_modules_import_neither_torch_nor_lightning():
+    # the simulator, its command line and the schedules must stay usable (and fast to start) without torch:
+    # import them under a bare package object so lightning_paci/__init__.py (which loads the strategy) is skipped
+    from pathlib import Path
+
+    package_dir = Path(__file__).resolve().parents[1] / "lightning_paci"
+    code = (
+        "import sys, types\n"
+        "pkg = types.ModuleType('lightning_paci')\n"
+        f"pkg.__path__ = [{str(package_dir)!r}]\n"
+        "sys.modules['lightning_paci'] = pkg\n"
+        "import lightning_paci.schedules, lightning_paci.simulation, lightning_paci.simulate, lightning_paci.timeline\n"
+        "import lightning_paci.cursor\n"
+        "heavy = ('torch', 'lightning', 'pytorch_lightning', 'matplotlib', 'numpy')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

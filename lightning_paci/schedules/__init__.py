@@ -1,0 +1,80 @@
+"""Pipeline schedules as data: one ordered action list per stage.
+
+Every part of lightning_paci (the runtime, the one-process reference executor, the simulator, the monitors and the
+timeline pictures) reads the lists built here, so there is exactly one definition of what a stage does and when.
+The package keeps one concept per module and re-exports all of them here, so importers write
+``from lightning_paci.schedules import build, F, validate`` without knowing the layout:
+
+* :mod:`~lightning_paci.schedules.actions`: action kinds, ``Action``, its text form, ``Schedule``, message keys,
+* :mod:`~lightning_paci.schedules.build`: the builder (compute order, lowering, tied-weight exchange),
+* :mod:`~lightning_paci.schedules.analysis`: facts read off the lists (drift, in-flight depth, call rounds),
+* :mod:`~lightning_paci.schedules.validate`: the validator and its step x stage grid.
+
+Importing this package imports neither torch nor lightning: the simulator and the command line stay light.
+"""
+
+from __future__ import annotations
+
+from lightning_paci.schedules.actions import (
+    COMPUTE_KINDS,
+    OPT,
+    RECV_B,
+    RECV_F,
+    RECV_KINDS,
+    RECV_T,
+    SEND_B,
+    SEND_F,
+    SEND_KINDS,
+    SEND_T,
+    Action,
+    ActionKind,
+    B,
+    F,
+    MessageKey,
+    Schedule,
+    ScheduleError,
+    message_key,
+    parse_actions,
+)
+from lightning_paci.schedules.analysis import (
+    assign_rounds,
+    derived_drift_bound,
+    drift_bound,
+    inflight_profile,
+    static_drift,
+)
+from lightning_paci.schedules.build import SCHEDULE_NAMES, ScheduleName, build
+from lightning_paci.schedules.validate import format_grid, stage_lists_from_text, validate
+
+__all__ = [
+    "COMPUTE_KINDS",
+    "OPT",
+    "RECV_B",
+    "RECV_F",
+    "RECV_KINDS",
+    "RECV_T",
+    "SCHEDULE_NAMES",
+    "SEND_B",
+    "SEND_F",
+    "SEND_KINDS",
+    "SEND_T",
+    "Action",
+    "ActionKind",
+    "B",
+    "F",
+    "MessageKey",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleName",
+    "assign_rounds",
+    "build",
+    "derived_drift_bound",
+    "drift_bound",
+    "format_grid",
+    "inflight_profile",
+    "message_key",
+    "parse_actions",
+    "stage_lists_from_text",
+    "static_drift",
+    "validate",
+]

@@ -1,0 +1,182 @@
+"""The vocabulary of schedules: action kinds, one ``Action``, its text form, and a ``Schedule`` of per-stage lists.
+
+Everything that reads or writes action lists (the builder, the validator, the runtime, the simulator, the
+monitors) shares these types, so they live apart from any one algorithm over them. The message identity of a
+send or receive (``message_key``) is here too: it is what pairs a ``SEND`` on one stage with a ``RECV`` on another,
+and both the validator and the executors must agree on it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
+
+__all__ = [
+    "COMPUTE_KINDS",
+    "OPT",
+    "RECV_B",
+    "RECV_F",
+    "RECV_KINDS",
+    "RECV_T",
+    "SEND_B",
+    "SEND_F",
+    "SEND_KINDS",
+    "SEND_T",
+    "Action",
+    "ActionKind",
+    "B",
+    "F",
+    "MessageKey",
+    "Schedule",
+    "ScheduleError",
+    "message_key",
+    "parse_actions",
+]
+
+
+class ActionKind(str, Enum):
+    """What one action does. A ``str`` mixin, so a kind equals, hashes and prints like its bare value
+    (``ActionKind.F == "F"``, ``f"{ActionKind.SEND_F}" == "SEND_F"``): text forms, JSON, dictionaries keyed by
+    ``"F"`` and the timeline colours keep working. Every list built here holds the members themselves, so the hot
+    loops (runtime, simulator, rounds) compare kinds by identity: ``action.kind is F``.
+
+    ``str``/``format`` are pinned to the value because ``Enum`` changed both across Python versions (3.10 prints
+    ``ActionKind.F``); ``StrEnum`` would need 3.11.
+    """
+
+    F = "F"
+    B = "B"
+    OPT = "OPT"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    SEND_T = "SEND_T"  # tied weights: stage 0 -> last stage after an update; tied grads: last -> stage 0
+    RECV_T = "RECV_T"
+
+    # the C-level str hash (cached in the object) instead of Enum's Python-level hash(self._name_): kinds are
+    # looked up in frozensets for every action of every simulated stage
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, format_spec: str) -> str:
+        return format(self.value, format_spec)
+
+
+F = ActionKind.F
+B = ActionKind.B
+OPT = ActionKind.OPT
+SEND_F = ActionKind.SEND_F
+RECV_F = ActionKind.RECV_F
+SEND_B = ActionKind.SEND_B
+RECV_B = ActionKind.RECV_B
+SEND_T = ActionKind.SEND_T
+RECV_T = ActionKind.RECV_T
+COMPUTE_KINDS: frozenset[ActionKind] = frozenset({F, B, OPT})
+SEND_KINDS: frozenset[ActionKind] = frozenset({SEND_F, SEND_B, SEND_T})
+RECV_KINDS: frozenset[ActionKind] = frozenset({RECV_F, RECV_B, RECV_T})
+
+_TOKEN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|SEND_T|RECV_T|OPT|F|B)(\d*)$")
+
+
+class Action(NamedTuple):
+    """One step of one stage. ``microbatch`` is the index in the stream (``None`` for ``OPT``).
+
+    A ``NamedTuple`` (immutable, hashable, cheap): a 64-stage, 6400-micro-batch schedule holds ~1.7M of them.
+    """
+
+    stage: int
+    kind: ActionKind
+    microbatch: int | None = None
+
+    def __str__(self) -> str:
+        # "1F0", "0SEND_F2", "3OPT": the stage index first, as torch.distributed.pipelining writes its tokens.
+        return f"{self.stage}{self.kind}{'' if self.microbatch is None else self.microbatch}"
+
+    @classmethod
+    def from_str(cls, token: str) -> Action:
+        """Parse the text form written by ``str(action)``."""
+        match = _TOKEN.match(token.strip())
+        if match is None:
+            raise ValueError(
+                f"Cannot parse action token {token!r}: expected <stage><kind><microbatch> such as '1F0', '0SEND_F2' "
+                f"or '3OPT', with kind one of F, B, OPT, SEND_F, RECV_F, SEND_B, RECV_B, SEND_T, RECV_T."
+            )
+        stage, kind, number = match.groups()
+        if kind == OPT and number:
+            raise ValueError(
+                f"Cannot parse action token {token!r}: OPT takes no micro-batch index (write '{stage}OPT')."
+            )
+        if kind != OPT and not number:
+            raise ValueError(
+                f"Cannot parse action token {token!r}: {kind} needs a micro-batch index, e.g. '{stage}{kind}0'."
+            )
+        # the member itself, never the parsed string: the simulator and the runtime compare kinds by identity
+        return cls(int(stage), ActionKind(kind), int(number) if number else None)
+
+
+def parse_actions(text: str) -> list[Action]:
+    """Parse whitespace- or comma-separated tokens (the form :meth:`Schedule.stage_text` writes)."""
+    return [Action.from_str(token) for token in re.split(r"[\s,]+", text.strip()) if token]
+
+
+class ScheduleError(ValueError):
+    """An action list that cannot run (bad order, unmatched message, deadlock). The message holds the grid."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The action lists of all stages plus the arguments that built them.
+
+    ``actions[s]`` is the ordered list that stage ``s`` executes as is. Micro-batch ``j`` belongs to mini-batch
+    ``j // num_microbatches``.
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    accumulation: int
+    num_minibatches: int
+    actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+
+    @property
+    def total_microbatches(self) -> int:
+        return self.num_microbatches * self.num_minibatches
+
+    def compute_actions(self, stage: int) -> list[Action]:
+        """The ``F``/``B``/``OPT`` actions of one stage, in order (what a timeline shows)."""
+        return [action for action in self.actions[stage] if action.kind in COMPUTE_KINDS]
+
+    def stage_text(self, stage: int, *, compute_only: bool = False) -> str:
+        actions = self.compute_actions(stage) if compute_only else self.actions[stage]
+        return " ".join(str(action) for action in actions)
+
+
+MessageKey = tuple[str, int, int, "int | None"]  # (channel "F"/"B"/"T", source stage, destination stage, index)
+
+
+def message_key(action: Action, num_stages: int) -> MessageKey | None:
+    """The message a SEND or RECV action sends or waits for; ``None`` for compute actions.
+
+    Tied-weight messages (``T``) run between stage 0 and the last stage only: stage 0 sends the tied weights after
+    its update ``k`` and receives the last stage's tied-weight gradients of its window ``k``.
+    """
+    s, kind, index = action
+    last = num_stages - 1
+    if kind is SEND_F:
+        return ("F", s, s + 1, index)
+    if kind is RECV_F:
+        return ("F", s - 1, s, index)
+    if kind is SEND_B:
+        return ("B", s, s - 1, index)
+    if kind is RECV_B:
+        return ("B", s + 1, s, index)
+    if kind is SEND_T:
+        return ("T", s, last if s == 0 else 0, index)
+    if kind is RECV_T:
+        return ("T", last if s == 0 else 0, s, index)
+    return None

@@ -1,0 +1,221 @@
+"""Building schedules: the compute order of each stage, its lowering to messages, and the tied-weight exchange.
+
+A schedule is built in three pure passes (no torch, no torch.distributed), so that the runtime, the one-process
+reference executor, the simulator and the monitors all read one definition of what a stage does and when:
+
+1. compute order: forwards ``F`` and backwards ``B`` per stage (``_compute_order``),
+2. an ``OPT`` after every ``accumulation``-th local backward, and
+3. the point-to-point messages the compute order implies (2 and 3 in one sweep, ``_lower``).
+
+[Note: PACI order]
+``"paci"`` is one-forward-one-backward (1F1B) over the *whole stream* of micro-batches with no flush between
+mini-batches. Stage ``s`` runs ``w = N - 1 - s`` warm-up forwards, then alternates ``F(w + i), B(i)``, so it holds at
+most ``N - s`` micro-batches between their forward and backward, and backwards are processed in forward order
+(FIFO). Between ``F(j)`` and ``B(j)`` stage ``s`` runs the ``w`` backwards ``B(j - w) .. B(j - 1)``, and an ``OPT``
+follows every ``a``-th backward, so at most ``ceil(w / a)`` optimizer steps fall inside that window: the drift bound
+``ceil((N - 1 - s) / a)``, reached exactly in a long run::
+
+    stage 0 (N=3):  F0 F1 F2 B0 F3 B1 F4 B2 ...      <- 3 in flight
+    stage 1:           F0 F1 B0 F2 B1 F3 B2 ...      <- 2 in flight
+    stage 2:              F0 B0 F1 B1 F2 B2 ...      <- 1 in flight (forward, loss, backward back to back)
+
+``"1f1b"`` is the same rule applied to each mini-batch separately (a flush at every mini-batch boundary: the
+paper's synchronous baseline); ``"gpipe"`` runs all forwards of a mini-batch, then all its backwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal, get_args
+
+from lightning_paci.schedules.actions import (
+    OPT,
+    RECV_B,
+    RECV_F,
+    RECV_T,
+    SEND_B,
+    SEND_F,
+    SEND_T,
+    Action,
+    ActionKind,
+    B,
+    F,
+    Schedule,
+)
+from lightning_paci.schedules.analysis import assign_rounds
+
+__all__ = ["SCHEDULE_NAMES", "ScheduleName", "build"]
+
+ScheduleName = Literal["paci", "1f1b", "gpipe"]
+SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
+
+
+def _check_positive(name: str, value: object, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int, got {value!r} of type {type(value).__name__}. {fix}")
+    if value < 1:
+        raise ValueError(f"`{name}` must be >= 1, got {value}. {fix}")
+    return value
+
+
+def build(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    accumulation: int,
+    num_minibatches: int,
+    *,
+    backward_offset: int = 0,
+    tied: bool = False,
+) -> Schedule:
+    """Build the action list of every stage.
+
+    Args:
+        name: ``"paci"`` (asynchronous 1F1B, no flush), ``"1f1b"`` (1F1B with a flush per mini-batch) or ``"gpipe"``.
+        num_stages: pipeline stages ``N``, one process each.
+        num_microbatches: micro-batches ``m`` per mini-batch (any ``m >= 1``; ``m < N`` runs, it only fills less).
+        accumulation: ``a``; every stage steps its optimizer after every ``a``-th local backward.
+        num_minibatches: mini-batches in the stream (``K``); micro-batches are numbered ``0 .. K*m - 1``.
+        backward_offset: backwards every stage already ran before this stream (after a drain), so that the
+            ``OPT`` positions continue the count: an ``OPT`` follows backward number ``n`` when
+            ``(backward_offset + n) % a == 0``.
+        tied: the first and last stage share tied weights (an embedding and an LM head); see [Note: tied weights].
+
+    Raises:
+        ValueError / TypeError: naming the argument, its value and the fix.
+    """
+    if name not in SCHEDULE_NAMES:
+        raise ValueError(f"`schedule` must be one of {', '.join(map(repr, SCHEDULE_NAMES))}, got {name!r}.")
+    _check_positive("num_stages", num_stages, "Use one stage per pipeline process, e.g. num_stages=4.")
+    _check_positive("num_microbatches", num_microbatches, "Split each mini-batch into at least one micro-batch.")
+    _check_positive("accumulation", accumulation, "Use accumulation=num_microbatches for one step per mini-batch.")
+    _check_positive("num_minibatches", num_minibatches, "Run at least one mini-batch.")
+    if isinstance(backward_offset, bool) or not isinstance(backward_offset, int) or backward_offset < 0:
+        raise ValueError(f"`backward_offset` must be an int >= 0, got {backward_offset!r}.")
+
+    lowered = [
+        _lower(stage, num_stages, _compute_order(name, num_stages, stage, num_microbatches, num_minibatches),
+               accumulation, backward_offset)
+        for stage in range(num_stages)
+    ]
+    schedule = Schedule(
+        name=name,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        accumulation=accumulation,
+        num_minibatches=num_minibatches,
+        actions=tuple(lowered),
+    )
+    if tied and num_stages > 1:
+        schedule = _add_tied_exchange(schedule)
+    return schedule
+
+
+def _add_tied_exchange(schedule: Schedule) -> Schedule:
+    """[Note: tied weights]
+    A weight used on the first and the last stage (GPT-2's ``wte`` / ``lm_head``) is owned by stage 0, which
+    applies update ``k`` with the gradient of *both* uses: before its ``k``-th ``OPT`` it receives the last stage's
+    tied-weight gradient of that stage's ``k``-th window (``RECV_T``), after it sends the updated weights
+    (``SEND_T``). The last stage keeps a replica that its own optimizer never steps: after its ``k``-th ``OPT`` it
+    sends the replica's gradient, and it installs stage 0's weights ``k`` (``RECV_T``) right before its first
+    action of the call after the one in which stage 0 sent them -- so the receive never waits for a later call
+    and no flush or global collective is added. The replica therefore goes through exactly stage 0's sequence of
+    weights, some updates late: under a flush schedule it is up to date before the next mini-batch's first forward
+    (exact single-device semantics); under ``"paci"`` the last stage uses weights one or two updates old. The
+    drain at the end of a stream installs every outstanding update, so both copies are equal afterwards.
+    """
+    n = schedule.num_stages
+    last = n - 1
+    rounds = assign_rounds(schedule)
+    first, tail = list(schedule.actions[0]), list(schedule.actions[last])
+    first_rounds, tail_rounds = rounds[0], rounds[last]
+    new = tuple.__new__
+    # stage 0: RECV_T(k) before its k-th OPT, SEND_T(k) after it; remember the round of each SEND_T
+    out0: list[Action] = []
+    sent_round: list[int] = []
+    k = 0
+    for action, rnd in zip(first, first_rounds):
+        if action.kind is OPT:
+            k += 1
+            out0 += [new(Action, (0, RECV_T, k)), action, new(Action, (0, SEND_T, k))]
+            sent_round.append(rnd)
+        else:
+            out0.append(action)
+    # last stage: SEND_T(k) after its k-th OPT; RECV_T(k) before the first action of a round > sent_round[k]
+    out_last: list[Action] = []
+    pending = 0  # next weights update to install (0-based into sent_round)
+    k = 0
+    for action, rnd in zip(tail, tail_rounds):
+        out_last.append(action)
+        # right after the activation receive that opens a later round, before that forward runs
+        while pending < len(sent_round) and rnd > sent_round[pending] and action.kind is RECV_F:
+            pending += 1
+            out_last.append(new(Action, (last, RECV_T, pending)))
+        if action.kind is OPT:
+            k += 1
+            out_last.append(new(Action, (last, SEND_T, k)))
+    while pending < len(sent_round):
+        pending += 1
+        out_last.append(new(Action, (last, RECV_T, pending)))
+    lists = list(schedule.actions)
+    lists[0], lists[last] = tuple(out0), tuple(out_last)
+    return Schedule(schedule.name, n, schedule.num_microbatches, schedule.accumulation, schedule.num_minibatches,
+                    tuple(lists))
+
+
+def _one_f_one_b(stage: int, num_stages: int, first: int, count: int) -> list[tuple[ActionKind, int]]:
+    """1F1B over micro-batches ``first .. first+count-1`` with warm-up ``N-1-s`` (capped by ``count``)."""
+    warmup = min(num_stages - 1 - stage, count)
+    order: list[tuple[ActionKind, int]] = [(F, first + i) for i in range(warmup)]
+    for i in range(count - warmup):
+        order.append((F, first + warmup + i))
+        order.append((B, first + i))
+    order.extend((B, first + i) for i in range(count - warmup, count))
+    return order
+
+
+def _compute_order(
+    name: str, num_stages: int, stage: int, num_microbatches: int, num_minibatches: int
+) -> list[tuple[ActionKind, int]]:
+    if name == "paci":  # see [Note: PACI order]: one 1F1B over the whole stream, no flush
+        return _one_f_one_b(stage, num_stages, 0, num_microbatches * num_minibatches)
+    order: list[tuple[ActionKind, int]] = []
+    for minibatch in range(num_minibatches):
+        first = minibatch * num_microbatches
+        if name == "1f1b":
+            order += _one_f_one_b(stage, num_stages, first, num_microbatches)
+        else:  # gpipe
+            order += [(F, first + i) for i in range(num_microbatches)]
+            order += [(B, first + i) for i in range(num_microbatches)]
+    return order
+
+
+def _lower(
+    stage: int, num_stages: int, order: Iterable[tuple[ActionKind, int]], accumulation: int, backward_offset: int
+) -> tuple[Action, ...]:
+    """Passes 2 and 3 in one sweep: an ``OPT`` after every ``accumulation``-th backward (counting continues from
+    ``backward_offset``) and the messages the compute order implies. A ``RECV`` goes right before the action that
+    needs it; a ``SEND`` right after the action that produced it and before a following ``OPT``, so an optimizer
+    step never delays a neighbour."""
+    new = tuple.__new__  # about twice as fast as Action(...): large simulations build millions of actions
+    has_prev, has_next = stage > 0, stage < num_stages - 1
+    out: list[Action] = []
+    append = out.append
+    done = backward_offset
+    for kind, microbatch in order:
+        if kind is F:
+            if has_prev:
+                append(new(Action, (stage, RECV_F, microbatch)))
+            append(new(Action, (stage, F, microbatch)))
+            if has_next:
+                append(new(Action, (stage, SEND_F, microbatch)))
+        else:
+            if has_next:
+                append(new(Action, (stage, RECV_B, microbatch)))
+            append(new(Action, (stage, B, microbatch)))
+            if has_prev:
+                append(new(Action, (stage, SEND_B, microbatch)))
+            done += 1
+            if done % accumulation == 0:
+                append(new(Action, (stage, OPT, None)))
+    return tuple(out)

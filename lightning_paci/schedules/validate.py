@@ -1,0 +1,173 @@
+"""Validation of action lists: reject what cannot run, and show where, before any process starts.
+
+Built schedules are valid by construction; this module exists for hand-written lists and for tests that pin the
+builder down. A rejected list raises :class:`ScheduleError` whose message holds a step x stage grid with the bad
+cell marked, because a deadlock or an unmatched message is far easier to read off the grid than off a traceback
+on N processes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Iterable, Mapping, Sequence
+
+from lightning_paci.schedules.actions import (
+    RECV_B,
+    RECV_F,
+    RECV_KINDS,
+    RECV_T,
+    SEND_B,
+    SEND_F,
+    SEND_KINDS,
+    SEND_T,
+    Action,
+    B,
+    F,
+    MessageKey,
+    Schedule,
+    ScheduleError,
+    message_key,
+    parse_actions,
+)
+
+__all__ = ["format_grid", "stage_lists_from_text", "validate"]
+
+
+def format_grid(
+    actions: Sequence[Sequence[Action | None]],
+    *,
+    error_stage: int | None = None,
+    error_step: int | None = None,
+    window: int = 12,
+) -> str:
+    """Step x stage grid, one column per stage; the bad cell is marked ``<-- ERROR HERE``.
+
+    Long schedules are cut to ``window`` steps either side of the error.
+    """
+    num_steps = max((len(stage_actions) for stage_actions in actions), default=0)
+    lo, hi = 0, num_steps
+    if error_step is not None:
+        lo, hi = max(0, error_step - window), min(num_steps, error_step + window + 1)
+    width = max([8] + [len(str(a)) for stage_actions in actions for a in stage_actions[lo:hi] if a is not None]) + 2
+    lines = ["step  " + "".join(f"stage {s}".ljust(width) for s in range(len(actions)))]
+    if lo > 0:
+        lines.append("...")
+    for step in range(lo, hi):
+        cells = []
+        for stage_actions in actions:
+            action = stage_actions[step] if step < len(stage_actions) else None
+            cells.append(("." if action is None else str(action)).ljust(width))
+        marker = ""
+        if step == error_step:
+            marker = f"  <-- ERROR HERE (stage {error_stage})"
+        lines.append(f"{step:<6}" + "".join(cells).rstrip() + marker)
+    if hi < num_steps:
+        lines.append("...")
+    return "\n".join(lines)
+
+
+def _fail(actions: Sequence[Sequence[Action | None]], stage: int, step: int, message: str) -> ScheduleError:
+    grid = format_grid(actions, error_stage=stage, error_step=step)
+    return ScheduleError(f"Stage {stage}, step {step}: {message}\n{grid}")
+
+
+def validate(actions: Sequence[Sequence[Action | None]] | Schedule) -> None:
+    """Reject impossible lists: backward before forward, a micro-batch run twice, an unmatched send or receive,
+    and any circular wait (deadlock) under the runtime's semantics (sends never block, receives do).
+
+    ``None`` entries are deliberate bubbles and are skipped. Raises :class:`ScheduleError` with the grid.
+    """
+    lists = actions.actions if isinstance(actions, Schedule) else actions
+    num_stages = len(lists)
+    last = num_stages - 1
+    # 1. per-stage order rules
+    for stage, stage_actions in enumerate(lists):
+        forwards: set[int] = set()
+        backwards: set[int] = set()
+        received: set[tuple[str, int]] = set()
+        for step, action in enumerate(stage_actions):
+            if action is None:
+                continue
+            if action.stage != stage:
+                raise _fail(lists, stage, step,
+                            f"action {action} names stage {action.stage} but sits in stage {stage}'s list.")
+            kind, mb = action.kind, action.microbatch
+            if kind == F:
+                if mb in forwards:
+                    raise _fail(lists, stage, step, f"forward of micro-batch {mb} runs twice.")
+                if stage > 0 and (RECV_F, mb) not in received:
+                    raise _fail(lists, stage, step,
+                                f"forward of micro-batch {mb} runs before its activation is received (RECV_F).")
+                forwards.add(mb)  # type: ignore[arg-type]
+            elif kind == B:
+                if mb not in forwards:
+                    raise _fail(lists, stage, step, f"backward of micro-batch {mb} runs before its forward.")
+                if mb in backwards:
+                    raise _fail(lists, stage, step, f"backward of micro-batch {mb} runs twice.")
+                if stage < last and (RECV_B, mb) not in received:
+                    raise _fail(lists, stage, step,
+                                f"backward of micro-batch {mb} runs before its gradient is received (RECV_B).")
+                backwards.add(mb)  # type: ignore[arg-type]
+            elif kind in (RECV_F, RECV_B):
+                if (kind == RECV_F and stage == 0) or (kind == RECV_B and stage == last):
+                    raise _fail(lists, stage, step,
+                                f"{kind} on stage {stage}: there is no neighbour to receive from.")
+                received.add((kind, mb))  # type: ignore[arg-type]
+            elif kind == SEND_F and (stage == last or mb not in forwards):
+                raise _fail(lists, stage, step,
+                            f"SEND_F of micro-batch {mb} before its forward or from the last stage.")
+            elif kind == SEND_B and (stage == 0 or mb not in backwards):
+                raise _fail(lists, stage, step, f"SEND_B of micro-batch {mb} before its backward or from stage 0.")
+            elif kind in (SEND_T, RECV_T) and (stage not in (0, last) or num_stages < 2):
+                raise _fail(lists, stage, step,
+                            f"{kind} on stage {stage}: tied weights travel between stage 0 and the last stage only.")
+    # 2. every message has exactly one partner
+    sends: dict[MessageKey, tuple[int, int]] = {}
+    recvs: dict[MessageKey, tuple[int, int]] = {}
+    for stage, stage_actions in enumerate(lists):
+        for step, action in enumerate(stage_actions):
+            key = None if action is None else message_key(action, num_stages)
+            if key is not None:
+                (sends if action.kind in SEND_KINDS else recvs)[key] = (stage, step)  # type: ignore[union-attr]
+    for key, (stage, step) in recvs.items():
+        if key not in sends:
+            raise _fail(lists, stage, step,
+                        f"receive of {key[0]} message {key[3]} has no matching send on stage {key[1]}.")
+    for key, (stage, step) in sends.items():
+        if key not in recvs:
+            raise _fail(lists, stage, step,
+                        f"send of {key[0]} message {key[3]} has no matching receive on stage {key[2]}.")
+    # 3. deadlock: run the lists with unbounded send buffers
+    position = [0] * num_stages
+    posted: set[MessageKey] = set()
+    waiting: dict[MessageKey, int] = {}
+    ready = deque(range(num_stages))
+    while ready:
+        stage = ready.popleft()
+        stage_actions = lists[stage]
+        while position[stage] < len(stage_actions):
+            action = stage_actions[position[stage]]
+            key = None if action is None else message_key(action, num_stages)
+            if key is not None:
+                if action.kind in RECV_KINDS:  # type: ignore[union-attr]
+                    if key not in posted:
+                        waiting[key] = stage
+                        break
+                else:
+                    posted.add(key)
+                    if key in waiting:
+                        ready.append(waiting.pop(key))
+            position[stage] += 1
+    stuck = [s for s in range(num_stages) if position[s] < len(lists[s])]
+    if stuck:
+        cycle = ", ".join(f"stage {s} waits at {lists[s][position[s]]}" for s in stuck)
+        raise _fail(lists, stuck[0], position[stuck[0]], f"deadlock: {cycle}.")
+
+
+def stage_lists_from_text(rows: Mapping[int, str] | Iterable[str]) -> list[list[Action]]:
+    """Build lists from text rows (one row per stage); handy for golden tests and hand-written schedules."""
+    items = rows.items() if isinstance(rows, Mapping) else enumerate(rows)
+    table: dict[int, list[Action]] = defaultdict(list)
+    for stage, text in items:
+        table[stage] = parse_actions(text)
+    return [table[s] for s in range(max(table) + 1)] if table else []
