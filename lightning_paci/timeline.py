@@ -66,8 +66,9 @@ def draw_timeline(
             continue
         ax.barh(row, iv.end - iv.start, left=iv.start, height=0.8, color=COLORS.get(iv.kind, "#999999"),
                 edgecolor="white", linewidth=0.4)
-        if iv.microbatch is not None and iv.kind in ("F", "B") and iv.end - iv.start >= min_label_width * len(str(iv.microbatch)):
-            ax.text((iv.start + iv.end) / 2, row, str(iv.microbatch), ha="center", va="center", fontsize=7, color="white")
+        label = str(iv.microbatch)
+        if iv.microbatch is not None and iv.kind in ("F", "B") and iv.end - iv.start >= min_label_width * len(label):
+            ax.text((iv.start + iv.end) / 2, row, label, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(num_stages), [f"stage {s}" for s in range(num_stages)])
     ax.invert_yaxis()
     ax.set_xlim(start, end)

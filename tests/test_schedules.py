@@ -20,7 +20,8 @@ from lightning_paci.schedules import (
 
 
 @pytest.mark.parametrize("name", ["paci", "1f1b", "gpipe"])
-@pytest.mark.parametrize("num_stages,num_microbatches,accumulation", [(1, 1, 1), (2, 4, 4), (4, 4, 2), (4, 3, 3), (8, 8, 8), (8, 4, 4)])
+@pytest.mark.parametrize("num_stages,num_microbatches,accumulation",
+                         [(1, 1, 1), (2, 4, 4), (4, 4, 2), (4, 3, 3), (8, 8, 8), (8, 4, 4)])
 def test_built_schedules_validate_and_run_every_microbatch_once(name, num_stages, num_microbatches, accumulation):
     schedule = build(name, num_stages, num_microbatches, accumulation, 3)
     validate(schedule)
@@ -102,7 +103,8 @@ def test_built_lists_hold_the_kind_members(name):
     assert all(id(action.kind) in members for actions in schedule.actions for action in actions)
 
 
-@pytest.mark.parametrize("token,match", [("F0", "Cannot parse"), ("1X0", "Cannot parse"), ("1OPT3", "OPT takes no"), ("1F", "needs a micro-batch")])
+@pytest.mark.parametrize("token,match", [("F0", "Cannot parse"), ("1X0", "Cannot parse"), ("1OPT3", "OPT takes no"),
+                                         ("1F", "needs a micro-batch")])
 def test_bad_tokens_are_rejected(token, match):
     with pytest.raises(ValueError, match=match):
         Action.from_str(token)
@@ -117,7 +119,8 @@ def test_paci_drift_equals_the_bound_exactly(num_stages, accumulation):
     schedule = build("paci", num_stages, num_microbatches, accumulation, num_minibatches)
     for stage in range(num_stages):
         gaps = static_drift(schedule.actions[stage])
-        assert max(gaps.values()) == drift_bound(num_stages, stage, accumulation) == math.ceil((num_stages - 1 - stage) / accumulation)
+        expected = math.ceil((num_stages - 1 - stage) / accumulation)
+        assert max(gaps.values()) == drift_bound(num_stages, stage, accumulation) == expected
 
 
 @pytest.mark.parametrize("name", ["1f1b", "gpipe"])

@@ -89,7 +89,8 @@ def test_cli_json(capsys):
     assert main(["--schedule", "paci", "--stages", "8", "--microbatches", "8", "--accumulation", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [s["max_drift"] for s in data["stages"]] == [1] * 7 + [0]
-    assert {"stage", "max_drift", "drift_bound", "bubble_fraction", "steady_bubble_fraction", "peak_inflight"} <= set(data["stages"][0])
+    fields = {"stage", "max_drift", "drift_bound", "bubble_fraction", "steady_bubble_fraction", "peak_inflight"}
+    assert fields <= set(data["stages"][0])
     assert data["makespan"] > 0 and data["throughput"] > 0
 
 
