@@ -190,6 +190,7 @@ class _StageTemplate:
 
 @lru_cache(maxsize=64)
 def _stage_template(key: _Key, stage: int) -> _StageTemplate:
+    """One stage's slice of the checked template: all a cursor keeps between calls."""
     horizon = _steady_horizon(key)
     period, mb_step, tied_step = _steps(key)
     lists, rounds = _built(key, horizon)

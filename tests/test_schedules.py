@@ -212,3 +212,17 @@ def test_paci_installs_tied_weights_without_waiting_for_a_later_call():
     for action, rnd in zip(schedule.actions[3], rounds[3]):
         if action.kind == "RECV_T" and action.microbatch < 5:
             assert rnd > sent[message_key(action, 4)]  # sent in an earlier call
+
+
+def test_build_pauses_the_garbage_collector_only_while_it_runs():
+    import gc
+
+    assert gc.isenabled()
+    build("paci", 4, 4, 4, 2, tied=True)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        build("paci", 4, 4, 4, 2)
+        assert not gc.isenabled()  # a caller that disabled it keeps it disabled
+    finally:
+        gc.enable()

@@ -25,7 +25,9 @@ paper's synchronous baseline); ``"gpipe"`` runs all forwards of a mini-batch, th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import gc
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Literal, get_args
 
 from lightning_paci.schedules.actions import (
@@ -93,22 +95,44 @@ def build(
     if isinstance(backward_offset, bool) or not isinstance(backward_offset, int) or backward_offset < 0:
         raise ValueError(f"`backward_offset` must be an int >= 0, got {backward_offset!r}.")
 
-    lowered = [
-        _lower(stage, num_stages, _compute_order(name, num_stages, stage, num_microbatches, num_minibatches),
-               accumulation, backward_offset)
-        for stage in range(num_stages)
-    ]
-    schedule = Schedule(
-        name=name,
-        num_stages=num_stages,
-        num_microbatches=num_microbatches,
-        accumulation=accumulation,
-        num_minibatches=num_minibatches,
-        actions=tuple(lowered),
-    )
-    if tied and num_stages > 1:
-        schedule = _add_tied_exchange(schedule)
+    with _collector_paused():
+        lowered = [
+            _lower(stage, num_stages, _compute_order(name, num_stages, stage, num_microbatches, num_minibatches),
+                   accumulation, backward_offset)
+            for stage in range(num_stages)
+        ]
+        schedule = Schedule(
+            name=name,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            accumulation=accumulation,
+            num_minibatches=num_minibatches,
+            actions=tuple(lowered),
+        )
+        if tied and num_stages > 1:
+            schedule = _add_tied_exchange(schedule)
     return schedule
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while the lists are built.
+
+    A large build allocates millions of actions. ``Action`` is a tuple subclass, so the collector tracks every one
+    (it only stops tracking plain tuples of atomic values), and each one holds an ``ActionKind`` member, which it
+    visits too. Every burst of allocations then starts a collection that walks all of them, and every other live
+    object too (torch's, in a training process). These collections free nothing, because the lists hold no
+    reference cycles. They took about 80% of the time of ``build("paci", 64, 64, 64, 100)``: 3.0-3.4 s before
+    kinds were Enum members, 3.7-4.1 s after, 0.7 s without the collections. The previous state is restored, so
+    a caller that had disabled the collector keeps it disabled.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _add_tied_exchange(schedule: Schedule) -> Schedule:
