@@ -20,7 +20,11 @@ __all__ = ["LOSS_KEY", "METRIC_OPTION", "LogRecord", "LogRelay", "recording_logs
 
 LOSS_KEY = "__paci_loss__"  # the log record carrying the step's returned loss upstream
 METRIC_OPTION = "__paci_metric__"  # a log record naming a torchmetrics Metric attribute instead of a value
-_LOG_OPTIONS = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph", "add_dataloader_idx")
+_LOG_OPTIONS = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph", "add_dataloader_idx",
+                "sync_dist", "rank_zero_only", "metric_attribute")
+# how Lightning combines values of one key; the micro-batches of a batch are combined the same way
+_REDUCTIONS: dict[Any, str] = {"mean": "mean", "avg": "mean", torch.mean: "mean", "sum": "sum", torch.sum: "sum",
+                               "max": "max", torch.max: "max", "min": "min", torch.min: "min"}
 
 
 class LogRecord(NamedTuple):
@@ -66,22 +70,34 @@ def recording_logs(module: LightningModule, records: list[LogRecord], size: int,
 
 
 def replay_logs(module: LightningModule, records: list[LogRecord]) -> float | None:
-    """Call the real ``self.log`` once per key with the batch-size-weighted mean; return the loss record's mean."""
-    totals: dict[str, list[Any]] = {}
+    """Call the real ``self.log`` once per key with the micro-batches' values combined as Lightning combines values
+    of one key (``reduce_fx``): the batch-size-weighted mean (the default), the sum, the max or the min -- what one
+    device computing the whole batch would have logged. Returns the loss record's mean."""
+    totals: dict[str, tuple[str, list[LogRecord]]] = {}
     for record in records:
         options = dict(record.options)
         if METRIC_OPTION in options:
             module.log(record.name, module.get_submodule(options.pop(METRIC_OPTION)), **options)
             continue
-        entry = totals.setdefault(record.name, [0.0, 0, record.options])
-        entry[0] += record.value * record.batch_size
-        entry[1] += record.batch_size
+        fx = options.get("reduce_fx", "mean")
+        if fx not in _REDUCTIONS:
+            raise ValueError(
+                f"`self.log({record.name!r}, ..., reduce_fx={fx!r})` cannot be combined over micro-batches: pipeline "
+                f"training logs each micro-batch and combines them like Lightning combines steps. Use 'mean', "
+                f"'sum', 'max' or 'min' (or torch.mean/sum/max/min)."
+            )
+        totals.setdefault(record.name, (_REDUCTIONS[fx], []))[1].append(record)
     loss = None
-    for name, (weighted, size, options) in totals.items():
+    for name, (how, group) in totals.items():
+        size = sum(r.batch_size for r in group)
+        if how == "mean":
+            value = sum(r.value * r.batch_size for r in group) / size
+        else:
+            value = {"sum": sum, "max": max, "min": min}[how](r.value for r in group)
         if name == LOSS_KEY:
-            loss = weighted / size
+            loss = value
             continue
-        module.log(name, weighted / size, batch_size=size, **dict(options))
+        module.log(name, value, batch_size=size, **dict(group[0].options))
     return loss
 
 
