@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_paci.cursor import StreamCursor
-from lightning_paci.microbatch import split_microbatches
+from lightning_paci.microbatch import loss_scale_for, split_microbatches
 from lightning_paci.runtime import StageRuntime
 
 __all__ = ["StreamDriver"]
@@ -48,11 +48,16 @@ class StreamDriver:
     def in_stream(self) -> bool:
         return self._cursor is not None
 
-    def feed(self, batch: Any, batch_idx: int, *, drain: bool) -> None:
+    def feed(self, batch: Any, batch_idx: int, *, drain: bool, accumulation: int | None = None) -> None:
         """Split ``batch`` into micro-batches, run this stage's actions of the current round, and drain when
-        ``drain`` (or when the stream reached ``max_stream_batches``)."""
+        ``drain`` (or when the stream reached ``max_stream_batches``). ``accumulation``, when given, is the window
+        of the stream this batch opens (Lightning's ``accumulate_grad_batches`` may change between epochs, and
+        streams end at epochs); the loss scale follows it."""
         runtime, m = self.runtime, self.num_microbatches
         if self._cursor is None:
+            if accumulation is not None:
+                self.accumulation = accumulation
+                runtime.loss_scale = loss_scale_for(accumulation)
             done = runtime.microbatch_base  # backwards run so far on every stage (streams end drained)
             self._cursor = StreamCursor(self.schedule, runtime.num_stages, m, self.accumulation, runtime.stage,
                                         backward_offset=done % self.accumulation, tied=self.tied)

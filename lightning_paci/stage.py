@@ -86,14 +86,15 @@ class PipelineStage:
                                    max_stream_batches=self.config.max_stream_batches)
         self.relay = LogRelay(self.num_microbatches)
 
-    def train(self, batch: Any, batch_idx: int, *, label: str, drain: bool) -> float:
-        """Feed one Lightning batch; replay the logs of every mini-batch complete here; return the last mean loss
-        replayed on this rank (NaN before the first one arrives)."""
+    def train(self, batch: Any, batch_idx: int, *, label: str, drain: bool, accumulation: int) -> float:
+        """Feed one Lightning batch (``accumulation``: the current window, used when the batch opens a stream);
+        replay the logs of every mini-batch complete here; return the last mean loss replayed on this rank (NaN
+        before the first one arrives)."""
         runtime, driver = self.runtime, self.driver
         if runtime is None or driver is None:
             raise RuntimeError("PipelineStage.train before start_training")
         runtime.step_label = label
-        driver.feed(batch, batch_idx, drain=drain)
+        driver.feed(batch, batch_idx, drain=drain, accumulation=accumulation)
         self.relay.emit(self.module, runtime.logs)
         return self.relay.last_loss
 

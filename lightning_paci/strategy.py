@@ -173,7 +173,7 @@ class PACIStrategy(PipelineProcesses):
         trainer, stage = self._trainer, self._stage
         assert trainer is not None and stage is not None
         loss = stage.train(batch, batch_idx, label=f"Lightning batch {batch_idx} (global step {trainer.global_step})",
-                           drain=must_drain(trainer, batch_idx))
+                           drain=must_drain(trainer, batch_idx), accumulation=self.accumulation)
         return torch.tensor(loss, device=self.root_device)
 
     def _drain(self) -> None:

@@ -274,6 +274,23 @@ def test_accumulate_grad_batches_multiplies_the_accumulation():
     _assert_state_close(model, reference, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scheduling", [{0: 2}, {0: 1, 1: 2}])
+def test_a_gradient_accumulation_scheduler_trains_as_on_one_device(scheduling):
+    # the window (and the loss scale) follows Lightning's accumulate_grad_batches of the epoch each stream runs in
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    torch.manual_seed(9)
+    model = SequentialMLP()
+    single = copy.deepcopy(model)
+    loader = regression_loader(num_batches=4)
+    L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False,
+              callbacks=[GradientAccumulationScheduler(scheduling)]).fit(single, loader)
+    fit(model, loader, devices=2, max_steps=-1, schedule="1f1b", microbatches=4, partition="parameters",
+        trainer_kwargs={"max_epochs": 2}, callbacks=[GradientAccumulationScheduler(scheduling)])
+    _assert_state_close(model, single, rtol=1e-5)
+
+
 def test_gradient_clipping_is_applied_per_stage():
     torch.manual_seed(8)
     model = SequentialMLP(lr=0.5)
