@@ -4,10 +4,13 @@ Layout of the optimizer entry (``checkpoint["optimizer_states"][0]``), independe
 can resume onto a different number of stages::
 
     {"paci": {"num_stages": N, "backwards": b, "steps": t,
-              "params": {fqn: {"state": {...optimizer tensors...}, "group": {lr, betas, ...}}}}}
+              "params": {fqn: {"state": {...optimizer tensors...}, "group": {lr, betas, ...}, "grad": g | None},
+                         tied_replica_fqn: {"grad": g | None}}}}
 
 ``backwards`` (micro-batches every stage has back-propagated) and ``steps`` (local optimizer steps) restore the
-accumulation counter, so a resumed run places its optimizer steps where the uninterrupted run would.
+accumulation counter, so a resumed run places its optimizer steps where the uninterrupted run would; ``grad`` holds
+the gradient accumulated in a window that was still open at the save (also on the last stage's tied-weight
+replica), so a resume inside a window is exact.
 
 With ``PACIStrategy(checkpoint_layout="sharded")`` nothing is gathered: the checkpoint path is a directory with
 ``meta.pt`` (everything but weights and optimizer state, written by rank 0) and one ``stage_NNN.pt`` per stage
@@ -19,9 +22,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +33,7 @@ from torch import nn
 
 from lightning_paci.stage_optimizer import StageOptimizer
 
-__all__ = ["PipelineCheckpoints", "atomic_save", "consolidate_checkpoint", "cpu_state", "gather_to_first",
+__all__ = ["PipelineCheckpoints", "Resumed", "atomic_save", "consolidate_checkpoint", "cpu_state", "gather_to_first",
            "load_sharded", "load_stage_optimizer_state", "stage_optimizer_state"]
 
 
@@ -51,8 +54,15 @@ def atomic_save(checkpoint: dict[str, Any], path: str | Path) -> None:
             tmp.unlink()
 
 
-def stage_optimizer_state(optimizer: StageOptimizer, module: nn.Module) -> dict[str, Any]:
-    """This stage's optimizer state keyed by parameter name (its own parameters only)."""
+def _cpu_grad(param: nn.Parameter) -> torch.Tensor | None:
+    return None if param.grad is None else param.grad.detach().cpu().clone()
+
+
+def stage_optimizer_state(optimizer: StageOptimizer, module: nn.Module,
+                          replicas: Sequence[nn.Parameter] = ()) -> dict[str, Any]:
+    """This stage's optimizer state keyed by parameter name (its own parameters only), with the gradients of the
+    accumulation window still open (a checkpoint inside a window resumes exactly) -- also those of tied-weight
+    ``replicas``, which the stage's optimizer never steps (see [Note: tied weights])."""
     names = {id(p): n for n, p in module.named_parameters()}
     group_of = {id(alias): group for group in optimizer.optimizer.param_groups for alias in group["params"]}
     out: dict[str, Any] = {}
@@ -60,12 +70,18 @@ def stage_optimizer_state(optimizer: StageOptimizer, module: nn.Module) -> dict[
         group = {k: v for k, v in group_of[id(alias)].items() if k != "params"}
         state = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
                  for k, v in optimizer.optimizer.state.get(alias, {}).items()}
-        out[names[id(real)]] = {"state": state, "group": group}
+        out[names[id(real)]] = {"state": state, "group": group, "grad": _cpu_grad(real)}
+    for replica in replicas:
+        out[names[id(replica)]] = {"grad": _cpu_grad(replica)}
     return out
 
 
-def load_stage_optimizer_state(optimizer: StageOptimizer, module: nn.Module, params: Mapping[str, Any]) -> None:
-    """Load name-keyed states into this stage's optimizer, whatever partition wrote them.
+def load_stage_optimizer_state(optimizer: StageOptimizer, module: nn.Module, params: Mapping[str, Any],
+                               replicas: Sequence[nn.Parameter] = ()) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """Load name-keyed states into this stage's optimizer, whatever partition wrote them, and return the saved
+    open-window gradients as ``(parameter, gradient)`` pairs for the caller to install when training starts
+    (Lightning zeroes every gradient after restoring a checkpoint; checkpoints written before gradients were saved
+    have none: the window then restarts empty).
 
     Raises:
         ValueError: a parameter of this stage has no entry (the checkpoint is of another model).
@@ -86,6 +102,12 @@ def load_stage_optimizer_state(optimizer: StageOptimizer, module: nn.Module, par
             for k, v in entry["state"].items()
         }
         group_of[id(alias)].update({k: v for k, v in entry["group"].items() if k != "params"})
+    gradients = []
+    for param in [real for _, real in optimizer.pairs] + list(replicas):
+        grad = params.get(names[id(param)], {}).get("grad")
+        if grad is not None:
+            gradients.append((param, grad.to(device=param.device, dtype=param.dtype)))
+    return gradients
 
 
 # -- per-stage sharded layout ----------------------------------------------------------------------------------
@@ -116,6 +138,15 @@ def load_sharded(directory: str | Path) -> dict[str, Any]:
     checkpoint["optimizer_states"] = [{"paci": {**counters, "params": params}}]
     checkpoint.pop("paci_num_stages")
     return checkpoint
+
+
+class Resumed(NamedTuple):
+    """What a checkpoint's optimizer entry restores besides the optimizer state."""
+
+    num_stages: int  # the stages that wrote it
+    backwards: int  # micro-batches back-propagated on every stage (the accumulation counter)
+    steps: int  # local optimizer steps
+    gradients: list[tuple[nn.Parameter, torch.Tensor]]  # the open window's gradients, to install at train start
 
 
 def cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -166,11 +197,11 @@ class PipelineCheckpoints:
             return local
         return gather_to_first(local) or {}
 
-    def optimizer_state(self, optimizer: StageOptimizer, module: nn.Module, *, backwards: int,
-                        steps: int) -> dict[str, Any]:
+    def optimizer_state(self, optimizer: StageOptimizer, module: nn.Module, *, backwards: int, steps: int,
+                        replicas: Sequence[nn.Parameter] = ()) -> dict[str, Any]:
         """Every stage's optimizer state keyed by parameter name, with the accumulation counters (module docstring)."""
         counters = {"num_stages": self.num_stages, "backwards": backwards, "steps": steps}
-        local = stage_optimizer_state(optimizer, module)
+        local = stage_optimizer_state(optimizer, module, replicas)
         if self.layout == "sharded":
             return {"paci": {**counters, "params": local}}
         params = gather_to_first(local)
@@ -196,9 +227,9 @@ class PipelineCheckpoints:
             return load_sharded(path)
         return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
-    def load_optimizer_state(self, checkpoint: Mapping[str, Any], optimizer: StageOptimizer,
-                             module: nn.Module) -> tuple[int, int, int]:
-        """Load the stage's optimizer state; return the saved ``(num_stages, backwards, steps)``."""
+    def load_optimizer_state(self, checkpoint: Mapping[str, Any], optimizer: StageOptimizer, module: nn.Module,
+                             replicas: Sequence[nn.Parameter] = ()) -> Resumed:
+        """Load the stage's optimizer state; return the saved counters and open-window gradients."""
         states = checkpoint["optimizer_states"]
         if not states or "paci" not in states[0]:
             raise ValueError(
@@ -206,8 +237,8 @@ class PipelineCheckpoints:
                 "weights with `Model.load_from_checkpoint(path)` and start a new run instead of `ckpt_path=`."
             )
         saved = states[0]["paci"]
-        load_stage_optimizer_state(optimizer, module, saved["params"])
-        return int(saved["num_stages"]), int(saved["backwards"]), int(saved["steps"])
+        gradients = load_stage_optimizer_state(optimizer, module, saved["params"], replicas)
+        return Resumed(int(saved["num_stages"]), int(saved["backwards"]), int(saved["steps"]), gradients)
 
     def remove(self, filepath: str | Path) -> None:
         if self.stage == 0:

@@ -59,6 +59,7 @@ class PipelineStage:
         self.runtime: StageRuntime | None = None
         self.driver: StreamDriver | None = None
         self.relay = LogRelay(num_microbatches)
+        self._resumed_gradients: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
 
     @property
     def index(self) -> int:
@@ -73,10 +74,9 @@ class PipelineStage:
                 f"optimizer per stage. Return a single optimizer (param groups may differ per submodule)."
             )
         optimizer = optimizers[0]
-        carve, last = self.carve, self.plan.num_stages - 1
-        replicas = carve.tied_params if self.index == last else []
+        carve = self.carve
         stage_optimizer = StageOptimizer(optimizer, list(self.module.parameters()), schedulers=schedulers, clip=clip,
-                                         exclude=replicas)
+                                         exclude=self._replicas)
         program = LightningStageProgram(self.module, carve, context=train_context)
         self.runtime = StageRuntime(self.index, self.plan.num_stages, program, self._comm(), stage_optimizer,
                                     loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
@@ -110,17 +110,31 @@ class PipelineStage:
         runtime = self.runtime
         assert runtime is not None and runtime.optimizer is not None
         return checkpoints.optimizer_state(runtime.optimizer, self.module, backwards=runtime.microbatch_base,
-                                           steps=runtime.version)
+                                           steps=runtime.version, replicas=self._replicas)
 
     def load_optimizer_state(self, checkpoints: PipelineCheckpoints, checkpoint: dict[str, Any]) -> None:
         """Resume the optimizer state and the counters, so the next step falls where the saved run's would."""
         runtime = self.runtime
         assert runtime is not None and runtime.optimizer is not None
-        num_stages, runtime.microbatch_base, runtime.version = checkpoints.load_optimizer_state(
-            checkpoint, runtime.optimizer, self.module)
-        if num_stages != self.plan.num_stages:
-            rank_zero_info(f"lightning_paci: resumed a {num_stages}-stage checkpoint on {self.plan.num_stages} "
-                           f"stages (weights and optimizer state repartitioned by parameter name)")
+        resumed = checkpoints.load_optimizer_state(checkpoint, runtime.optimizer, self.module, self._replicas)
+        runtime.microbatch_base, runtime.version = resumed.backwards, resumed.steps
+        self._resumed_gradients = resumed.gradients
+        if resumed.num_stages != self.plan.num_stages:
+            rank_zero_info(f"lightning_paci: resumed a {resumed.num_stages}-stage checkpoint on "
+                           f"{self.plan.num_stages} stages (weights and optimizer state repartitioned by parameter "
+                           f"name)")
+
+    def install_resumed_gradients(self) -> None:
+        """Put back the gradients of the window a checkpoint was saved in (after Lightning's ``zero_grad`` at the
+        start of the run), so that a resume inside an accumulation window is exact."""
+        for param, grad in self._resumed_gradients:
+            param.grad = grad
+        self._resumed_gradients = []
+
+    @property
+    def _replicas(self) -> list[torch.nn.Parameter]:
+        """The last stage's tied-weight replicas (stage 0 owns and steps the weights)."""
+        return self.carve.tied_params if self.index == self.plan.num_stages - 1 else []
 
     def restore_full_model(self, *, gather: bool) -> None:
         """Put the other stages' modules back, holding the complete trained weights (gathered from every stage

@@ -165,7 +165,6 @@ class PACIStrategy(PipelineProcesses):
                              clip=clip_function(trainer), train_context=self.precision_plugin.train_step_context)
         self._undo_patches = patch_for_pipeline(trainer, module, owned)
 
-    # -- training -------------------------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch = kwargs.get("batch", args[0] if args else None)
@@ -191,6 +190,8 @@ class PACIStrategy(PipelineProcesses):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        if self._stage is not None:
+            self._stage.install_resumed_gradients()
         if self.config.freeze_gc and not self._froze_gc:
             gc.collect()
             gc.freeze()  # see PACIConfig.freeze_gc: full collections then skip everything alive now
@@ -221,7 +222,6 @@ class PACIStrategy(PipelineProcesses):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._evaluate("predict_step", args, kwargs)
 
-    # -- checkpoints (format: checkpoint.py) ---------------------------------------------------------------------
     @property
     def _checkpoints(self) -> PipelineCheckpoints:
         return PipelineCheckpoints(self.config.checkpoint_layout, self.stage_index, self.num_stages,

@@ -25,9 +25,9 @@ from models import HFCausalLM, SequentialMLP, regression_loader, token_loader
 pytestmark = pytest.mark.distributed
 
 
-def _trainer(directory, devices, epochs, schedule, **kwargs):
+def _trainer(directory, devices, epochs, schedule, accumulation=2, **kwargs):
     return L.Trainer(
-        strategy=PACIStrategy(start_method="fork", schedule=schedule, microbatches=4, accumulation=2,
+        strategy=PACIStrategy(start_method="fork", schedule=schedule, microbatches=4, accumulation=accumulation,
                               partition="parameters"),
         accelerator="cpu", devices=devices, max_epochs=epochs, logger=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -37,18 +37,21 @@ def _trainer(directory, devices, epochs, schedule, **kwargs):
     )
 
 
-@pytest.mark.parametrize("schedule", ["paci", "1f1b"])
-def test_interrupted_and_resumed_run_equals_the_uninterrupted_run(tmp_path, schedule):
+@pytest.mark.parametrize("schedule, accumulation", [("paci", 2), ("1f1b", 2), ("paci", 3)])
+def test_interrupted_and_resumed_run_equals_the_uninterrupted_run(tmp_path, schedule, accumulation):
+    # a = 3: each epoch's 16 micro-batches leave a window open at the checkpoint (16 mod 3 = 1), its gradients
+    # (and the tied replica's) are saved and restored
     loader = token_loader(num_batches=4, vocab=64, seq=10)
     torch.manual_seed(30)
     model = HFCausalLM("gpt2", layers=4, tied=True, lr=1e-2)
     first = copy.deepcopy(model)
     # uninterrupted: 3 epochs, a checkpoint (and so a drain) at the end of each
-    _trainer(tmp_path / "full", 4, 3, schedule).fit(model, loader)
+    _trainer(tmp_path / "full", 4, 3, schedule, accumulation).fit(model, loader)
     # interrupted after epoch 1, resumed from its checkpoint in a new Trainer
-    _trainer(tmp_path / "part", 4, 1, schedule).fit(first, loader)
+    _trainer(tmp_path / "part", 4, 1, schedule, accumulation).fit(first, loader)
     resumed = copy.deepcopy(first)
-    _trainer(tmp_path / "part", 4, 3, schedule).fit(resumed, loader, ckpt_path=str(tmp_path / "part" / "epoch=0.ckpt"))
+    _trainer(tmp_path / "part", 4, 3, schedule, accumulation).fit(resumed, loader,
+                                                                  ckpt_path=str(tmp_path / "part" / "epoch=0.ckpt"))
     for key, value in model.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
     full = DumpLastStageLosses(tmp_path / "full").values()
