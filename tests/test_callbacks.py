@@ -186,3 +186,20 @@ def test_timeline_monitor_writes_a_gantt_image_and_a_chrome_trace(tmp_path):
     accumulator = EventAccumulator(str(directory / "stage_0"), size_guidance={"images": 10})
     accumulator.Reload()
     assert "paci/timeline" in accumulator.Tags()["images"]
+
+
+def test_drift_monitor_shows_the_tied_replica_lag_and_its_bound_on_the_last_stage(tmp_path):
+    from lightning_paci.schedules import static_tied_lags
+
+    from models import HFCausalLM, token_loader
+
+    torch.manual_seed(23)
+    logger = L.pytorch.loggers.TensorBoardLogger(tmp_path, name="tb", version=0)
+    fit(HFCausalLM("gpt2", layers=4, tied=True), token_loader(num_batches=7, batch_size=4, vocab=64, seq=12),
+        devices=4, max_steps=6, schedule="paci", microbatches=2, accumulation=1, partition="parameters",
+        callbacks=[DriftMonitor(weight_drift=False)], trainer_kwargs={"logger": logger, "log_every_n_steps": 2})
+    last = _scalars(tmp_path / "tb" / "version_0", 3)
+    bound = max(static_tied_lags(build("paci", 4, 2, 1, 6, tied=True).actions[3]).values())
+    assert bound == 4 and set(last["paci/tied_lag_bound/stage_3"]) == {4.0}
+    assert max(last["paci/tied_lag_max/stage_3"]) == 4.0  # reached in the steady state
+    assert "paci/tied_lag_bound/stage_0" not in _scalars(tmp_path / "tb" / "version_0", 0)

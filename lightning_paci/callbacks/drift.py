@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from lightning_paci.callbacks._writer import StageMonitor, metric_tag, monitor_directory, paci_strategy, stage_writer
 from lightning_paci.records import BackwardRecord
-from lightning_paci.schedules import build, derived_drift_bound
+from lightning_paci.schedules import build, derived_drift_bound, static_tied_lags
 
 __all__ = ["DriftMonitor", "drift_window_metrics"]
 
@@ -43,6 +43,8 @@ class DriftMonitor(StageMonitor):
       Exact when at most one step falls between forward and backward (``a >= N - 1``); otherwise the sum of the
       update norms, an upper bound, and ``paci/weight_drift_exact/stage_<s>`` is 0.
     * ``paci/tied_lag_max/stage_<N-1>``: with tied weights, how many updates behind the last stage's replica was.
+    * ``paci/tied_lag_bound/stage_<N-1>``: the largest such lag the last stage's action list allows (read from the
+      list: 1 for N = m = a = 8 under ``"paci"``, 4 for N = 8, m = a = 2; 0 under flush schedules with a = m).
 
     Args:
         logging_interval: Lightning steps per window (default: the Trainer's ``log_every_n_steps``).
@@ -64,6 +66,7 @@ class DriftMonitor(StageMonitor):
         self._seen = 0
         self._bound = 0
         self._seen_lags = 0
+        self._tied_bound: int | None = None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -71,9 +74,13 @@ class DriftMonitor(StageMonitor):
         records = strategy.runtime.records
         records.measure(weight_drift=self.weight_drift)
         self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index)
+        tied = bool(strategy.plan.tied)
         schedule = build(strategy.config.schedule, strategy.num_stages, strategy.num_microbatches,
-                         strategy.accumulation, 4 + 2 * strategy.accumulation)
-        self._bound = derived_drift_bound(schedule.actions[strategy.stage_index], strategy.accumulation)
+                         strategy.accumulation, 4 + 2 * strategy.accumulation, tied=tied)
+        own = schedule.actions[strategy.stage_index]
+        self._bound = derived_drift_bound(own, strategy.accumulation)
+        last = strategy.stage_index == strategy.num_stages - 1
+        self._tied_bound = max(static_tied_lags(own).values(), default=0) if tied and last else None
         self._seen = records.num_backwards
         self._seen_lags = records.tied_lags.count
 
@@ -90,4 +97,6 @@ class DriftMonitor(StageMonitor):
         self._seen_lags = records.tied_lags.count
         if lags:
             self._writer.add_scalar(metric_tag("tied_lag_max", stage), max(lags), trainer.global_step)
+        if self._tied_bound is not None:
+            self._writer.add_scalar(metric_tag("tied_lag_bound", stage), self._tied_bound, trainer.global_step)
         self._writer.flush()

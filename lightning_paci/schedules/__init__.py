@@ -42,6 +42,7 @@ from lightning_paci.schedules.analysis import (
     drift_bound,
     inflight_profile,
     static_drift,
+    static_tied_lags,
 )
 from lightning_paci.schedules.build import SCHEDULE_NAMES, ScheduleName, build
 from lightning_paci.schedules.validate import format_grid, stage_lists_from_text, validate
@@ -76,5 +77,6 @@ __all__ = [
     "parse_actions",
     "stage_lists_from_text",
     "static_drift",
+    "static_tied_lags",
     "validate",
 ]

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from lightning_paci.schedules.actions import (
     OPT,
     RECV_KINDS,
+    RECV_T,
     Action,
     B,
     F,
@@ -23,7 +24,8 @@ from lightning_paci.schedules.actions import (
     message_key,
 )
 
-__all__ = ["assign_rounds", "derived_drift_bound", "drift_bound", "inflight_profile", "static_drift"]
+__all__ = ["assign_rounds", "derived_drift_bound", "drift_bound", "inflight_profile", "static_drift",
+           "static_tied_lags"]
 
 
 def drift_bound(num_stages: int, stage: int, accumulation: int) -> int:
@@ -47,6 +49,22 @@ def static_drift(actions: Sequence[Action]) -> dict[int, int]:
         elif action.kind == OPT:
             version += 1
     return gaps
+
+
+def static_tied_lags(actions: Sequence[Action]) -> dict[int, int]:
+    """On the last stage of a tied schedule: for every forward, how many tied-weight updates its replica was behind
+    (the stage's ``OPT`` windows closed so far minus the updates ``RECV_T`` installed so far; see
+    [Note: tied weights]). A property of the list alone: the runtime records exactly these."""
+    steps = installed = 0
+    lags: dict[int, int] = {}
+    for action in actions:
+        if action.kind == F:
+            lags[action.microbatch] = steps - installed  # type: ignore[index]
+        elif action.kind == OPT:
+            steps += 1
+        elif action.kind == RECV_T:
+            installed += 1
+    return lags
 
 
 def inflight_profile(actions: Sequence[Action]) -> tuple[int, bool]:
