@@ -9,9 +9,10 @@ has one handler (``StageRuntime._handlers``); what a stage measures goes to its 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -41,13 +42,37 @@ from lightning_paci.stage_optimizer import StageOptimizer
 from lightning_paci.supervision import StageFailure
 from lightning_paci.timeline import Interval
 
-__all__ = ["ForwardOutput", "StageProgram", "StageRuntime"]
+__all__ = ["ForwardOutput", "StageProgram", "StageRuntime", "microbatch_rng"]
 
 # how each action kind's time is accounted, and the kind its interval shows in a timeline
 _CATEGORY = {F: "compute", B: "compute", OPT: "optimizer", RECV_F: "wait", RECV_B: "wait", RECV_T: "wait",
              SEND_F: "comm", SEND_B: "comm", SEND_T: "comm"}
 _INTERVAL_KIND = {F: "F", B: "B", OPT: "OPT", RECV_F: "WAIT_F", RECV_B: "WAIT_B", RECV_T: "WAIT_F",
                   SEND_F: "SEND", SEND_B: "SEND", SEND_T: "SEND"}
+
+
+@contextlib.contextmanager
+def microbatch_rng(seed: int, stage: int, microbatch: int) -> Iterator[None]:
+    """[Note: randomness per micro-batch]
+    Every forward runs with the CPU (and CUDA) generators seeded from ``(seed, stage, micro-batch index in the run)``
+    and the CPU generator restored afterwards. Dropout masks and any other draw of a forward are then independent
+    across stages (every rank starts from the same RNG state: drawing in lock step, stage 1's block 2 used stage 0's
+    block 0 masks), the same whatever the timing, equal in the one-process reference executor and the processes,
+    and the main RNG stream (samplers, augmentation) no longer depends on how many forwards a stage ran.
+    """
+    mixed = (((seed * 1_000_003) ^ (stage + 1)) * 1_000_033 + microbatch) % (2**63 - 1)
+    generators = [torch.default_generator]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        generators.append(torch.cuda.default_generators[torch.cuda.current_device()])
+    # the generators themselves, not torch.manual_seed (150 us: it visits every backend) or fork_rng: ~3 us
+    states = [g.get_state() for g in generators]
+    for g in generators:
+        g.manual_seed(mixed)
+    try:
+        yield
+    finally:
+        for g, state in zip(generators, states):
+            g.set_state(state)
 
 
 @dataclass
@@ -89,6 +114,8 @@ class StageRuntime:
         clock: time source of the records. tied: tied-weight parameters (see [Note: tied weights]).
         skip_nonfinite: drop a micro-batch whose loss is not finite instead of failing.
         retention: per-micro-batch records kept (see :class:`~lightning_paci.records.StageRecords`).
+        seed: base of every forward's random stream (default: ``torch.initial_seed()``, see
+            [Note: randomness per micro-batch]).
     """
 
     def __init__(
@@ -104,6 +131,7 @@ class StageRuntime:
         tied: Sequence[nn.Parameter] = (),
         skip_nonfinite: bool = False,
         retention: int = 16384,
+        seed: int | None = None,
     ) -> None:
         self.stage = stage
         self.num_stages = num_stages
@@ -111,6 +139,7 @@ class StageRuntime:
         self.comm = comm
         self.optimizer = optimizer
         self.loss_scale = loss_scale
+        self.seed = torch.initial_seed() if seed is None else seed  # the same on every rank after seeding
         self.clock = clock
         self.records = StageRecords(stage, clock=clock, retention=retention)
         self.data: dict[int, tuple[Any, tuple[Any, ...]]] = {}  # micro-batch -> (data, step args after the batch)
@@ -172,18 +201,20 @@ class StageRuntime:
         received = self.inbox.pop((RECV_F, mb), None)
         leaves = [t for t in flatten(received)[1] if t.requires_grad] if received is not None else []
         records = self.records
-        if records.activations:
-            meter = ActivationMeter(self.program.module.parameters())
-            with meter:
+        key = mb + self.microbatch_base
+        with microbatch_rng(self.seed, self.stage, key):  # see [Note: randomness per micro-batch]
+            if records.activations:
+                meter = ActivationMeter(self.program.module.parameters())
+                with meter:
+                    output = self.program.forward(data, *step_args, received=received)
+                records.activation_bytes[mb] = meter.total(leaves, output.outgoing)
+                records.peak_activation_bytes = max(records.peak_activation_bytes,
+                                                    sum(records.activation_bytes.values()))
+            else:
                 output = self.program.forward(data, *step_args, received=received)
-            records.activation_bytes[mb] = meter.total(leaves, output.outgoing)
-            records.peak_activation_bytes = max(records.peak_activation_bytes, sum(records.activation_bytes.values()))
-        else:
-            output = self.program.forward(data, *step_args, received=received)
         self.held[mb] = _Held(leaves, output)
         records.peak_inflight = max(records.peak_inflight, len(self.held))
         self.forward_version[mb] = self.version
-        key = mb + self.microbatch_base
         if self.tied and self.stage == self.num_stages - 1:
             records.tied_lags[key] = self.version - self.tied_version
         if output.loss is not None:

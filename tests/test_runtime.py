@@ -112,3 +112,21 @@ def test_a_skipped_microbatch_sends_zero_gradients_and_no_loss():
     assert grads[0] is not None and torch.count_nonzero(grads[1]) > 0
     assert grads[2] is None and grads[3] is None
     assert all(torch.isfinite(p).all() for r in runtimes for p in r.program.module.parameters())
+
+
+def test_each_forward_draws_from_its_own_stream_and_leaves_the_main_one_alone():
+    from lightning_paci.runtime import microbatch_rng
+
+    torch.manual_seed(3)
+    before = torch.random.get_rng_state()
+    with microbatch_rng(3, 0, 5):
+        stage0 = torch.rand(64)
+    with microbatch_rng(3, 1, 5):
+        stage1 = torch.rand(64)
+    with microbatch_rng(3, 0, 5):
+        again = torch.rand(64)
+    with microbatch_rng(3, 0, 6):
+        next_microbatch = torch.rand(64)
+    assert torch.equal(stage0, again)  # the same stage and micro-batch: the same draws, whenever it runs
+    assert not torch.equal(stage0, stage1) and not torch.equal(stage0, next_microbatch)
+    assert torch.equal(torch.random.get_rng_state(), before)

@@ -149,6 +149,53 @@ def test_peak_activation_bytes_equal_1f1b_for_m_at_least_n():
         assert gpipe_bytes == nbytes // inflight * m
 
 
+class _Dropout(SequentialMLP):
+    """An ordinary MLP with dropout between its layers (blocks of the container on every stage)."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.1)
+        layers: list[torch.nn.Module] = [torch.nn.Linear(8, 16)]
+        for _ in range(6):
+            layers += [torch.nn.Tanh(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 16)]
+        self.net = torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
+
+
+class _RecordMasks(L.Callback):
+    """Every rank writes which activations its first Dropout zeroed in each forward."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.masks: list[list[bool]] = []
+        blocks = trainer.strategy.plan.blocks(trainer.strategy.stage_index)
+        dropout = next(pl_module.net[i] for i in blocks if isinstance(pl_module.net[i], torch.nn.Dropout))
+        dropout.register_forward_hook(lambda module, args, out: self.masks.append((out[0] == 0).tolist()))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import json
+
+        (self.directory / f"masks{trainer.strategy.stage_index}.json").write_text(json.dumps(self.masks))
+
+
+def test_dropout_is_independent_across_stages_and_equals_the_reference_executor(tmp_path):
+    import json
+
+    torch.manual_seed(12)
+    model = _Dropout()
+    initial = copy.deepcopy(model)
+    loader = regression_loader(num_batches=4)
+    fit(model, loader, devices=4, max_steps=4, microbatches=4, partition="parameters",
+        callbacks=[_RecordMasks(tmp_path)])
+    reference = ReferencePipeline(initial, plan_partition(initial, 4, partition="parameters"))
+    reference.run(build("paci", 4, 4, 4, 4), list(loader))
+    _assert_state_close(model, reference.state_dict(), rtol=0)
+    masks = [json.loads((tmp_path / f"masks{s}.json").read_text()) for s in range(4)]
+    assert all(len(m) == 16 for m in masks)
+    for s in range(1, 4):  # before, every rank drew in lock step: stage s repeated stage 0's masks
+        assert masks[s] != masks[0]
+
+
 def test_same_seed_same_losses(tmp_path):
     losses = []
     for _ in range(2):
