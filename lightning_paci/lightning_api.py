@@ -31,6 +31,7 @@ __all__ = [
     "all_gather_if_available",
     "distributed_is_initialized",
     "init_dist_connection",
+    "keep_user_samplers",
     "patch_method",
     "should_validate_after_batch",
     "training_dataloader",
@@ -89,6 +90,21 @@ def patch_method(obj: Any, name: str, replacement: Callable[..., Any], *,
             delattr(obj, name)
 
     return undo
+
+
+def keep_user_samplers(trainer: Any) -> None:
+    """Stop Lightning from replacing every dataloader's sampler with ``DistributedSampler(num_replicas=1)``.
+
+    A pure pipeline has one data-parallel replica: every stage must iterate the same batches, in the order the
+    user's own sampler gives on one device. The injected sampler (``Trainer(use_distributed_sampler=True)``, the
+    default) keeps the samples but not a ``RandomSampler``'s order. Lightning reads the setting when it sets up the
+    dataloaders, after the strategy's ``setup``.
+    """
+    connector = getattr(trainer, "_accelerator_connector", None)
+    if connector is None or not isinstance(getattr(connector, "use_distributed_sampler", None), bool):
+        raise _missing("lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector"
+                       ".use_distributed_sampler", "does not have")
+    connector.use_distributed_sampler = False
 
 
 def training_dataloader(trainer: Any) -> Any:

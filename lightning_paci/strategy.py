@@ -47,11 +47,19 @@ from lightning_paci.trainer_glue import (
     measure_block_costs,
     must_drain,
     patch_for_pipeline,
+    same_data_on_every_stage,
 )
 
 __all__ = ["PACIStrategy", "optimizer_and_step_schedulers"]
 
 log = logging.getLogger(__name__)
+
+
+_REGISTERED = (  # Trainer(strategy=...) names: one class, different process start methods (as ddp / ddp_fork)
+    ("paci", "popen", "PACI asynchronous pipeline parallelism, one process per stage"),
+    ("paci_spawn", "spawn", "PACI, processes started with spawn"),
+    ("paci_fork", "fork", "PACI, processes forked (CPU tests, notebooks)"),
+)
 
 
 class PACIStrategy(PipelineProcesses):
@@ -143,6 +151,7 @@ class PACIStrategy(PipelineProcesses):
         module = self.lightning_module
         assert module is not None
         check_trainer(trainer, module, self.num_stages)
+        same_data_on_every_stage(trainer, self.broadcast)
         if self._stage is None:
             measured = measure_block_costs(self, trainer) if self.config.partition == "balanced" else None
             plan = plan_partition(module, self.num_stages, container=self.config.block_container,
@@ -296,12 +305,7 @@ class PACIStrategy(PipelineProcesses):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        entries = (
-            ("paci", "popen", "PACI asynchronous pipeline parallelism, one process per stage"),
-            ("paci_spawn", "spawn", "PACI, processes started with spawn"),
-            ("paci_fork", "fork", "PACI, processes forked (CPU tests, notebooks)"),
-        )
-        for name, start_method, description in entries:
+        for name, start_method, description in _REGISTERED:
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, start_method=start_method)
 

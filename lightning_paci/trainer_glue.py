@@ -19,7 +19,7 @@ from lightning_paci.partition import BlockCosts, profile_block_costs
 from lightning_paci.program import extract_loss
 
 __all__ = ["SUPPORTED_PRECISION", "check_trainer", "clip_function", "measure_block_costs", "must_drain",
-           "patch_for_pipeline"]
+           "patch_for_pipeline", "same_data_on_every_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,16 @@ def check_trainer(trainer: Trainer, module: LightningModule, num_stages: int) ->
     if num_stages < 2:
         raise ValueError(f"`PACIStrategy` needs at least 2 devices (stages), got {num_stages}. Pass "
                          f"`Trainer(devices=N)` with N >= 2.")
+
+
+def same_data_on_every_stage(trainer: Trainer, broadcast: Callable[[Any, int], Any]) -> None:
+    """Every stage iterates the same batches, in the order one device would: the user's samplers are kept (no
+    ``DistributedSampler(num_replicas=1)``: a pure pipeline has one data-parallel replica), and every rank adopts
+    rank 0's CPU RNG state, from which a ``RandomSampler`` draws each epoch's order (ranks started without a common
+    seed would otherwise shuffle differently). The forwards never advance that state (see [Note: randomness per
+    micro-batch] in runtime.py), so the ranks stay in step."""
+    api.keep_user_samplers(trainer)
+    torch.random.set_rng_state(broadcast(torch.random.get_rng_state(), 0))
 
 
 def clip_function(trainer: Trainer) -> Callable[[list[torch.nn.Parameter]], None] | None:
