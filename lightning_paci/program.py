@@ -20,7 +20,7 @@ from lightning_paci.microbatch import microbatch_size
 from lightning_paci.partition import StageCarve, StageDone
 from lightning_paci.runtime import ForwardOutput
 
-__all__ = ["LightningStageProgram", "extract_loss"]
+__all__ = ["LightningHooks", "LightningStageProgram", "extract_loss"]
 
 def extract_loss(output: Any, step_name: str) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
@@ -76,3 +76,29 @@ class LightningStageProgram:
         if self.step_name == "training_step":
             return ForwardOutput(loss=extract_loss(output, self.step_name), logs=records)
         return ForwardOutput(result=output, logs=records)
+
+
+class LightningHooks:
+    """Lightning's backward and optimizer hooks, run by each stage at its own local backward and update, with that
+    stage's gradients: callbacks first, then the module, as Lightning orders them. ``before_step`` ends with
+    ``configure_gradient_clipping`` (by default: ``Trainer(gradient_clip_val=...)`` on the stage's own gradients)."""
+
+    def __init__(self, module: LightningModule, trainer: Any) -> None:
+        self.module, self.trainer = module, trainer
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        for callback in self.trainer.callbacks:
+            callback.on_before_backward(self.trainer, self.module, loss)
+        self.module.on_before_backward(loss)
+
+    def after_backward(self) -> None:
+        for callback in self.trainer.callbacks:
+            callback.on_after_backward(self.trainer, self.module)
+        self.module.on_after_backward()
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        for callback in self.trainer.callbacks:
+            callback.on_before_optimizer_step(self.trainer, self.module, optimizer)
+        self.module.on_before_optimizer_step(optimizer)
+        self.module.configure_gradient_clipping(optimizer, gradient_clip_val=self.trainer.gradient_clip_val,
+                                                gradient_clip_algorithm=self.trainer.gradient_clip_algorithm)

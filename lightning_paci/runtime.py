@@ -42,7 +42,7 @@ from lightning_paci.stage_optimizer import StageOptimizer
 from lightning_paci.supervision import StageFailure
 from lightning_paci.timeline import Interval
 
-__all__ = ["ForwardOutput", "StageProgram", "StageRuntime", "microbatch_rng"]
+__all__ = ["BackwardHooks", "ForwardOutput", "StageProgram", "StageRuntime", "microbatch_rng"]
 
 # how each action kind's time is accounted, and the kind its interval shows in a timeline
 _CATEGORY = {F: "compute", B: "compute", OPT: "optimizer", RECV_F: "wait", RECV_B: "wait", RECV_T: "wait",
@@ -87,6 +87,15 @@ class ForwardOutput:
     skipped: bool = False  # dropped for a non-finite loss
 
 
+class BackwardHooks(Protocol):
+    """Called by the stage around its own local backwards (Lightning's ``on_before_backward`` / ``on_after_backward``
+    for an unchanged LightningModule)."""
+
+    def before_backward(self, loss: torch.Tensor) -> None: ...
+
+    def after_backward(self) -> None: ...
+
+
 class StageProgram(Protocol):
     """Runs one micro-batch's forward through this stage's part of the model."""
 
@@ -114,6 +123,7 @@ class StageRuntime:
         clock: time source of the records. tied: tied-weight parameters (see [Note: tied weights]).
         skip_nonfinite: drop a micro-batch whose loss is not finite instead of failing.
         retention: per-micro-batch records kept (see :class:`~lightning_paci.records.StageRecords`).
+        hooks: called around each local backward (see :class:`BackwardHooks`).
         seed: base of every forward's random stream (default: ``torch.initial_seed()``, see
             [Note: randomness per micro-batch]).
     """
@@ -132,6 +142,7 @@ class StageRuntime:
         skip_nonfinite: bool = False,
         retention: int = 16384,
         seed: int | None = None,
+        hooks: BackwardHooks | None = None,
     ) -> None:
         self.stage = stage
         self.num_stages = num_stages
@@ -139,6 +150,7 @@ class StageRuntime:
         self.comm = comm
         self.optimizer = optimizer
         self.loss_scale = loss_scale
+        self.hooks = hooks
         self.seed = torch.initial_seed() if seed is None else seed  # the same on every rank after seeding
         self.clock = clock
         self.records = StageRecords(stage, clock=clock, retention=retention)
@@ -240,7 +252,10 @@ class StageRuntime:
         if held.output.skipped:
             pass  # a dropped micro-batch: its input gradients below are zeros
         elif held.output.loss is not None:
-            (held.output.loss * self.loss_scale).backward()
+            loss = held.output.loss * self.loss_scale
+            if self.hooks is not None:
+                self.hooks.before_backward(loss)
+            loss.backward()
         else:
             payload = self.inbox.pop((RECV_B, mb))
             grads = payload["grads"]
@@ -256,6 +271,8 @@ class StageRuntime:
             loss = next((r.value for r in payload["logs"] if r.name == LOSS_KEY), None)
             if loss is not None:
                 self.records.losses[key] = loss
+        if self.hooks is not None and not held.output.skipped:
+            self.hooks.after_backward()
         if self.stage > 0:
             self.input_grads[mb] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in held.leaves]
         forward_version = self.forward_version.pop(mb)

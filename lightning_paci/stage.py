@@ -25,7 +25,7 @@ from lightning_paci.evaluation import PipelineEvaluator
 from lightning_paci.logs import LogRelay
 from lightning_paci.microbatch import loss_scale_for
 from lightning_paci.partition import PartitionPlan, StageCarve
-from lightning_paci.program import LightningStageProgram
+from lightning_paci.program import LightningHooks, LightningStageProgram
 from lightning_paci.runtime import StageRuntime
 from lightning_paci.stage_optimizer import StageOptimizer
 
@@ -66,8 +66,9 @@ class PipelineStage:
         return self.carve.stage
 
     def start_training(self, optimizers: list[torch.optim.Optimizer], *, schedulers: list[Any], accumulation: int,
-                       clip: Callable[[list[torch.nn.Parameter]], None] | None, train_context: _Context) -> None:
-        """Wrap the stage's optimizer (see [Note: alias optimizer]) and build the runtime and stream driver."""
+                       hooks: LightningHooks | None, train_context: _Context) -> None:
+        """Wrap the stage's optimizer (see [Note: alias optimizer]) and build the runtime and stream driver;
+        ``hooks`` (Lightning's backward and optimizer hooks, clipping) run at each local backward and update."""
         if len(optimizers) != 1:
             raise ValueError(
                 f"`configure_optimizers` returned {len(optimizers)} optimizers; `PACIStrategy` steps exactly one "
@@ -75,12 +76,12 @@ class PipelineStage:
             )
         optimizer = optimizers[0]
         carve = self.carve
-        stage_optimizer = StageOptimizer(optimizer, list(self.module.parameters()), schedulers=schedulers, clip=clip,
-                                         exclude=self._replicas)
+        stage_optimizer = StageOptimizer(optimizer, list(self.module.parameters()), schedulers=schedulers,
+                                         before_step=hooks.before_step if hooks else None, exclude=self._replicas)
         program = LightningStageProgram(self.module, carve, context=train_context)
         self.runtime = StageRuntime(self.index, self.plan.num_stages, program, self._comm(), stage_optimizer,
                                     loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
-                                    skip_nonfinite=self.config.nonfinite == "skip")
+                                    skip_nonfinite=self.config.nonfinite == "skip", hooks=hooks)
         self.driver = StreamDriver(self.runtime, schedule=self.config.schedule, num_microbatches=self.num_microbatches,
                                    accumulation=accumulation, tied=bool(self.plan.tied),
                                    max_stream_batches=self.config.max_stream_batches)

@@ -45,7 +45,8 @@ class StageOptimizer:
         optimizer: built by ``configure_optimizers`` from the carved module's ``parameters()``.
         params: the stage's own parameters (the optimizer may hold only these).
         schedulers: step-interval LR schedulers, stepped after every local update.
-        clip: gradient clipping applied to the real gradients before the update.
+        before_step: called with the optimizer right before each update, its parameters holding the window's
+            gradients (Lightning's ``on_before_optimizer_step`` and gradient clipping).
         exclude: tied-weight replicas on the last stage: stage 0 updates them (see [Note: tied weights]).
     """
 
@@ -55,14 +56,14 @@ class StageOptimizer:
         params: Sequence[nn.Parameter],
         *,
         schedulers: Sequence[Any] = (),
-        clip: Callable[[list[nn.Parameter]], None] | None = None,
+        before_step: Callable[[torch.optim.Optimizer], None] | None = None,
         exclude: Sequence[nn.Parameter] = (),
     ) -> None:
         owned = {id(p): p for p in params}
         skipped = {id(p) for p in exclude}
         self.optimizer = optimizer
         self.schedulers = list(schedulers)
-        self.clip = clip
+        self.before_step = before_step
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (alias, real)
         for group in optimizer.param_groups:
             aliases = []
@@ -94,25 +95,24 @@ class StageOptimizer:
         Stepping per tensor is equivalent for per-parameter optimizers (SGD, Adam, AdamW, ...), not for ones that
         couple parameters (e.g. a global-norm LAMB).
         """
-        real = [p for _, p in self.pairs if p.grad is not None]
-        if self.clip is not None:
-            self.clip(real)
-        norms = (0.0, 0.0)
-        if measure:
-            norms = self._step_measuring()
-        else:
-            for alias, p in self.pairs:
-                alias.grad = p.grad
+        for alias, p in self.pairs:  # the same tensors: what hooks and clipping do to them, the update sees
+            alias.grad = p.grad
+        if self.before_step is not None:
+            self.before_step(self.optimizer)
+        norms = self._step_measuring() if measure else None
+        if norms is None:
             self.optimizer.step()
         for scheduler in self.schedulers:
             scheduler.step()
         for alias, p in self.pairs:
             alias.grad = None
             p.grad = None
-        return norms
+        return norms or (0.0, 0.0)
 
     def _step_measuring(self) -> tuple[float, float]:
         update_sq = weight_sq = 0.0
+        for alias, _ in self.pairs:
+            alias.grad = None
         for alias, p in self.pairs:
             if p.grad is None:  # the optimizer skips parameters without a gradient
                 weight_sq += float(p.detach().float().pow(2).sum())

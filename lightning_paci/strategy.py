@@ -37,13 +37,13 @@ from lightning_paci.comm import DistComm
 from lightning_paci.config import PACIConfig
 from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage, plan_partition
 from lightning_paci.processes import PipelineProcesses
+from lightning_paci.program import LightningHooks
 from lightning_paci.runtime import StageRuntime
 from lightning_paci.stage import PipelineStage
 from lightning_paci.stage_optimizer import optimizer_and_step_schedulers
 from lightning_paci.supervision import mark_setup_error
 from lightning_paci.trainer_glue import (
     check_trainer,
-    clip_function,
     measure_block_costs,
     must_drain,
     patch_for_pipeline,
@@ -171,7 +171,8 @@ class PACIStrategy(PipelineProcesses):
     def _setup_training(self, trainer: Trainer, module: LightningModule, stage: PipelineStage) -> None:
         owned = [cfg.scheduler for cfg in self.lr_scheduler_configs if cfg.interval == "step"]
         stage.start_training(self.optimizers, schedulers=owned, accumulation=self.accumulation,
-                             clip=clip_function(trainer), train_context=self.precision_plugin.train_step_context)
+                             hooks=LightningHooks(module, trainer),
+                             train_context=self.precision_plugin.train_step_context)
         self._undo_patches = patch_for_pipeline(trainer, module, owned)
 
     @override

@@ -18,7 +18,7 @@ from lightning_paci.microbatch import microbatch_size, split_microbatches
 from lightning_paci.partition import BlockCosts, profile_block_costs
 from lightning_paci.program import extract_loss
 
-__all__ = ["SUPPORTED_PRECISION", "check_trainer", "clip_function", "measure_block_costs", "must_drain",
+__all__ = ["SUPPORTED_PRECISION", "check_trainer", "measure_block_costs", "must_drain",
            "patch_for_pipeline", "same_data_on_every_stage"]
 
 log = logging.getLogger(__name__)
@@ -54,22 +54,6 @@ def same_data_on_every_stage(trainer: Trainer, broadcast: Callable[[Any, int], A
     micro-batch] in runtime.py), so the ranks stay in step."""
     api.keep_user_samplers(trainer)
     torch.random.set_rng_state(broadcast(torch.random.get_rng_state(), 0))
-
-
-def clip_function(trainer: Trainer) -> Callable[[list[torch.nn.Parameter]], None] | None:
-    """The Trainer's ``gradient_clip_val`` / ``gradient_clip_algorithm`` as a function of the stage's parameters."""
-    value = trainer.gradient_clip_val
-    if not value:
-        return None
-    algorithm = trainer.gradient_clip_algorithm or "norm"
-
-    def clip(params: list[torch.nn.Parameter]) -> None:
-        if algorithm == "value":
-            torch.nn.utils.clip_grad_value_(params, value)
-        else:
-            torch.nn.utils.clip_grad_norm_(params, value)
-
-    return clip
 
 
 def measure_block_costs(strategy: Any, trainer: Trainer) -> BlockCosts | None:
