@@ -44,10 +44,6 @@ class StreamDriver:
         self._cursor: StreamCursor | None = None
         self.calls = 0  # batches fed into the current stream
 
-    @property
-    def in_stream(self) -> bool:
-        return self._cursor is not None
-
     def feed(self, batch: Any, batch_idx: int, *, drain: bool, accumulation: int | None = None) -> None:
         """Split ``batch`` into micro-batches, run this stage's actions of the current round, and drain when
         ``drain`` (or when the stream reached ``max_stream_batches``). ``accumulation``, when given, is the window

@@ -39,6 +39,11 @@ class BackwardRecord(NamedTuple):
     exact: bool  # False when ``weight_drift`` is the triangle-inequality upper bound
 
 
+def _after(kept: list[_V], total: int, count: int) -> list[_V]:
+    """Of the last ``len(kept)`` of ``total`` items, those after the first ``count``."""
+    return kept[max(0, len(kept) - (total - count)):]
+
+
 class RecentDict(dict, Generic[_K, _V]):  # type: ignore[type-arg]
     """A dict that keeps its ``retention`` most recently inserted keys (insertion order, oldest evicted first)."""
 
@@ -55,7 +60,7 @@ class RecentDict(dict, Generic[_K, _V]):  # type: ignore[type-arg]
 
     def since(self, count: int) -> list[_V]:
         """Values inserted after the first ``count`` insertions (those still kept)."""
-        return list(self.values())[max(0, len(self) - (self.count - count)):]
+        return _after(list(self.values()), self.count, count)
 
 
 class ActivationMeter:
@@ -97,11 +102,9 @@ class ActivationMeter:
 class StageRecords:
     """One stage's records (see the module docstring). ``retention`` bounds every per-micro-batch record."""
 
-    def __init__(self, stage: int, *, clock: Callable[[], float], retention: int = 16384,
-                 keep_intervals: int = 8192) -> None:
+    def __init__(self, *, clock: Callable[[], float], retention: int = 16384, keep_intervals: int = 8192) -> None:
         if retention < 1:
             raise ValueError(f"`retention` must be >= 1 micro-batches, got {retention}.")
-        self.stage = stage
         self.clock = clock
         self.losses: RecentDict[int, float] = RecentDict(retention)  # micro-batch -> loss (last stage: its own)
         self.version_gaps: RecentDict[int, int] = RecentDict(retention)
@@ -143,8 +146,7 @@ class StageRecords:
 
     def backwards_since(self, count: int) -> list[BackwardRecord]:
         """The backwards after the first ``count`` (those still kept); pair with ``num_backwards``."""
-        kept = len(self.backwards)
-        return list(self.backwards)[max(0, kept - (self.num_backwards - count)):]
+        return _after(list(self.backwards), self.num_backwards, count)
 
     def tied_lags_since(self, count: int) -> list[int]:
         return self.tied_lags.since(count)

@@ -153,7 +153,7 @@ class StageRuntime:
         self.hooks = hooks
         self.seed = torch.initial_seed() if seed is None else seed  # the same on every rank after seeding
         self.clock = clock
-        self.records = StageRecords(stage, clock=clock, retention=retention)
+        self.records = StageRecords(clock=clock, retention=retention)
         self.data: dict[int, tuple[Any, tuple[Any, ...]]] = {}  # micro-batch -> (data, step args after the batch)
         self.inbox: dict[tuple[str, int], Any] = {}  # (RECV kind, micro-batch) -> payload
         self.held: dict[int, _Held] = {}

@@ -85,7 +85,6 @@ class PipelineStage:
         self.driver = StreamDriver(self.runtime, schedule=self.config.schedule, num_microbatches=self.num_microbatches,
                                    accumulation=accumulation, tied=bool(self.plan.tied),
                                    max_stream_batches=self.config.max_stream_batches)
-        self.relay = LogRelay(self.num_microbatches)
 
     def train(self, batch: Any, batch_idx: int, *, label: str, drain: bool, accumulation: int) -> float:
         """Feed one Lightning batch (``accumulation``: the current window, used when the batch opens a stream);

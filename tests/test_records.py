@@ -92,7 +92,7 @@ def test_a_2000_batch_stream_keeps_every_stage_record_constant_after_the_cap():
 
 
 def test_readers_get_what_came_after_their_count_even_past_the_cap():
-    records = StageRecords(0, clock=lambda: 0.0, retention=3)
+    records = StageRecords(clock=lambda: 0.0, retention=3)
     for i in range(5):
         records.add_backward(BackwardRecord(i, i % 2, 0.0, True))
     assert [b.microbatch for b in records.backwards] == [2, 3, 4]
@@ -107,4 +107,4 @@ def test_readers_get_what_came_after_their_count_even_past_the_cap():
 
 def test_retention_must_be_positive():
     with pytest.raises(ValueError, match="`retention` must be >= 1"):
-        StageRecords(0, clock=lambda: 0.0, retention=0)
+        StageRecords(clock=lambda: 0.0, retention=0)
