@@ -3,8 +3,9 @@ for block timing, whether the current batch is the last before a drain point, an
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from lightning_paci.partition import BlockCosts, profile_block_costs
 from lightning_paci.program import extract_loss
 
 __all__ = ["SUPPORTED_PRECISION", "check_trainer", "measure_block_costs", "must_drain",
-           "patch_for_pipeline", "same_data_on_every_stage"]
+           "patch_for_pipeline", "same_data_on_every_stage", "without_side_effects"]
 
 log = logging.getLogger(__name__)
 
@@ -59,34 +60,46 @@ def same_data_on_every_stage(trainer: Trainer, broadcast: Callable[[Any, int], A
 def measure_block_costs(strategy: Any, trainer: Trainer) -> BlockCosts | None:
     """Time every block's forward+backward on one sample micro-batch of the training data (the unchanged module,
     before any carving). Every rank draws the same sample, so a dataloader with side effects stays in step across
-    ranks; rank 0 measures and shares the result, so every rank plans the same split. The RNG state is restored
-    afterwards. A dataloader, module or step that cannot be timed falls back to parameter counts (logged)."""
+    ranks; rank 0 measures and shares the result, so every rank plans the same split. Measuring leaves no trace
+    (``without_side_effects``): the run that follows is the one it would be without profiling. A dataloader,
+    module or step that cannot be timed falls back to parameter counts (logged)."""
     if trainer.state.fn != TrainerFn.FITTING:
         return None
     module = strategy.lightning_module
     costs: BlockCosts | None = None
-    cpu_rng = torch.random.get_rng_state()
-    loader = api.training_dataloader(trainer)
-    try:
-        batch = next(iter(loader))
-        torch.random.set_rng_state(cpu_rng)  # measuring must not change the data order or dropout masks
-        size = microbatch_size(batch)
-        sample = split_microbatches(batch, max(1, min(strategy.num_microbatches, size)))[0]
+    root = strategy.root_device
+    with without_side_effects(module, cuda_devices=[root.index or 0] if root.type == "cuda" else []):
+        try:
+            batch = next(iter(api.training_dataloader(trainer)))
+            size = microbatch_size(batch)
+            sample = split_microbatches(batch, max(1, min(strategy.num_microbatches, size)))[0]
 
-        def run_step() -> None:
-            with recording_logs(module, [], size, "training_step"), strategy.precision_plugin.train_step_context():
-                loss = extract_loss(module.training_step(sample, 0), "training_step")
-            loss.backward()
-            module.zero_grad(set_to_none=True)
+            def run_step() -> None:
+                with recording_logs(module, [], size, "training_step"), strategy.precision_plugin.train_step_context():
+                    loss = extract_loss(module.training_step(sample, 0), "training_step")
+                loss.backward()
+                module.zero_grad(set_to_none=True)
 
-        if strategy.is_global_zero:
-            costs = profile_block_costs(module, strategy.config.block_container, run_step)
-    except (RuntimeError, ValueError, TypeError, StopIteration) as err:  # an iterable dataset, no grads, ...
-        log.warning(f"lightning_paci: block timing not possible ({type(err).__name__}: {err}); balancing by "
-                    f"parameter count")
-    finally:
-        torch.random.set_rng_state(cpu_rng)
+            if strategy.is_global_zero:
+                costs = profile_block_costs(module, strategy.config.block_container, run_step)
+        except (RuntimeError, ValueError, TypeError, StopIteration) as err:  # an iterable dataset, no grads, ...
+            log.warning(f"lightning_paci: block timing not possible ({type(err).__name__}: {err}); balancing by "
+                        f"parameter count")
     return strategy.broadcast(costs, src=0)
+
+
+@contextlib.contextmanager
+def without_side_effects(module: torch.nn.Module, *, cuda_devices: list[int]) -> Iterator[None]:
+    """Undo what a profiling step changes besides the time it takes: the CPU RNG state and that of this rank's CUDA
+    device (data order, dropout masks) and the module's buffers (BatchNorm running statistics and batch counts)."""
+    buffers = [(buf, buf.detach().clone()) for buf in module.buffers()]
+    with torch.random.fork_rng(devices=cuda_devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buf, saved in buffers:
+                    buf.copy_(saved)
 
 
 def must_drain(trainer: Trainer, batch_idx: int) -> bool:
