@@ -35,6 +35,7 @@ __all__ = [
     "patch_method",
     "should_validate_after_batch",
     "training_dataloader",
+    "whole_model_summaries",
 ]
 
 LIGHTNING_VERSION = lightning.__version__
@@ -137,3 +138,39 @@ def should_validate_after_batch(trainer: Any) -> bool:
             _warned_validation = True
         return False
     return bool(check(epoch_loop, fetcher))
+
+
+class _FrozenSummary:
+    """What ``ModelSummary.on_fit_start`` reads from a summary, taken from the whole module before carving (a live
+    summary counts ``module.parameters()`` when read: after carving, only this stage's)."""
+
+    def __init__(self, summary: Any) -> None:
+        self._data = summary._get_summary_data()
+        self.total_parameters = summary.total_parameters
+        self.trainable_parameters = summary.trainable_parameters
+        self.model_size = summary.model_size
+        self.total_training_modes = summary.total_training_modes
+        self.total_flops = getattr(summary, "total_flops", 0)
+
+    def _get_summary_data(self) -> list[tuple[str, list[str]]]:
+        return self._data
+
+
+def whole_model_summaries(trainer: Any, module: Any) -> list[Callable[[], None]]:
+    """Make every ``ModelSummary`` callback (``RichModelSummary`` too) report the whole model, summarized now --
+    call it before carving. Returns the functions that undo the patches."""
+    from lightning.pytorch.callbacks import ModelSummary
+    from lightning.pytorch.utilities.model_summary import summarize
+
+    undo = []
+    for callback in trainer.callbacks:
+        if not isinstance(callback, ModelSummary):
+            continue
+        depth = getattr(callback, "_max_depth", None)
+        if not isinstance(depth, int):
+            raise _missing("lightning.pytorch.callbacks.ModelSummary._max_depth", "does not have")
+        if depth:
+            frozen = _FrozenSummary(summarize(module, max_depth=depth))
+            undo.append(patch_method(callback, "_summary", lambda trainer, pl_module, frozen=frozen: frozen,
+                                     parameters=("trainer", "pl_module")))
+    return undo

@@ -154,6 +154,8 @@ class PACIStrategy(PipelineProcesses):
         same_data_on_every_stage(trainer, self.broadcast)
         if self._stage is None:
             measured = measure_block_costs(self, trainer) if self.config.partition == "balanced" else None
+            if trainer.state.fn == TrainerFn.FITTING and self.is_global_zero:  # before carving: the whole model
+                self._undo_patches += api.whole_model_summaries(trainer, module)
             plan = plan_partition(module, self.num_stages, container=self.config.block_container,
                                   partition=self.config.partition, measured=measured)
             rank_zero_info(f"lightning_paci: {self.num_stages} stages, schedule={self.config.schedule!r}, "
@@ -173,7 +175,7 @@ class PACIStrategy(PipelineProcesses):
         stage.start_training(self.optimizers, schedulers=owned, accumulation=self.accumulation,
                              hooks=LightningHooks(module, trainer),
                              train_context=self.precision_plugin.train_step_context)
-        self._undo_patches = patch_for_pipeline(trainer, module, owned)
+        self._undo_patches += patch_for_pipeline(trainer, module, owned)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:

@@ -7,14 +7,19 @@ Each test is written as an ordinary single-device module would be, and compares 
 from __future__ import annotations
 
 import copy
+import json
+import warnings
 
+import lightning as L
+import pytest
 import torch
+from lightning.pytorch.callbacks import ModelSummary
 from torch import nn
 
 from lightning_paci import ReferencePipeline, build, plan_partition
 
 from helpers import fit
-from models import SequentialMLP, regression_loader
+from models import LoopTransformer, SequentialMLP, regression_loader, token_loader
 
 
 class _BatchNormMLP(SequentialMLP):
@@ -39,3 +44,74 @@ def test_balanced_profiling_leaves_buffers_and_rng_as_they_were():
     assert expected["net.1.num_batches_tracked"] == 6  # 3 batches x 2 micro-batches, none from profiling
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, expected[key], rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
+
+
+class _WriteSummary(ModelSummary):
+    """An ordinary ModelSummary whose table goes to a file (the forked rank 0 cannot return it)."""
+
+    @staticmethod
+    def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
+                  total_flops, path=None, **kwargs) -> None:
+        path.write_text(json.dumps({"total": total_parameters, "trainable": trainable_parameters,
+                                    "modes": total_training_modes}))
+
+
+def test_the_model_summary_reports_the_whole_model(tmp_path):
+    model = LoopTransformer(layers=4)
+    expected = sum(p.numel() for p in model.parameters())
+    fit(model, token_loader(num_batches=2), devices=2, max_steps=1, partition="parameters",
+        trainer_kwargs={"enable_model_summary": True},
+        callbacks=[_WriteSummary(max_depth=2, path=tmp_path / "summary.json")])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["total"] == summary["trainable"] == expected  # before: stage 0's part only
+    modes = {k: v for k, v in summary["modes"].items() if v}
+    assert modes == {"train": sum(1 for _ in model.modules()) - 1}
+
+
+class _SyncedEpochMetrics(SequentialMLP):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("epoch_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.log("samples", float(len(batch[0])), on_step=False, on_epoch=True, sync_dist=True, reduce_fx="sum")
+        return loss
+
+
+class _KeepMetrics(L.Callback):
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps({k: float(v) for k, v in trainer.callback_metrics.items()}))
+
+
+def test_sync_dist_is_a_no_op_over_one_replica_and_does_not_warn(tmp_path):
+    torch.manual_seed(5)
+    single = tmp_path / "single.json"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False,
+                  callbacks=[_KeepMetrics(single)]).fit(_SyncedEpochMetrics(), regression_loader())
+    torch.manual_seed(5)
+    piped = tmp_path / "piped.json"
+    fit(_SyncedEpochMetrics(), regression_loader(), devices=2, max_steps=-1, schedule="1f1b", microbatches=2,
+        partition="parameters", trainer_kwargs={"max_epochs": 1}, callbacks=[_KeepMetrics(piped), _NoSyncWarning()])
+    expected, got = json.loads(single.read_text()), json.loads(piped.read_text())
+    assert got["samples"] == expected["samples"] == 48  # summed over 6 batches, not also over the 2 stages
+    assert got["epoch_loss"] == pytest.approx(expected["epoch_loss"], rel=1e-5)
+    assert not [w for w in seen if "sync_dist" in str(w.message)]
+
+
+class _NoSyncWarning(L.Callback):
+    """Fails the run if Lightning recommends `sync_dist=True` for a metric that passes it."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        warnings.simplefilter("always")
+        self._original = warnings.showwarning
+
+        def check(message, *args, **kwargs):
+            assert "sync_dist" not in str(message), message
+            self._original(message, *args, **kwargs)
+
+        warnings.showwarning = check
