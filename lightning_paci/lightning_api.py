@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import io
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import lightning
+import torch
 
 __all__ = [
     "LIGHTNING_VERSION",
@@ -29,9 +31,11 @@ __all__ = [
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
     "all_gather_if_available",
+    "configured_optimizers",
     "distributed_is_initialized",
     "init_dist_connection",
     "keep_user_samplers",
+    "multiprocessing_launcher",
     "patch_method",
     "should_validate_after_batch",
     "training_dataloader",
@@ -67,6 +71,40 @@ all_gather_if_available: Callable[..., Any] = _require(
     "lightning.fabric.utilities.distributed", "_all_gather_ddp_if_available")
 MultiProcessingLauncher: type = _require("lightning.pytorch.strategies.launchers", "_MultiProcessingLauncher")
 SubprocessScriptLauncher: type = _require("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher")
+for _method in ("get_extra_results", "update_main_process_results"):
+    if not callable(getattr(MultiProcessingLauncher, _method, None)):
+        raise _missing(f"lightning.pytorch.strategies.launchers._MultiProcessingLauncher.{_method}", "does not have")
+_init_optimizers: Callable[..., Any] = _require(
+    "lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers")
+
+
+def configured_optimizers(module: Any) -> list[Any]:
+    """The optimizers ``module.configure_optimizers()`` returns, in whichever form it returns them (one, a list,
+    a tuple with schedulers, a dict), parsed as Lightning parses them."""
+    optimizers, _ = _init_optimizers(module)
+    return list(optimizers)
+
+
+def multiprocessing_launcher(strategy: Any, start_method: str, *, send: Callable[[Any], Any],
+                             receive: Callable[[Any, Any], None]) -> Any:
+    """Lightning's fork/spawn launcher, also handing ``send(trainer)`` (called on rank 0 after the run) to
+    ``receive(trainer, sent)`` in the main process, which never ran a stage or a loop: what ``save_checkpoint``
+    after ``fit`` needs there (the gathered optimizer state, the loops' progress, the callbacks' states)."""
+
+    class PipelineLauncher(MultiProcessingLauncher):  # type: ignore[misc, valid-type]
+        def get_extra_results(self, trainer: Any) -> dict[str, Any]:
+            extra = super().get_extra_results(trainer)
+            buffer = io.BytesIO()
+            torch.save(send(trainer), buffer)  # bytes, as Lightning sends the callback metrics (no shared memory)
+            extra["lightning_paci"] = buffer.getvalue()
+            return extra
+
+        def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
+            super().update_main_process_results(trainer, extra)
+            if "lightning_paci" in extra:
+                receive(trainer, torch.load(io.BytesIO(extra["lightning_paci"]), weights_only=False))
+
+    return PipelineLauncher(strategy, start_method=start_method)
 
 
 def patch_method(obj: Any, name: str, replacement: Callable[..., Any], *,

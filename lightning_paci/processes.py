@@ -98,9 +98,17 @@ class PipelineProcesses(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self.config.start_method != "popen":
-            self._launcher = api.MultiProcessingLauncher(self, start_method=self.config.start_method)
+            self._launcher = api.multiprocessing_launcher(self, self.config.start_method, send=self._send_after_fit,
+                                                          receive=self._receive_after_fit)
         elif not self.cluster_environment.creates_processes_externally:
             self._launcher = api.SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _send_after_fit(self, trainer: Any) -> Any:
+        """What rank 0 of a fork/spawn run hands to the main process after ``fit`` (see the strategy)."""
+        return None
+
+    def _receive_after_fit(self, trainer: Any, sent: Any) -> None:
+        """The main process of a fork/spawn run receives rank 0's ``_send_after_fit(trainer)``."""
 
     @override
     def setup_environment(self) -> None:

@@ -24,6 +24,7 @@ from lightning_paci.driver import StreamDriver
 from lightning_paci.evaluation import PipelineEvaluator
 from lightning_paci.logs import LogRelay
 from lightning_paci.microbatch import loss_scale_for
+from lightning_paci.optimizer_layout import OptimizerLayout
 from lightning_paci.partition import PartitionPlan, StageCarve
 from lightning_paci.program import LightningHooks, LightningStageProgram
 from lightning_paci.runtime import StageRuntime
@@ -46,12 +47,16 @@ class PipelineStage:
         comm: point-to-point messages to the other stages (a new one per use: evaluation, training).
         broadcast: ``broadcast(obj, src)`` over all stages, for evaluation's log records.
         eval_context: the precision plugin's evaluation context.
+        layout: the single-device optimizer's layout (optimizer_layout.py): consolidated checkpoints then also
+            resume on one device, and one-device checkpoints resume here.
     """
 
     def __init__(self, module: LightningModule, plan: PartitionPlan, carve: StageCarve, *, config: PACIConfig,
                  num_microbatches: int, comm: Callable[[], Comm], broadcast: Callable[[Any, int], Any],
-                 eval_context: _Context) -> None:
+                 eval_context: _Context, layout: OptimizerLayout | None = None) -> None:
         self.module, self.plan, self.carve, self.config = module, plan, carve, config
+        self.layout = layout
+        self.accumulation = num_microbatches
         self.num_microbatches = num_microbatches
         self._comm = comm
         self.evaluator = PipelineEvaluator(module, carve, comm(), num_microbatches=num_microbatches,
@@ -76,6 +81,7 @@ class PipelineStage:
             )
         optimizer = optimizers[0]
         carve = self.carve
+        self.accumulation = accumulation
         stage_optimizer = StageOptimizer(optimizer, list(self.module.parameters()), schedulers=schedulers,
                                          before_step=hooks.before_step if hooks else None, exclude=self._replicas)
         program = LightningStageProgram(self.module, carve, context=train_context)
@@ -109,13 +115,18 @@ class PipelineStage:
         """The checkpoint's optimizer entry (see checkpoint.py): name-keyed state and the accumulation counters."""
         runtime = self.runtime
         assert runtime is not None and runtime.optimizer is not None
-        return checkpoints.optimizer_state(runtime.optimizer, self.module, backwards=runtime.microbatch_base,
-                                           steps=runtime.version, replicas=self._replicas)
+        entry = checkpoints.optimizer_state(runtime.optimizer, self.module, backwards=runtime.microbatch_base,
+                                            steps=runtime.version, replicas=self._replicas)
+        if self.layout is not None and checkpoints.layout == "consolidated" and entry:  # rank 0: every stage's
+            entry.update(self.layout.to_torch(entry["paci"]["params"]))
+        return entry
 
     def load_optimizer_state(self, checkpoints: PipelineCheckpoints, checkpoint: dict[str, Any]) -> None:
         """Resume the optimizer state and the counters, so the next step falls where the saved run's would."""
         runtime = self.runtime
         assert runtime is not None and runtime.optimizer is not None
+        if self.layout is not None:
+            checkpoint = self.layout.as_pipeline_checkpoint(checkpoint, self.accumulation)
         resumed = checkpoints.load_optimizer_state(checkpoint, runtime.optimizer, self.module, self._replicas)
         runtime.microbatch_base, runtime.version = resumed.backwards, resumed.steps
         self._resumed_gradients = resumed.gradients

@@ -35,6 +35,7 @@ from lightning_paci import lightning_api as api
 from lightning_paci.checkpoint import PipelineCheckpoints, cpu_state
 from lightning_paci.comm import DistComm
 from lightning_paci.config import PACIConfig
+from lightning_paci.optimizer_layout import OptimizerLayout
 from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage, plan_partition
 from lightning_paci.processes import PipelineProcesses
 from lightning_paci.program import LightningHooks
@@ -115,6 +116,8 @@ class PACIStrategy(PipelineProcesses):
         self._trainer: Trainer | None = None
         self._stage: PipelineStage | None = None
         self._undo_patches: list[Callable[[], None]] = []
+        # after `fit`: rank 0's gathered optimizer and scheduler states, for `trainer.save_checkpoint` after `fit`
+        self._after_fit: dict[str, list[Any]] | None = None
 
     @property
     def num_microbatches(self) -> int:
@@ -161,8 +164,9 @@ class PACIStrategy(PipelineProcesses):
             rank_zero_info(f"lightning_paci: {self.num_stages} stages, schedule={self.config.schedule!r}, "
                            f"microbatches={self.num_microbatches}, accumulation={self.accumulation}; "
                            f"{plan.describe()}")
+            layout = OptimizerLayout.of(module) if trainer.state.fn == TrainerFn.FITTING else None
             self._stage = PipelineStage(
-                module, plan, carve_stage(module, plan, self.stage_index), config=self.config,
+                module, plan, carve_stage(module, plan, self.stage_index), config=self.config, layout=layout,
                 num_microbatches=self.num_microbatches, broadcast=self.broadcast,
                 comm=lambda: DistComm(list(range(self.world_size)), groups=self._p2p_groups, device=self.root_device),
                 eval_context=self.precision_plugin.val_step_context)
@@ -251,6 +255,8 @@ class PACIStrategy(PipelineProcesses):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         self._drain()
         if self._stage is None or self._stage.runtime is None:
+            if self._after_fit is not None:  # `trainer.save_checkpoint` after `fit`: what teardown gathered
+                return self._after_fit["optimizer_states"][0]
             return super().optimizer_state(optimizer)
         return self._stage.optimizer_state(self._checkpoints)
 
@@ -262,7 +268,24 @@ class PACIStrategy(PipelineProcesses):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._after_fit is not None:  # the main process of a fork/spawn run has no optimizer of its own
+            for key, states in self._after_fit.items():
+                if key in checkpoint and not checkpoint[key]:
+                    checkpoint[key] = states
         self._checkpoints.save(checkpoint, filepath, storage_options)
+
+    def _send_after_fit(self, trainer: Trainer) -> Any:
+        """To the main process of a fork/spawn run, for a ``trainer.save_checkpoint`` there after ``fit``: the
+        optimizer and scheduler states, the fit loop's progress (epoch, step) and the callbacks' states."""
+        return {"states": self._after_fit, "fit_loop": trainer.fit_loop.state_dict(),
+                "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks}}
+
+    def _receive_after_fit(self, trainer: Trainer, sent: Any) -> None:
+        self._after_fit = sent["states"]
+        trainer.fit_loop.load_state_dict(sent["fit_loop"])
+        for callback in trainer.callbacks:
+            if sent["callbacks"].get(callback.state_key):
+                callback.load_state_dict(sent["callbacks"][callback.state_key])
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -302,8 +325,13 @@ class PACIStrategy(PipelineProcesses):
         for undo in reversed(self._undo_patches):
             undo()
         self._undo_patches.clear()
-        if self._stage is not None:
-            self._stage.restore_full_model(gather=api.distributed_is_initialized())
+        stage = self._stage
+        if stage is None:
+            return
+        if stage.runtime is not None and api.distributed_is_initialized():  # keep what a later save needs
+            self._after_fit = {"optimizer_states": [stage.optimizer_state(self._checkpoints)],
+                               "lr_schedulers": [cfg.scheduler.state_dict() for cfg in self.lr_scheduler_configs]}
+        stage.restore_full_model(gather=api.distributed_is_initialized())
 
     @classmethod
     @override

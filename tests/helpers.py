@@ -69,7 +69,8 @@ def read_stage_records(directory: Path, num_stages: int) -> list[dict[str, Any]]
 
 
 def fit(model: L.LightningModule, loader: Any, *, devices: int, max_steps: int = 5, callbacks: list[Any] | None = None,
-        trainer_kwargs: dict[str, Any] | None = None, **strategy_kwargs: Any) -> L.Trainer:
+        trainer_kwargs: dict[str, Any] | None = None, ckpt_path: str | None = None,
+        **strategy_kwargs: Any) -> L.Trainer:
     strategy = PACIStrategy(start_method="fork", timeout=timedelta(seconds=60), **strategy_kwargs)
     kwargs: dict[str, Any] = dict(
         accelerator="cpu", devices=devices, max_steps=max_steps, enable_checkpointing=False, logger=False,
@@ -78,7 +79,7 @@ def fit(model: L.LightningModule, loader: Any, *, devices: int, max_steps: int =
     )
     kwargs.update(trainer_kwargs or {})
     trainer = L.Trainer(strategy=strategy, **kwargs)
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
     return trainer
 
 

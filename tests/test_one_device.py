@@ -115,3 +115,59 @@ class _NoSyncWarning(L.Callback):
             self._original(message, *args, **kwargs)
 
         warnings.showwarning = check
+
+
+class _Momentum(SequentialMLP):
+    """SGD with momentum: a lost optimizer state changes every later update."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def _one_device(max_epochs: int) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+
+
+def _assert_same_weights(actual, expected) -> None:
+    for key, value in expected.state_dict().items():
+        torch.testing.assert_close(actual.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+def test_save_checkpoint_after_fit_resumes_under_the_pipeline_and_on_one_device(tmp_path):
+    loader = regression_loader(num_batches=3)
+    torch.manual_seed(41)
+    model = _Momentum()
+    expected = copy.deepcopy(model)
+    _one_device(2).fit(expected, loader)  # one device, 2 epochs straight
+    # 1 epoch under the pipeline (1f1b: single-device accumulation), then Lightning's documented pattern
+    trainer = fit(model, loader, devices=2, max_steps=-1, schedule="1f1b", microbatches=2, partition="parameters",
+                  trainer_kwargs={"max_epochs": 1})
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert saved["optimizer_states"][0]["paci"]["num_stages"] == 2
+    assert len(saved["optimizer_states"][0]["state"]) == len(list(model.parameters()))  # every stage's momentum
+    # ... resumes under the pipeline (before: "it was not written by PACIStrategy") ...
+    piped = _Momentum()
+    fit(piped, loader, devices=2, max_steps=-1, schedule="1f1b", microbatches=2, partition="parameters",
+        trainer_kwargs={"max_epochs": 2}, ckpt_path=str(tmp_path / "last.ckpt"))
+    _assert_same_weights(piped, expected)
+    # ... and on one device (before: a bare KeyError: 'param_groups')
+    single = _Momentum()
+    _one_device(2).fit(single, loader, ckpt_path=str(tmp_path / "last.ckpt"))
+    _assert_same_weights(single, expected)
+
+
+def test_a_one_device_checkpoint_resumes_under_the_pipeline(tmp_path):
+    loader = regression_loader(num_batches=3)
+    torch.manual_seed(42)
+    model = _Momentum()
+    expected = copy.deepcopy(model)
+    _one_device(2).fit(expected, loader)
+    trainer = _one_device(1)
+    trainer.fit(model, loader)
+    trainer.save_checkpoint(tmp_path / "single.ckpt")
+    piped = _Momentum()
+    fit(piped, loader, devices=2, max_steps=-1, schedule="1f1b", microbatches=2, partition="parameters",
+        trainer_kwargs={"max_epochs": 2}, ckpt_path=str(tmp_path / "single.ckpt"))
+    _assert_same_weights(piped, expected)
