@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import io
+import os
+import shutil
+import tempfile
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -92,17 +94,23 @@ def multiprocessing_launcher(strategy: Any, start_method: str, *, send: Callable
     after ``fit`` needs there (the gathered optimizer state, the loops' progress, the callbacks' states)."""
 
     class PipelineLauncher(MultiProcessingLauncher):  # type: ignore[misc, valid-type]
+        # through a file, as Lightning sends the weights: the main process reads the result queue only after the
+        # workers exit, so a message larger than the pipe's buffer would block rank 0 forever
         def get_extra_results(self, trainer: Any) -> dict[str, Any]:
             extra = super().get_extra_results(trainer)
-            buffer = io.BytesIO()
-            torch.save(send(trainer), buffer)  # bytes, as Lightning sends the callback metrics (no shared memory)
-            extra["lightning_paci"] = buffer.getvalue()
+            path = os.path.join(tempfile.mkdtemp(), "lightning_paci_after_fit.pt")
+            torch.save(send(trainer), path)
+            extra["lightning_paci"] = path
             return extra
 
         def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
             super().update_main_process_results(trainer, extra)
-            if "lightning_paci" in extra:
-                receive(trainer, torch.load(io.BytesIO(extra["lightning_paci"]), weights_only=False))
+            path = extra.get("lightning_paci")
+            if path is not None:
+                try:
+                    receive(trainer, torch.load(path, weights_only=False))
+                finally:
+                    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
     return PipelineLauncher(strategy, start_method=start_method)
 
