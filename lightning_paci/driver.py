@@ -13,6 +13,7 @@ This module knows nothing about Lightning: the strategy decides *when* to drain,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning_paci.cursor import StreamCursor
@@ -31,11 +32,13 @@ class StreamDriver:
             changed between streams).
         tied: the first and last stage share tied weights.
         max_stream_batches: drain at least this often (bounds a stream's lists and the time between drains).
+        on_drain: called after every drain (the stages' data check, fingerprint.py).
     """
 
     def __init__(self, runtime: StageRuntime, *, schedule: str, num_microbatches: int, accumulation: int,
-                 tied: bool, max_stream_batches: int) -> None:
+                 tied: bool, max_stream_batches: int, on_drain: Callable[[], None] | None = None) -> None:
         self.runtime = runtime
+        self.on_drain = on_drain
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.accumulation = accumulation
@@ -80,3 +83,5 @@ class StreamDriver:
         runtime.microbatch_base += self.calls * self.num_microbatches
         self._cursor = None
         runtime.records.set_phase("outside")  # validation, checkpoints, epoch ends: not pipeline time
+        if self.on_drain is not None:
+            self.on_drain()

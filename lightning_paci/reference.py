@@ -20,7 +20,7 @@ from lightning_paci.microbatch import loss_scale_for, split_microbatches
 from lightning_paci.partition import PartitionPlan, carve_stage
 from lightning_paci.program import LightningStageProgram
 from lightning_paci.runtime import StageRuntime
-from lightning_paci.schedules import RECV_KINDS, Action, Schedule, message_key, validate
+from lightning_paci.schedules import RECV_KINDS, Action, ActionKind, Schedule, message_key, validate
 from lightning_paci.stage_optimizer import StageOptimizer, optimizer_and_step_schedulers
 
 __all__ = ["ReferencePipeline", "run_lists"]
@@ -83,6 +83,13 @@ class ReferencePipeline:
         """Feed ``batches`` (one per mini-batch) and run the schedule's lists to the end."""
         if len(batches) != schedule.num_minibatches:
             raise ValueError(f"{len(batches)} batches for a schedule of {schedule.num_minibatches} mini-batches")
+        has_tied_messages = any(a.kind in (ActionKind.SEND_T, ActionKind.RECV_T) for a in schedule.actions[0])
+        if bool(self.plan.tied) and not has_tied_messages:
+            raise ValueError(
+                f"The plan ties {self.plan.tied[0][0]} = {self.plan.tied[0][1]} across the first and last stage, "
+                f"but the {schedule.name!r} lists were built without tied-weight messages: the replica would never "
+                f"be updated. Build them with `build(..., tied=True)`."
+            )
         scale = loss_scale_for(accumulation_scale or schedule.accumulation)
         base = self.runtimes[0].microbatch_base
         for runtime in self.runtimes:

@@ -22,6 +22,7 @@ from lightning_paci.comm import Comm
 from lightning_paci.config import PACIConfig
 from lightning_paci.driver import StreamDriver
 from lightning_paci.evaluation import PipelineEvaluator
+from lightning_paci.fingerprint import BatchFingerprint
 from lightning_paci.logs import LogRelay
 from lightning_paci.microbatch import loss_scale_for
 from lightning_paci.optimizer_layout import OptimizerLayout
@@ -64,6 +65,8 @@ class PipelineStage:
         self.runtime: StageRuntime | None = None
         self.driver: StreamDriver | None = None
         self.relay = LogRelay(num_microbatches)
+        self.fingerprint = BatchFingerprint(carve.stage)
+        self._broadcast = broadcast
         self._resumed_gradients: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
 
     @property
@@ -90,7 +93,8 @@ class PipelineStage:
                                     skip_nonfinite=self.config.nonfinite == "skip", hooks=hooks)
         self.driver = StreamDriver(self.runtime, schedule=self.config.schedule, num_microbatches=self.num_microbatches,
                                    accumulation=accumulation, tied=bool(self.plan.tied),
-                                   max_stream_batches=self.config.max_stream_batches)
+                                   max_stream_batches=self.config.max_stream_batches,
+                                   on_drain=lambda: self.fingerprint.check(self._broadcast))
 
     def train(self, batch: Any, batch_idx: int, *, label: str, drain: bool, accumulation: int) -> float:
         """Feed one Lightning batch (``accumulation``: the current window, used when the batch opens a stream);
@@ -100,6 +104,7 @@ class PipelineStage:
         if runtime is None or driver is None:
             raise RuntimeError("PipelineStage.train before start_training")
         runtime.step_label = label
+        self.fingerprint.update(batch, batch_idx)
         driver.feed(batch, batch_idx, drain=drain, accumulation=accumulation)
         self.relay.emit(self.module, runtime.logs)
         return self.relay.last_loss

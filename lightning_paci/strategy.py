@@ -49,6 +49,7 @@ from lightning_paci.trainer_glue import (
     must_drain,
     patch_for_pipeline,
     same_data_on_every_stage,
+    seed_workers_alike,
 )
 
 __all__ = ["PACIStrategy", "optimizer_and_step_schedulers"]
@@ -180,6 +181,10 @@ class PACIStrategy(PipelineProcesses):
                              hooks=LightningHooks(module, trainer),
                              train_context=self.precision_plugin.train_step_context)
         self._undo_patches += patch_for_pipeline(trainer, module, owned)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        return seed_workers_alike(dataloader)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:

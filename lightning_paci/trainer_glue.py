@@ -4,11 +4,15 @@ for block timing, whether the current batch is the last before a drain point, an
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -20,7 +24,8 @@ from lightning_paci.partition import BlockCosts, profile_block_costs
 from lightning_paci.program import extract_loss
 
 __all__ = ["SUPPORTED_PRECISION", "check_trainer", "measure_block_costs", "must_drain",
-           "patch_for_pipeline", "same_data_on_every_stage", "without_side_effects"]
+           "patch_for_pipeline", "same_data_on_every_stage", "seed_workers_alike",
+           "without_side_effects"]
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +55,35 @@ def check_trainer(trainer: Trainer, module: LightningModule, num_stages: int) ->
 def same_data_on_every_stage(trainer: Trainer, broadcast: Callable[[Any, int], Any]) -> None:
     """Every stage iterates the same batches, in the order one device would: the user's samplers are kept (no
     ``DistributedSampler(num_replicas=1)``: a pure pipeline has one data-parallel replica), and every rank adopts
-    rank 0's CPU RNG state, from which a ``RandomSampler`` draws each epoch's order (ranks started without a common
-    seed would otherwise shuffle differently). The forwards never advance that state (see [Note: randomness per
-    micro-batch] in runtime.py), so the ranks stay in step."""
+    rank 0's states of torch's, Python's ``random`` and NumPy's global generators, from which a ``RandomSampler``
+    draws each epoch's order, a ``collate_fn`` its masks and the dataloader its workers' seeds (ranks started
+    without a common seed would otherwise differ). The forwards never advance those states (see [Note: randomness
+    per micro-batch] in runtime.py), so the ranks stay in step; fingerprint.py checks that they did."""
     api.keep_user_samplers(trainer)
-    torch.random.set_rng_state(broadcast(torch.random.get_rng_state(), 0))
+    states = broadcast((torch.random.get_rng_state(), random.getstate(), _numpy_state()), 0)
+    torch.random.set_rng_state(states[0])
+    random.setstate(states[1])
+    if states[2] is not None:
+        import numpy
+
+        numpy.random.set_state(states[2])
+
+
+def _numpy_state() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy.random.get_state()
+
+
+def seed_workers_alike(dataloader: Any) -> Any:
+    """Seed the dataloader's workers by the data-parallel rank (0 in a pure pipeline), not the global rank:
+    ``seed_everything(..., workers=True)`` otherwise gives each stage's workers other random augmentations or masks
+    (Lightning adds its worker seeding right after ``Strategy.process_dataloader``, only where none is set)."""
+    if os.environ.get("PL_SEED_WORKERS", "0") == "1" and getattr(dataloader, "worker_init_fn", False) is None:
+        dataloader.worker_init_fn = functools.partial(pl_worker_init_function, rank=0)
+    return dataloader
 
 
 def measure_block_costs(strategy: Any, trainer: Trainer) -> BlockCosts | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import warnings
 
 import lightning as L
@@ -15,6 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelSummary
 from torch import nn
+from torch.multiprocessing import ProcessRaisedException
 
 from lightning_paci import ReferencePipeline, build, plan_partition
 
@@ -171,3 +173,132 @@ def test_a_one_device_checkpoint_resumes_under_the_pipeline(tmp_path):
     fit(piped, loader, devices=2, max_steps=-1, schedule="1f1b", microbatches=2, partition="parameters",
         trainer_kwargs={"max_epochs": 2}, ckpt_path=str(tmp_path / "single.ckpt"))
     _assert_same_weights(piped, expected)
+
+
+class _NoisyPairs(torch.utils.data.Dataset):
+    """Random augmentation in ``__getitem__`` (run in the dataloader's workers): noise on the inputs, labels from the
+    noisy inputs -- a stage whose workers draw other noise pairs stage 0's inputs with other labels."""
+
+    def __init__(self, n: int = 32) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.x, self.w = torch.randn(n, 8, generator=g), torch.randn(8, 4, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        x = self.x[i] + 0.5 * torch.randn(8)
+        return x, torch.tanh(x @ self.w)
+
+
+def _worker_loader() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(_NoisyPairs(), batch_size=8, num_workers=2)
+
+
+def test_random_augmentation_in_seeded_workers_gives_every_stage_the_batches_of_one_device():
+    expected = _Momentum()
+    model = copy.deepcopy(expected)
+    L.seed_everything(7, workers=True)
+    _one_device(1).fit(expected, _worker_loader())
+    L.seed_everything(7, workers=True)
+    fit(model, _worker_loader(), devices=2, max_steps=-1, schedule="1f1b", microbatches=2, partition="parameters",
+        trainer_kwargs={"max_epochs": 1})
+    _assert_same_weights(model, expected)  # before: stage 1's workers were seeded by global rank 1
+
+
+class _ProcessDependentCollate:
+    """A collate that depends on the process: every rank builds other batches."""
+
+    def __call__(self, samples):
+        x, y = torch.utils.data.default_collate(samples)
+        return x + (os.getpid() % 13) * 0.01, y
+
+
+def test_a_stage_that_trained_on_other_batches_fails_naming_the_cause():
+    loader = regression_loader(num_batches=4)
+    loader = torch.utils.data.DataLoader(loader.dataset, batch_size=8, collate_fn=_ProcessDependentCollate())
+    with pytest.raises(ProcessRaisedException, match="stage 1 trained on other batches than stage 0"):
+        fit(SequentialMLP(), loader, devices=2, max_steps=-1, schedule="paci", microbatches=2,
+            partition="parameters", trainer_kwargs={"max_epochs": 1})
+
+
+class _MaskedGPT2(L.LightningModule):
+    """A transformers GPT-2 with its default dropout (0.1), trained on randomly masked tokens."""
+
+    def __init__(self, dropout: float | None = None) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        drop = {} if dropout is None else {"resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout}
+        self.model = GPT2LMHeadModel(GPT2Config(vocab_size=_VOCAB + 1, n_positions=16, n_embd=32, n_layer=4,
+                                                n_head=2, **drop))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+_VOCAB = 31  # token id 31 is the mask
+
+
+def _mask_tokens(samples):
+    """MLM-style collate (runs in the workers): 30% of the tokens, drawn at random, become the mask token; the
+    labels keep the original ids there and -100 (ignored) elsewhere."""
+    ids = torch.stack([s[0] for s in samples])  # (B, T)
+    chosen = torch.rand(ids.shape) < 0.3
+    return {"input_ids": ids.masked_fill(chosen, _VOCAB), "labels": ids.masked_fill(~chosen, -100)}
+
+
+def _masked_loader():
+    return torch.utils.data.DataLoader(token_loader(num_batches=3, vocab=_VOCAB).dataset, batch_size=8, num_workers=2,
+                                       collate_fn=_mask_tokens)
+
+
+class _KeepBatches(L.Callback):
+    """Rank 0 writes every training batch it was given (the test feeds the same ones to the references)."""
+
+    def __init__(self, path) -> None:
+        self.path, self.batches = path, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches.append({k: v.clone() for k, v in batch.items()})
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            torch.save(self.batches, self.path)
+
+
+@pytest.mark.parametrize("schedule", ["paci", "1f1b"])
+def test_gpt2_with_dropout_and_random_masking_in_workers_equals_the_reference_executor(tmp_path, schedule):
+    torch.manual_seed(8)
+    model = _MaskedGPT2()
+    initial = copy.deepcopy(model)
+    L.seed_everything(8, workers=True)
+    fit(model, _masked_loader(), devices=2, max_steps=3, schedule=schedule, microbatches=2, partition="parameters",
+        callbacks=[_KeepBatches(tmp_path / "batches.pt")])
+    batches = torch.load(tmp_path / "batches.pt")
+    assert len(batches) == 3 and all((b["labels"] != -100).any() for b in batches)
+    reference = ReferencePipeline(initial, plan_partition(initial, 2, partition="parameters"))
+    reference.run(build(schedule, 2, 2, 2, 3, tied=True), batches)  # the same seed: the same dropout masks
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+
+
+def test_gpt2_without_dropout_under_1f1b_equals_single_device_accumulation_on_masked_batches(tmp_path):
+    torch.manual_seed(9)
+    model = _MaskedGPT2(dropout=0.0)
+    expected = copy.deepcopy(model)
+    L.seed_everything(9, workers=True)
+    fit(model, _masked_loader(), devices=2, max_steps=3, schedule="1f1b", microbatches=2, partition="parameters",
+        callbacks=[_KeepBatches(tmp_path / "batches.pt")])
+    optimizer = expected.configure_optimizers()
+    for batch in torch.load(tmp_path / "batches.pt"):
+        for ids, labels in zip(torch.tensor_split(batch["input_ids"], 2), torch.tensor_split(batch["labels"], 2)):
+            (expected.model(input_ids=ids, labels=labels).loss / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    _assert_same_weights(model, expected)

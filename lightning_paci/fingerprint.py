@@ -1,0 +1,88 @@
+"""Every stage checks that it trained on stage 0's batches: a running fingerprint, compared at each drain.
+
+Every rank loads its own copy of each batch; stage 0 feeds its inputs to the first block and the last stage its
+labels to the loss, so a batch that differs between ranks pairs one sample's inputs with another's labels -- a run
+that finishes with a plausible curve and a wrong model. The known causes are removed at setup (the user's sampler is
+kept, the RNG states of torch, ``random`` and NumPy are rank 0's, dataloader workers are seeded by the data-parallel
+rank: trainer_glue.py); what remains (loading that depends on the process, the clock, the file system's order) is
+caught here, never silently.
+
+Cost: per batch, a few small reductions over at most ``SAMPLE`` strided elements of each tensor, accumulated on the
+batch's device (no host synchronisation); at each drain, one broadcast of two numbers from stage 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_paci.comm import flatten
+
+__all__ = ["SAMPLE", "BatchFingerprint", "DataMismatchError"]
+
+SAMPLE = 4096  # elements of each tensor that enter the fingerprint (evenly strided over the whole tensor)
+
+
+class DataMismatchError(RuntimeError):
+    """A stage trained on other batches than stage 0."""
+
+
+class BatchFingerprint:
+    """Running fingerprint of the batches this stage was fed since the last check.
+
+    ``digest`` holds two float64 sums: of every sampled value, and of every sampled value weighted by its position
+    in the batch and the batch's position since the last check (so that a reordering is caught too).
+    """
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        self.batches = 0  # fed since the last check; every stage counts the same (drains are at the same batches)
+        self.first_batch: int | None = None
+        self.digest: torch.Tensor | None = None  # (2,) float64, on the batch's device
+        self._weights: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def _positions(self, n: int, device: torch.device) -> torch.Tensor:
+        key = (n, device)
+        if key not in self._weights:
+            self._weights[key] = torch.arange(1, n + 1, dtype=torch.float64, device=device).remainder_(97).add_(1)
+        return self._weights[key]
+
+    def update(self, batch: Any, batch_idx: int) -> None:
+        """Fold one Lightning batch (every tensor leaf) into the digest."""
+        tensors = [t for t in flatten(batch)[1] if t.numel()]
+        if not tensors:
+            return
+        if self.first_batch is None:
+            self.first_batch = batch_idx
+        self.batches += 1
+        sums = []
+        for t in tensors:
+            flat = t.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE].to(torch.float64)  # (<= SAMPLE,)
+            weighted = (sample * self._positions(sample.numel(), sample.device)).sum() * self.batches
+            sums.append(torch.stack([sample.sum(), weighted]).to(tensors[0].device))
+        total = torch.stack(sums).sum(0)  # (2,)
+        self.digest = total if self.digest is None else self.digest + total
+
+    def check(self, broadcast: Callable[[Any, int], Any]) -> None:
+        """Compare with stage 0's digest (a collective: every stage calls it at the same drains).
+
+        Raises:
+            DataMismatchError: this stage's batches differ from stage 0's.
+        """
+        if self.batches == 0:
+            return
+        mine = None if self.digest is None else self.digest.cpu().tolist()
+        first = broadcast(mine, 0)
+        since, self.batches, self.first_batch, self.digest = self.first_batch, 0, None, None
+        if mine != first:
+            raise DataMismatchError(
+                f"stage {self.stage} trained on other batches than stage 0 (fingerprints of the batches since "
+                f"Lightning batch {since}: {mine} vs {first}): stage 0's inputs were paired with other labels. Every "
+                f"stage loads the batch itself, so loading must give the same samples on every rank: keep randomness "
+                f"in the dataset, collate_fn or sampler on torch's, Python's `random` or NumPy's global generators "
+                f"(shared at setup, dataloader workers seeded alike), and avoid process-dependent sources (PIDs, "
+                f"the clock, unsorted directory listings)."
+            )
