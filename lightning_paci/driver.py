@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_paci.cursor import StreamCursor
-from lightning_paci.microbatch import loss_scale_for, split_microbatches
+from lightning_paci.microbatch import loss_scale_for, split_weighted
 from lightning_paci.runtime import StageRuntime
 
 __all__ = ["StreamDriver"]
@@ -62,8 +62,8 @@ class StreamDriver:
                                         backward_offset=done % self.accumulation, tied=self.tied)
             self.calls = 0
             runtime.records.set_phase("startup")  # the new stream fills the pipeline
-        for i, part in enumerate(split_microbatches(batch, m)):
-            runtime.add_microbatch(self.calls * m + i, part, batch_idx)
+        for i, (part, weight) in enumerate(split_weighted(batch, m)):
+            runtime.add_microbatch(self.calls * m + i, part, batch_idx, weight=weight)
         self.calls += 1
         if drain or self.calls >= self.max_stream_batches:
             self.drain()

@@ -61,6 +61,7 @@ class BatchFingerprint:
         for t in tensors:
             flat = t.detach().reshape(-1)
             sample = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE].to(torch.float64)  # (<= SAMPLE,)
+            sample = torch.nan_to_num(sample, nan=0.25, posinf=0.5, neginf=-0.5)  # NaN != NaN: compare finitely
             weighted = (sample * self._positions(sample.numel(), sample.device)).sum() * self.batches
             sums.append(torch.stack([sample.sum(), weighted]).to(tensors[0].device))
         total = torch.stack(sums).sum(0)  # (2,)

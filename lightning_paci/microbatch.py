@@ -12,7 +12,7 @@ import torch
 
 from lightning_paci.comm import flatten, unflatten
 
-__all__ = ["loss_scale_for", "merge_microbatch_outputs", "microbatch_size", "split_microbatches"]
+__all__ = ["loss_scale_for", "merge_microbatch_outputs", "microbatch_size", "split_microbatches", "split_weighted"]
 
 
 def loss_scale_for(accumulation: int) -> float:
@@ -37,6 +37,28 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
              else [t] * num_microbatches
              for t in tensors]
     return [unflatten(skeleton, [p[i] for p in parts]) for i in range(num_microbatches)]
+
+
+def split_weighted(batch: Any, num_microbatches: int) -> list[tuple[Any, float]]:
+    """Exactly ``m`` micro-batches of a Lightning batch of ``B`` samples, each with the weight of its loss, so that
+    the weighted micro-batch means are the mean over the whole batch, as one device computes it:
+
+    * ``B >= m``: ``torch.tensor_split`` parts of ``b_j`` samples, weight ``b_j * m / B`` (exactly 1.0 when the
+      parts are equal, the usual case);
+    * ``B < m`` (a short last batch): ``B`` one-sample parts of weight ``m / B``, then ``m - B`` *padding* parts
+      of weight 0 (copies of the last sample, so that every stage still runs the action lists every stage agreed
+      on): the runtime runs them without gradient and drops them (see ``StageRuntime``).
+    """
+    size = microbatch_size(batch)
+    if size >= num_microbatches:
+        parts = split_microbatches(batch, num_microbatches)
+        sizes = [microbatch_size(p) for p in parts]
+        if len(set(sizes)) == 1:
+            return [(p, 1.0) for p in parts]
+        return [(p, b * num_microbatches / size) for p, b in zip(parts, sizes)]
+    parts = split_microbatches(batch, size)
+    weight = num_microbatches / size
+    return [(p, weight) for p in parts] + [(parts[-1], 0.0)] * (num_microbatches - size)
 
 
 def microbatch_size(batch: Any) -> int:

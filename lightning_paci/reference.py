@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lightning_paci.comm import LocalComm
-from lightning_paci.microbatch import loss_scale_for, split_microbatches
+from lightning_paci.microbatch import loss_scale_for, split_weighted
 from lightning_paci.partition import PartitionPlan, carve_stage
 from lightning_paci.program import LightningStageProgram
 from lightning_paci.runtime import StageRuntime
@@ -95,8 +95,8 @@ class ReferencePipeline:
         for runtime in self.runtimes:
             runtime.loss_scale = scale
             for k, batch in enumerate(batches):
-                for i, part in enumerate(split_microbatches(batch, schedule.num_microbatches)):
-                    runtime.add_microbatch(k * schedule.num_microbatches + i, part, k)
+                for i, (part, weight) in enumerate(split_weighted(batch, schedule.num_microbatches)):
+                    runtime.add_microbatch(k * schedule.num_microbatches + i, part, k, weight=weight)
         run_lists(self.runtimes, schedule.actions)
         for runtime in self.runtimes:
             runtime.microbatch_base = base + schedule.total_microbatches

@@ -87,6 +87,23 @@ class ForwardOutput:
     skipped: bool = False  # dropped for a non-finite loss
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _padding(module: torch.nn.Module) -> Iterator[None]:
+    """A padding micro-batch's forward: no gradient, and every submodule in eval mode (BatchNorm statistics do not
+    see the duplicated sample); the modes are restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 class BackwardHooks(Protocol):
     """Called by the stage around its own local backwards (Lightning's ``on_before_backward`` / ``on_after_backward``
     for an unchanged LightningModule)."""
@@ -154,7 +171,9 @@ class StageRuntime:
         self.seed = torch.initial_seed() if seed is None else seed  # the same on every rank after seeding
         self.clock = clock
         self.records = StageRecords(clock=clock, retention=retention)
-        self.data: dict[int, tuple[Any, tuple[Any, ...]]] = {}  # micro-batch -> (data, step args after the batch)
+        # micro-batch -> (data, step args after the batch, loss weight; see microbatch.split_weighted)
+        self.data: dict[int, tuple[Any, tuple[Any, ...], float]] = {}
+        self.loss_weights: dict[int, float] = {}  # micro-batch in flight -> its loss weight, where not 1.0
         self.inbox: dict[tuple[str, int], Any] = {}  # (RECV kind, micro-batch) -> payload
         self.held: dict[int, _Held] = {}
         self.input_grads: dict[int, list[torch.Tensor]] = {}
@@ -177,9 +196,11 @@ class StageRuntime:
         }
 
     # -- execution ------------------------------------------------------------------------------------------------
-    def add_microbatch(self, microbatch: int, data: Any, *step_args: Any) -> None:
-        """Give the runtime micro-batch ``microbatch``'s data and the step's other arguments (``batch_idx``, ...)."""
-        self.data[microbatch] = (data, step_args)
+    def add_microbatch(self, microbatch: int, data: Any, *step_args: Any, weight: float = 1.0) -> None:
+        """Give the runtime micro-batch ``microbatch``'s data and the step's other arguments (``batch_idx``, ...);
+        ``weight`` multiplies its loss (its share of the batch's samples); 0 marks a padding micro-batch of a short
+        last batch, which runs without gradient or side effects and is dropped like a skipped one."""
+        self.data[microbatch] = (data, step_args, weight)
 
     def run(self, actions: Iterable[Action]) -> None:
         for action in actions:
@@ -209,12 +230,15 @@ class StageRuntime:
 
     # -- compute ----------------------------------------------------------------------------------------------
     def _forward(self, mb: int) -> None:
-        data, step_args = self.data.pop(mb)
+        data, step_args, weight = self.data.pop(mb)
         received = self.inbox.pop((RECV_F, mb), None)
         leaves = [t for t in flatten(received)[1] if t.requires_grad] if received is not None else []
         records = self.records
         key = mb + self.microbatch_base
-        with microbatch_rng(self.seed, self.stage, key):  # see [Note: randomness per micro-batch]
+        padding = weight == 0.0
+        if weight != 1.0 and not padding:
+            self.loss_weights[mb] = weight
+        with microbatch_rng(self.seed, self.stage, key), (_padding(self.program.module) if padding else _NO_CONTEXT):
             if records.activations:
                 meter = ActivationMeter(self.program.module.parameters())
                 with meter:
@@ -229,6 +253,11 @@ class StageRuntime:
         self.forward_version[mb] = self.version
         if self.tied and self.stage == self.num_stages - 1:
             records.tied_lags[key] = self.version - self.tied_version
+        if output.loss is not None and padding:  # no gradient, no logs: dropped on every stage
+            self._skipping.add(key)
+            self.logs[key] = []
+            self.held[mb] = _Held(leaves, ForwardOutput(skipped=True))
+            return
         if output.loss is not None:
             loss = float(output.loss.detach())
             if not math.isfinite(loss):
@@ -253,6 +282,8 @@ class StageRuntime:
             pass  # a dropped micro-batch: its input gradients below are zeros
         elif held.output.loss is not None:
             loss = held.output.loss * self.loss_scale
+            if mb in self.loss_weights:
+                loss = loss * self.loss_weights.pop(mb)
             if self.hooks is not None:
                 self.hooks.before_backward(loss)
             loss.backward()
@@ -260,11 +291,11 @@ class StageRuntime:
             payload = self.inbox.pop((RECV_B, mb))
             grads = payload["grads"]
             outputs = [t for t in flatten(held.output.outgoing)[1] if t.requires_grad]
-            if len(outputs) != len(grads):
-                raise AssertionError(f"stage {self.stage}: {len(outputs)} outputs need grads, received {len(grads)}")
-            if payload.get("skip"):  # dropped downstream (non-finite loss): no backward, zero input gradients
+            if payload.get("skip"):  # dropped downstream (non-finite loss, padding): no backward, zero input grads
                 self._skipping.add(key)
                 held = _Held(held.leaves, ForwardOutput(skipped=True))
+            elif len(outputs) != len(grads):
+                raise AssertionError(f"stage {self.stage}: {len(outputs)} outputs need grads, received {len(grads)}")
             elif outputs:
                 torch.autograd.backward(outputs, grads)
             self.logs[key] = payload["logs"]

@@ -302,3 +302,49 @@ def test_gpt2_without_dropout_under_1f1b_equals_single_device_accumulation_on_ma
         optimizer.step()
         optimizer.zero_grad()
     _assert_same_weights(model, expected)
+
+
+def _odd_loader() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(regression_loader(num_batches=1, batch_size=17).dataset, batch_size=7)
+
+
+def test_a_short_last_batch_and_uneven_microbatches_train_as_on_one_device(tmp_path):
+    # 17 samples in batches of 7, 7, 3 and 4 micro-batches: parts of 2, 2, 2, 1 samples, then a last batch with
+    # fewer samples than micro-batches (before: an error at the epoch's end)
+    torch.manual_seed(43)
+    model = SequentialMLP()
+    expected = copy.deepcopy(model)
+    single = tmp_path / "single.json"
+    _one_device(2).fit(expected, _odd_loader())
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[_KeepMetrics(single)])
+    trainer.fit(copy.deepcopy(model), _odd_loader())
+    piped = tmp_path / "piped.json"
+    fit(model, _odd_loader(), devices=2, max_steps=-1, schedule="1f1b", microbatches=4, partition="parameters",
+        trainer_kwargs={"max_epochs": 2}, callbacks=[_KeepMetrics(piped), _KeepEpochOne(piped)])
+    _assert_same_weights(model, expected)
+    # the last batch's logged loss is the mean over its 3 samples, as on one device
+    first_epoch = json.loads((tmp_path / "piped.json.epoch0").read_text())
+    assert first_epoch["train_loss"] == pytest.approx(json.loads(single.read_text())["train_loss"], rel=1e-5)
+
+
+class _KeepEpochOne(L.Callback):
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero and trainer.current_epoch == 0:
+            with open(f"{self.path}.epoch0", "w") as fh:
+                json.dump({k: float(v) for k, v in trainer.callback_metrics.items()}, fh)
+
+
+def test_a_short_last_batch_under_paci_equals_the_reference_executor():
+    torch.manual_seed(44)
+    model = SequentialMLP()
+    initial = copy.deepcopy(model)
+    fit(model, _odd_loader(), devices=2, max_steps=-1, schedule="paci", microbatches=4, accumulation=2,
+        partition="parameters", trainer_kwargs={"max_epochs": 1})
+    reference = ReferencePipeline(initial, plan_partition(initial, 2, partition="parameters"))
+    reference.run(build("paci", 2, 4, 2, 3), list(_odd_loader()))
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
