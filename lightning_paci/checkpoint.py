@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -149,8 +149,9 @@ class Resumed(NamedTuple):
     gradients: list[tuple[nn.Parameter, torch.Tensor]]  # the open window's gradients, to install at train start
 
 
-def cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+def cpu_state(module: nn.Module, exclude: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """The module's state on the CPU, without ``exclude`` (a stage's foreign buffers: another stage's copy counts)."""
+    return {k: v.detach().cpu() for k, v in module.state_dict().items() if k not in exclude}
 
 
 def gather_to_first(local: dict[str, Any]) -> dict[str, Any] | None:
@@ -190,9 +191,10 @@ class PipelineCheckpoints:
             )
         return atomic_save
 
-    def weights(self, module: nn.Module) -> dict[str, Any]:
-        """The checkpoint's ``state_dict``: the whole model on rank 0 (consolidated), the stage's own (sharded)."""
-        local = cpu_state(module)
+    def weights(self, module: nn.Module, exclude: Collection[str] = ()) -> dict[str, Any]:
+        """The checkpoint's ``state_dict``: the whole model on rank 0 (consolidated), the stage's own (sharded);
+        ``exclude``: this stage's foreign buffers."""
+        local = cpu_state(module, exclude)
         if self.layout == "sharded":
             return local
         return gather_to_first(local) or {}

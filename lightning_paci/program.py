@@ -18,6 +18,7 @@ from lightning.pytorch import LightningModule
 from lightning_paci.logs import LogRecord, recording_logs
 from lightning_paci.microbatch import microbatch_size
 from lightning_paci.partition import StageCarve, StageDone
+from lightning_paci.partition.crossing import CrossingCheck
 from lightning_paci.runtime import ForwardOutput
 
 __all__ = ["LightningHooks", "LightningStageProgram", "extract_loss"]
@@ -49,6 +50,10 @@ class LightningStageProgram:
         self.carve = carve
         self.step_name = step_name
         self.context = context
+        # the first training forward of a stage > 0 is watched for values crossing from placeholders (crossing.py)
+        self._check: CrossingCheck | None = None
+        if step_name == "training_step" and not carve.is_first:
+            self._check = CrossingCheck(module, carve, module.get_submodule(carve.plan.container))
 
     def forward(self, data: Any, *step_args: Any, received: Any | None) -> ForwardOutput:
         """Run the step on one micro-batch. ``step_args`` follow the batch (``batch_idx``, ``dataloader_idx``)."""
@@ -57,8 +62,10 @@ class LightningStageProgram:
         boundary.outgoing = None
         records: list[LogRecord] = []
         step = getattr(self.module, self.step_name)
+        check, self._check = self._check, None
         try:
-            with recording_logs(self.module, records, microbatch_size(data), self.step_name), self.context():
+            with recording_logs(self.module, records, microbatch_size(data), self.step_name), self.context(), (
+                    check.watch() if check is not None else contextlib.nullcontext()):
                 output = step(data, *step_args)
         except StageDone:
             if boundary.outgoing is None:
@@ -67,6 +74,8 @@ class LightningStageProgram:
             return ForwardOutput(outgoing=outgoing)
         finally:
             boundary.incoming = None
+            if check is not None:
+                self.carve.foreign_buffers |= check.foreign_buffers
         if not self.carve.is_last:
             raise RuntimeError(
                 f"Stage {self.carve.stage}: `{self.step_name}` returned before reaching block "

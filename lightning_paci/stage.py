@@ -159,7 +159,7 @@ class PipelineStage:
         if gather:
             try:
                 gathered: list[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(gathered, cpu_state(self.module))
+                dist.all_gather_object(gathered, cpu_state(self.module, self.carve.foreign_buffers))
                 full = {k: v for part in gathered for k, v in part.items()}
             except (RuntimeError, ConnectionError) as err:
                 log.warning(f"lightning_paci: could not gather the full weights at teardown: {err}")

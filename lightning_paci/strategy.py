@@ -254,7 +254,8 @@ class PACIStrategy(PipelineProcesses):
         assert self.lightning_module is not None
         if not api.distributed_is_initialized():
             return cpu_state(self.lightning_module)
-        return self._checkpoints.weights(self.lightning_module)
+        foreign = self._stage.carve.foreign_buffers if self._stage is not None else set()
+        return self._checkpoints.weights(self.lightning_module, foreign)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:

@@ -348,3 +348,52 @@ def test_a_short_last_batch_under_paci_equals_the_reference_executor():
     reference.run(build("paci", 2, 4, 2, 3), list(_odd_loader()))
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+
+
+class _LongSkip(SequentialMLP):
+    """`head(blocks(h) + h)`: the embedding's output is used after the block container."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.net  # registered in forward order: embedding, blocks, head
+        self.embed = nn.Linear(8, 16)
+        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        return self.head(self.net(h) + h)
+
+
+def test_a_long_skip_across_the_container_is_refused_naming_the_module():
+    with pytest.raises(ProcessRaisedException, match=r"Stage 1 would compute with zeros.*computed by `embed`, which "
+                                                     r"stage 0 runs.*long skip"):
+        fit(_LongSkip(), regression_loader(), devices=2, max_steps=1, partition="parameters")
+
+
+class _NormAfterEmbedding(SequentialMLP):
+    """A parameter-free BatchNorm (buffers only) between the embedding and the blocks: runs on every stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.net  # registered in forward order: embedding, norm, blocks
+        self.embed = nn.Linear(8, 16)
+        self.norm = nn.BatchNorm1d(16, affine=False)
+        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)], nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.net(self.norm(self.embed(x)))
+
+
+def test_buffers_outside_the_container_keep_the_owning_stages_copy():
+    torch.manual_seed(45)
+    model = _NormAfterEmbedding()
+    initial = copy.deepcopy(model)
+    loader = regression_loader(num_batches=3)
+    fit(model, loader, devices=2, max_steps=3, schedule="1f1b", microbatches=2, partition="parameters")
+    reference = ReferencePipeline(initial, plan_partition(initial, 2, partition="parameters"))
+    reference.run(build("1f1b", 2, 2, 2, 3), list(loader))
+    expected = reference.state_dict()
+    assert expected["norm.running_var"].ne(1).all()  # stage 0's statistics, not zeros' (before: the last stage's)
+    for key, value in expected.items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")

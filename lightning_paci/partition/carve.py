@@ -113,6 +113,9 @@ class StageCarve:
     removed: dict[str, nn.Module]
     handles: list[Any]
     tied_params: list[nn.Parameter] = field(default_factory=list)  # stage 0: the owned weights; last: replicas
+    # buffers outside the container that ran on placeholder zeros here (partition/crossing.py): another stage's copy
+    # is the real one, so this stage leaves them out of gathered states
+    foreign_buffers: set[str] = field(default_factory=set)
 
     @property
     def is_first(self) -> bool:
