@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from torch.multiprocessing import ProcessRaisedException
 
 from helpers import RecordLosses, fit
 from models import HFCausalLM, hf_reference_accumulation, token_loader
@@ -50,7 +49,8 @@ def test_hf_model_trains_under_paci_with_decreasing_loss(tmp_path, kind, tied, d
 
 def test_variable_sequence_lengths_and_a_ragged_last_batch_over_two_epochs():
     # every batch has its own sequence length; 22 samples in batches of 8 -> the last batch has 6 (micro-batches
-    # of 2, 2, 1, 1); two epochs; under "1f1b" the run equals single-device accumulation on the same micro-batches
+    # of 2, 2, 1, 1, their losses weighted by their share of the samples); two epochs; under "1f1b" the run equals
+    # one device training on the whole batches
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.manual_seed(12)
@@ -66,22 +66,18 @@ def test_variable_sequence_lengths_and_a_ragged_last_batch_over_two_epochs():
     loader = DataLoader(TensorDataset(ids), batch_size=8, shuffle=False, collate_fn=collate)
     batches = list(loader)
     assert {b[0].shape[1] for b in batches} == {6, 9, 12} and batches[-1][0].shape[0] == 6
-    model = HFCausalLM("gpt2", layers=4)
+    class SGDCausalLM(HFCausalLM):  # SGD: a weighting error shows at its scale (AdamW would normalise it away)
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    model = SGDCausalLM("gpt2", layers=4)
     reference = copy.deepcopy(model)
     lengths.clear()  # the collate_fn counts batches: start the pipeline run where the reference run starts
     # partition="parameters": the default would draw one timing sample through this stateful collate_fn
     fit(model, loader, devices=2, max_steps=-1, trainer_kwargs={"max_epochs": 2}, schedule="1f1b", microbatches=4,
         partition="parameters")
-    hf_reference_accumulation(reference, batches + batches, num_microbatches=4)
-    _close(model, reference, rtol=1e-4)
-
-
-def test_batch_smaller_than_the_microbatch_count_fails_clearly():
-    from torch.utils.data import DataLoader, TensorDataset
-
-    loader = DataLoader(TensorDataset(torch.randint(0, 64, (11, 8))), batch_size=8)  # last batch: 3 samples
-    with pytest.raises(ProcessRaisedException, match=r"cannot be split into `microbatches=4`"):
-        fit(HFCausalLM("gpt2"), loader, devices=2, max_steps=-1, trainer_kwargs={"max_epochs": 1}, microbatches=4)
+    hf_reference_accumulation(reference, batches + batches, num_microbatches=1)
+    _close(model, reference, rtol=1e-5, atol=1e-6)
 
 
 def test_predict_gives_single_device_predictions_on_rank_zero_in_order(tmp_path):
