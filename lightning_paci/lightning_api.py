@@ -73,7 +73,7 @@ all_gather_if_available: Callable[..., Any] = _require(
     "lightning.fabric.utilities.distributed", "_all_gather_ddp_if_available")
 MultiProcessingLauncher: type = _require("lightning.pytorch.strategies.launchers", "_MultiProcessingLauncher")
 SubprocessScriptLauncher: type = _require("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher")
-for _method in ("get_extra_results", "update_main_process_results"):
+for _method in ("get_extra_results", "update_main_process_results", "_wrapping_function"):
     if not callable(getattr(MultiProcessingLauncher, _method, None)):
         raise _missing(f"lightning.pytorch.strategies.launchers._MultiProcessingLauncher.{_method}", "does not have")
 _init_optimizers: Callable[..., Any] = _require(
@@ -88,14 +88,26 @@ def configured_optimizers(module: Any) -> list[Any]:
 
 
 def multiprocessing_launcher(strategy: Any, start_method: str, *, send: Callable[[Any], Any],
-                             receive: Callable[[Any, Any], None]) -> Any:
+                             receive: Callable[[Any, Any], None],
+                             on_exception: Callable[[BaseException], None]) -> Any:
     """Lightning's fork/spawn launcher, also handing ``send(trainer)`` (called on rank 0 after the run) to
     ``receive(trainer, sent)`` in the main process, which never ran a stage or a loop: what ``save_checkpoint``
-    after ``fit`` needs there (the gathered optimizer state, the loops' progress, the callbacks' states)."""
+    after ``fit`` needs there (the gathered optimizer state, the loops' progress, the callbacks' states).
+
+    A worker's exception also reaches ``on_exception`` before it unwinds: Lightning calls ``Strategy.on_exception``
+    only around the launch in the main process, so without it a failing forked stage was noticed by the others only
+    when its heartbeat stopped (20 s), and named as "stopped responding" instead of by its error."""
 
     class PipelineLauncher(MultiProcessingLauncher):  # type: ignore[misc, valid-type]
         # through a file, as Lightning sends the weights: the main process reads the result queue only after the
         # workers exit, so a message larger than the pipe's buffer would block rank 0 forever
+        def _wrapping_function(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super()._wrapping_function(*args, **kwargs)
+            except BaseException as err:
+                on_exception(err)
+                raise
+
         def get_extra_results(self, trainer: Any) -> dict[str, Any]:
             extra = super().get_extra_results(trainer)
             path = os.path.join(tempfile.mkdtemp(), "lightning_paci_after_fit.pt")

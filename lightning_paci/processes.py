@@ -98,8 +98,9 @@ class PipelineProcesses(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self.config.start_method != "popen":
-            self._launcher = api.multiprocessing_launcher(self, self.config.start_method, send=self._send_after_fit,
-                                                          receive=self._receive_after_fit)
+            self._launcher = api.multiprocessing_launcher(
+                self, self.config.start_method, send=self._send_after_fit, receive=self._receive_after_fit,
+                on_exception=self.on_exception)
         elif not self.cluster_environment.creates_processes_externally:
             self._launcher = api.SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
