@@ -170,14 +170,18 @@ class PipelineCheckpoints:
 
     Args:
         layout: ``"consolidated"`` (one file, gathered on rank 0) or ``"sharded"`` (a directory, no gather).
-        stage, num_stages: this process's stage and the pipeline's length (stage 0 is global rank 0).
+        stage, num_stages: this process's stage and the pipeline's length.
         checkpoint_io: the Trainer's ``CheckpointIO``. The default ``TorchCheckpointIO`` is replaced by an atomic
             write (temporary file, fsync, rename); any other is used as given, with the ``storage_options``.
+        rank: this process's global rank; rank 0 (where states are gathered) writes the file, or the directory's
+            ``meta.pt``.
     """
 
-    def __init__(self, layout: str, stage: int, num_stages: int, checkpoint_io: CheckpointIO) -> None:
+    def __init__(self, layout: str, stage: int, num_stages: int, checkpoint_io: CheckpointIO, *,
+                 rank: int = 0) -> None:
         self.layout, self.stage, self.num_stages = layout, stage, num_stages
         self.checkpoint_io = checkpoint_io
+        self.writes = rank == 0
 
     def _writer(self, storage_options: Any | None) -> Callable[[dict[str, Any], Path], None]:
         io = self.checkpoint_io
@@ -212,14 +216,14 @@ class PipelineCheckpoints:
     def save(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
         write = self._writer(storage_options)
         if self.layout == "consolidated":
-            if self.stage == 0:
+            if self.writes:
                 write(checkpoint, Path(filepath))
             return
-        # sharded: every stage writes its own file; stage 0 adds everything else
+        # sharded: every stage writes its own file; rank 0 adds everything else
         states = checkpoint.get("optimizer_states") or [{}]
         shard = {"state_dict": checkpoint["state_dict"], "optimizer": states[0].get("paci", {})}
         write(shard, Path(filepath) / shard_file(self.stage))
-        if self.stage == 0:
+        if self.writes:
             meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             meta["paci_num_stages"] = self.num_stages
             write(meta, Path(filepath) / META_FILE)
@@ -243,7 +247,7 @@ class PipelineCheckpoints:
         return Resumed(int(saved["num_stages"]), int(saved["backwards"]), int(saved["steps"]), gradients)
 
     def remove(self, filepath: str | Path) -> None:
-        if self.stage == 0:
+        if self.writes:
             path = Path(filepath)
             if path.is_dir():
                 shutil.rmtree(path)

@@ -5,7 +5,7 @@ every stage runs the list ``[RECV_F i] F i [SEND_F i]`` for each micro-batch, so
 ``i`` while stage ``s+1`` works on ``i-1``. Running it through :class:`~lightning_paci.runtime.StageRuntime` means a
 lost neighbour fails with the same named error as in training (``stage 1: receiving from stage 0 failed at
 1RECV_F2 (...)``). The last stage's ``self.log`` records reach every rank with one broadcast per batch;
-predictions travel to global rank 0 in one message.
+predictions stay on the last stage, which is global rank 0 (see `PipelineProcesses.stage_index`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from lightning_paci.partition import StageCarve
 from lightning_paci.program import LightningStageProgram
 from lightning_paci.runtime import StageRuntime
 from lightning_paci.schedules import RECV_F, SEND_F, Action, F
-from lightning_paci.supervision import StageFailure
 
 __all__ = ["PipelineEvaluator", "forward_only_actions"]
 
@@ -69,7 +68,7 @@ class PipelineEvaluator:
 
     def step(self, step_name: str, batch: Any, rest: tuple[Any, ...]) -> Any:
         """Run ``step_name`` on ``batch`` (``rest``: batch_idx, dataloader_idx); the merged output on the last stage
-        (predictions on stage 0), None elsewhere."""
+        (global rank 0), None elsewhere."""
         carve = self.carve
         num_stages = carve.plan.num_stages
         parts = split_microbatches(batch, max(1, min(self.num_microbatches, microbatch_size(batch))))
@@ -86,24 +85,8 @@ class PipelineEvaluator:
         results = [out.result for out in outputs]
         records: list[LogRecord] = [record for out in outputs for record in out.logs]
         output = merge_microbatch_outputs(results) if carve.is_last else None
-        if step_name == "predict_step":
-            return self._predictions_to_first(output)
+        if step_name == "predict_step":  # the last stage is global rank 0, where Lightning collects predictions
+            return output
         self.comm.flush()
         replay_logs(self.module, self.broadcast(records, num_stages - 1))
         return output
-
-    def _predictions_to_first(self, output: Any) -> Any:
-        """Predictions are returned on global rank 0 (stage 0), in order: one message from the last stage."""
-        carve, last = self.carve, self.carve.plan.num_stages - 1
-        try:
-            if carve.is_last and not carve.is_first:
-                self.comm.send(output, 0)
-            elif carve.is_first and not carve.is_last:
-                output = self.comm.recv(last)
-            self.comm.flush()
-        except (RuntimeError, ConnectionError) as err:
-            if isinstance(err, StageFailure):
-                raise
-            peer = f"receiving predictions from stage {last}" if carve.is_first else "sending predictions to stage 0"
-            raise StageFailure(f"stage {carve.stage}: {peer} failed: {err}") from err
-        return output if carve.is_first else None

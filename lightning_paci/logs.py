@@ -3,8 +3,13 @@
 The user's step runs to its ``self.log`` calls on the last stage only. Each call becomes a :class:`LogRecord`
 that travels upstream with the micro-batch's gradients (no collective per batch, see [Note: no flush per Lightning
 batch] in strategy.py). Once all micro-batches of a mini-batch have reached a rank, :class:`LogRelay` replays the
-records there through the real ``LightningModule.log``, so rank 0's progress bar, loggers and
-``trainer.callback_metrics`` see them.
+records there through the real ``LightningModule.log``, so every rank's ``trainer.callback_metrics`` see them.
+
+[Note: the logging rank]
+Lightning's loggers and progress bar live on global rank 0, which runs the *last* stage (``stage_index`` in
+processes.py): mini-batch k's records are complete there in its own call k, so the value logged at step k is
+mini-batch k's, under every schedule. The stages before it receive the records with the gradients, some calls
+later (their ``callback_metrics`` lag by that much; nothing is logged from them).
 """
 
 from __future__ import annotations
@@ -110,17 +115,20 @@ class LogRelay:
 
     def __init__(self, num_microbatches: int) -> None:
         self.num_microbatches = num_microbatches
-        self.last_loss = float("nan")  # the mean loss of the last mini-batch replayed here
+        # the mean loss of the last mini-batch replayed here, and that mini-batch's index in the run (-1: none yet)
+        self.last_loss, self.last_minibatch = 0.0, -1
 
     def emit(self, module: LightningModule, pending: dict[int, list[LogRecord]]) -> None:
         m = self.num_microbatches
         complete = sorted(k for k in {mb // m for mb in pending} if all(k * m + i in pending for i in range(m)))
         if not complete:
             return
-        records: list[LogRecord] = []
+        # one replay per mini-batch: where several complete at once (a drain on a stage before the last), epoch
+        # aggregates get every one of them and the step value is the newest, never a merge of several
         for k in complete:
+            records: list[LogRecord] = []
             for i in range(m):
                 records.extend(pending.pop(k * m + i))
-        loss = replay_logs(module, records)
-        if loss is not None:
-            self.last_loss = loss
+            loss = replay_logs(module, records)
+            if loss is not None:
+                self.last_loss, self.last_minibatch = loss, k

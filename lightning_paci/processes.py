@@ -73,7 +73,15 @@ class PipelineProcesses(ParallelStrategy):
 
     @property
     def stage_index(self) -> int:
-        return self.global_rank
+        """Stages run in reverse rank order: global rank 0 -- where Lightning's loggers, progress bar and
+        ``is_global_zero`` callbacks live -- holds the *last* stage, which computes mini-batch k's loss and logs in
+        its own call k. With stage 0 on rank 0, those values reached rank 0 only with the gradients, calls later,
+        and a drain merged several mini-batches into one logged point (see [Note: the logging rank])."""
+        return self.num_stages - 1 - self.global_rank
+
+    def rank_of(self, stage: int) -> int:
+        """The global rank that runs ``stage``."""
+        return self.num_stages - 1 - stage
 
     @property
     def is_distributed(self) -> bool:

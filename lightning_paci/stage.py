@@ -96,10 +96,11 @@ class PipelineStage:
                                    max_stream_batches=self.config.max_stream_batches,
                                    on_drain=lambda: self.fingerprint.check(self._broadcast))
 
-    def train(self, batch: Any, batch_idx: int, *, label: str, drain: bool, accumulation: int) -> float:
+    def train(self, batch: Any, batch_idx: int, *, label: str, drain: bool, accumulation: int) -> tuple[float, int]:
         """Feed one Lightning batch (``accumulation``: the current window, used when the batch opens a stream);
-        replay the logs of every mini-batch complete here; return the last mean loss replayed on this rank (NaN
-        before the first one arrives)."""
+        replay the logs of every mini-batch complete here; return the mean loss of the last mini-batch replayed on
+        this rank and its index in the run: on the last stage (global rank 0) the batch just fed; on the stages
+        before it one that came back with the gradients, ``(0.0, -1)`` before the first."""
         runtime, driver = self.runtime, self.driver
         if runtime is None or driver is None:
             raise RuntimeError("PipelineStage.train before start_training")
@@ -107,7 +108,7 @@ class PipelineStage:
         self.fingerprint.update(batch, batch_idx)
         driver.feed(batch, batch_idx, drain=drain, accumulation=accumulation)
         self.relay.emit(self.module, runtime.logs)
-        return self.relay.last_loss
+        return self.relay.last_loss, self.relay.last_minibatch
 
     def drain(self) -> None:
         if self.driver is not None:

@@ -168,8 +168,10 @@ class PACIStrategy(PipelineProcesses):
             layout = OptimizerLayout.of(module) if trainer.state.fn == TrainerFn.FITTING else None
             self._stage = PipelineStage(
                 module, plan, carve_stage(module, plan, self.stage_index), config=self.config, layout=layout,
-                num_microbatches=self.num_microbatches, broadcast=self.broadcast,
-                comm=lambda: DistComm(list(range(self.world_size)), groups=self._p2p_groups, device=self.root_device),
+                num_microbatches=self.num_microbatches,
+                broadcast=lambda obj, stage: self.broadcast(obj, src=self.rank_of(stage)),
+                comm=lambda: DistComm([self.rank_of(s) for s in range(self.num_stages)], groups=self._p2p_groups,
+                                      device=self.root_device),
                 eval_context=self.precision_plugin.val_step_context)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -187,14 +189,16 @@ class PACIStrategy(PipelineProcesses):
         return seed_workers_alike(dataloader)
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+    def training_step(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         batch = kwargs.get("batch", args[0] if args else None)
         batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
         trainer, stage = self._trainer, self._stage
         assert trainer is not None and stage is not None
-        loss = stage.train(batch, batch_idx, label=f"Lightning batch {batch_idx} (global step {trainer.global_step})",
-                           drain=must_drain(trainer, batch_idx), accumulation=self.accumulation)
-        return torch.tensor(loss, device=self.root_device)
+        loss, minibatch = stage.train(batch, batch_idx,
+                                      label=f"Lightning batch {batch_idx} (global step {trainer.global_step})",
+                                      drain=must_drain(trainer, batch_idx), accumulation=self.accumulation)
+        # what `on_train_batch_end(outputs)` gets: the loss of mini-batch `paci_minibatch` (see PipelineStage.train)
+        return {"loss": torch.tensor(loss, device=self.root_device), "paci_minibatch": minibatch}
 
     def _drain(self) -> None:
         if self._stage is not None:
@@ -246,7 +250,7 @@ class PACIStrategy(PipelineProcesses):
     @property
     def _checkpoints(self) -> PipelineCheckpoints:
         return PipelineCheckpoints(self.config.checkpoint_layout, self.stage_index, self.num_stages,
-                                   self.checkpoint_io)
+                                   self.checkpoint_io, rank=self.global_rank)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

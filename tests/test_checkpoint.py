@@ -185,7 +185,7 @@ class _SaveAndRecordGathers(L.Callback):
         own = sorted(k for k in pl_module.state_dict())
         record = {"weights": sorted(weights), "optimizer": sorted(optimizer.get("paci", {}).get("params", {})),
                   "received": received, "own": own}
-        (self.directory / f"gathers{trainer.strategy.stage_index}.json").write_text(json.dumps(record))
+        (self.directory / f"gathers{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 def test_consolidated_save_gathers_to_rank_zero_only(tmp_path):
@@ -199,12 +199,12 @@ def test_consolidated_save_gathers_to_rank_zero_only(tmp_path):
         devices=4, max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, use_distributed_sampler=False, callbacks=[_SaveAndRecordGathers(tmp_path)])
     trainer.fit(model, regression_loader(num_batches=4))
-    records = [json.loads((tmp_path / f"gathers{s}.json").read_text()) for s in range(4)]
+    records = [json.loads((tmp_path / f"gathers{rank}.json").read_text()) for rank in range(4)]
     assert records[0]["weights"] == full_keys  # rank 0 holds the whole model ...
     assert len(records[0]["optimizer"]) == len([k for k in full_keys if "weight" in k or "bias" in k])
-    for stage, record in enumerate(records[1:], start=1):  # ... every other rank only ever held its own stage
+    for rank, record in enumerate(records[1:], start=1):  # ... every other rank only ever held its own stage
         assert record["weights"] == [] and record["optimizer"] == []
-        assert set(record["received"]) == {"gather_object:none"}, f"stage {stage}: {record['received']}"
+        assert set(record["received"]) == {"gather_object:none"}, f"rank {rank}: {record['received']}"
         assert record["own"] and set(record["own"]) < set(full_keys)
     assert set(records[0]["received"]) == {"gather_object:list"}
     saved = torch.load(tmp_path / "gathered.ckpt", weights_only=False)

@@ -397,3 +397,43 @@ def test_buffers_outside_the_container_keep_the_owning_stages_copy():
     assert expected["norm.running_var"].ne(1).all()  # stage 0's statistics, not zeros' (before: the last stage's)
     for key, value in expected.items():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+
+
+class _StepRecords(L.Callback):
+    """Every rank writes, per Lightning batch: the logged train_loss (rank 0's logger sees callback_metrics) and
+    what training_step handed to on_train_batch_end."""
+
+    def __init__(self, directory) -> None:
+        self.directory, self.rows = directory, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        logged = trainer.callback_metrics.get("train_loss")
+        self.rows.append({"batch": batch_idx, "logged": None if logged is None else float(logged),
+                          "loss": float(outputs["loss"]), "minibatch": outputs["paci_minibatch"]})
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        (self.directory / f"steps{trainer.global_rank}.json").write_text(json.dumps(self.rows))
+
+
+def test_the_value_logged_at_step_k_is_minibatch_ks_under_paci(tmp_path):
+    torch.manual_seed(46)
+    model = SequentialMLP(depth=8)
+    initial = copy.deepcopy(model)
+    loader = regression_loader(num_batches=6)
+    fit(model, loader, devices=4, max_steps=6, schedule="paci", microbatches=2, partition="parameters",
+        callbacks=[_StepRecords(tmp_path)])
+    reference = ReferencePipeline(initial, plan_partition(initial, 4, partition="parameters"))
+    reference.run(build("paci", 4, 2, 2, 6), list(loader))
+    losses = reference.runtimes[-1].records.losses
+    expected = [(losses[2 * k] + losses[2 * k + 1]) / 2 for k in range(6)]
+    zero = json.loads((tmp_path / "steps0.json").read_text())
+    # rank 0 (the last stage) logs and returns mini-batch k's loss at batch k, also at the draining last batch
+    # (before: mini-batch k arrived calls later with the gradients, and the drain merged batches 1-5 into one point)
+    assert [row["minibatch"] for row in zero] == list(range(6))
+    assert [row["logged"] for row in zero] == pytest.approx(expected, rel=1e-6)
+    assert [row["loss"] for row in zero] == pytest.approx(expected, rel=1e-6)
+    for rank in range(1, 4):  # earlier stages: a mini-batch that came back with the gradients, never NaN
+        rows = json.loads((tmp_path / f"steps{rank}.json").read_text())
+        assert all(row["minibatch"] <= row["batch"] for row in rows) and rows[-1]["minibatch"] == 5
+        assert all(row["loss"] == (0.0 if row["minibatch"] < 0 else pytest.approx(expected[row["minibatch"]],
+                                                                                   rel=1e-6)) for row in rows)
