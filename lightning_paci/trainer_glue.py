@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import random
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,6 +47,16 @@ def check_trainer(trainer: Trainer, module: LightningModule, num_stages: int) ->
             f"`Trainer(precision={precision!r})` is not supported by `PACIStrategy`: float16 training needs loss "
             f"scaling, and a GradScaler per stage would scale each stage differently. Use one of "
             f"{', '.join(SUPPORTED_PRECISION)} (bf16-mixed is the recommended low-precision setting)."
+        )
+    if trainer.state.fn == TrainerFn.FITTING and type(module).optimizer_step is not LightningModule.optimizer_step:
+        warnings.warn(
+            f"`{type(module).__name__}.optimizer_step` is overridden. Under `PACIStrategy` it still runs once per "
+            f"Lightning batch and must call `optimizer.step(closure=optimizer_closure)` every time (the closure feeds "
+            f"the batch into the pipeline), but it does not step the weights: each stage steps its own optimizer "
+            f"every `accumulation` local backwards inside the schedule, so code there (learning-rate warm-up, "
+            f"skipping steps) does not act on the real updates. Move per-update logic to `on_before_optimizer_step` "
+            f"(runs on every stage at each local update) or a step-interval LR scheduler (stepped per local update).",
+            stacklevel=2,
         )
     if num_stages < 2:
         raise ValueError(f"`PACIStrategy` needs at least 2 devices (stages), got {num_stages}. Pass "

@@ -18,7 +18,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 def test_train_gpt_example_runs_and_writes_drift_and_bubble_tags(tmp_path):
     out = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_gpt.py"), "--devices", "2", "--max-steps", "8", "--layers", "2",
-         "--batch-size", "8", "--corpus-bytes", "200000", "--root", str(tmp_path)],
+         "--batch-size", "8", "--corpus-bytes", "40000", "--root", str(tmp_path)],
         capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     assert out.returncode == 0, out.stderr[-3000:]

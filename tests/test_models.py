@@ -35,7 +35,7 @@ def test_hf_model_under_1f1b_equals_single_device_accumulation(kind, devices):
 
 
 @pytest.mark.parametrize("kind,tied", [("gpt2", False), ("gpt2", True), ("llama", False)])
-@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("devices", [4])  # 2 stages: covered by the equality tests above and below
 def test_hf_model_trains_under_paci_with_decreasing_loss(tmp_path, kind, tied, devices):
     torch.manual_seed(11)
     model = HFCausalLM(kind, layers=4, lr=1e-2, tied=tied)

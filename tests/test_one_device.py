@@ -437,3 +437,34 @@ def test_the_value_logged_at_step_k_is_minibatch_ks_under_paci(tmp_path):
         assert all(row["minibatch"] <= row["batch"] for row in rows) and rows[-1]["minibatch"] == 5
         assert all(row["loss"] == (0.0 if row["minibatch"] < 0 else pytest.approx(expected[row["minibatch"]],
                                                                                    rel=1e-6)) for row in rows)
+
+
+class _WarmUp(SequentialMLP):
+    """An ordinary linear warm-up written in `optimizer_step`, as Lightning's docs show."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr * min(1.0, (self.trainer.global_step + 1) / 10)
+        optimizer.step(closure=optimizer_closure)
+
+
+class _RecordSetupWarnings(L.Callback):
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def setup(self, trainer, pl_module, stage) -> None:  # before the strategy's setup
+        self._catcher = warnings.catch_warnings(record=True)
+        self.seen = self._catcher.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._catcher.__exit__(None, None, None)
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps([str(w.message) for w in self.seen]))
+
+
+def test_an_overridden_optimizer_step_is_named_at_setup(tmp_path):
+    fit(_WarmUp(), regression_loader(num_batches=2), devices=2, max_steps=1, partition="parameters",
+        callbacks=[_RecordSetupWarnings(tmp_path / "warnings.json")])
+    seen = json.loads((tmp_path / "warnings.json").read_text())
+    assert any("`_WarmUp.optimizer_step` is overridden" in w and "on_before_optimizer_step" in w for w in seen)
