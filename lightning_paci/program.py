@@ -9,7 +9,7 @@ instead of logged: the strategy replays them on every rank once the records have
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -90,24 +90,49 @@ class LightningStageProgram:
 class LightningHooks:
     """Lightning's backward and optimizer hooks, run by each stage at its own local backward and update, with that
     stage's gradients: callbacks first, then the module, as Lightning orders them. ``before_step`` ends with
-    ``configure_gradient_clipping`` (by default: ``Trainer(gradient_clip_val=...)`` on the stage's own gradients)."""
+    ``configure_gradient_clipping`` (by default: ``Trainer(gradient_clip_val=...)`` on the stage's own gradients).
 
-    def __init__(self, module: LightningModule, trainer: Any) -> None:
-        self.module, self.trainer = module, trainer
+    What the hooks ``self.log`` is recorded with the name tagged ``<name>/stage_<s>`` (each stage's value is its
+    own: its gradients, its parameters) and kept in ``logs``; the runtime carries the records downstream with the
+    activations, and the last stage -- global rank 0, where Lightning logs -- replays them (``replay_hook_logs``).
+    """
+
+    def __init__(self, module: LightningModule, trainer: Any, stage: int) -> None:
+        self.module, self.trainer, self.stage = module, trainer, stage
+        self.logs: list[LogRecord] = []
+
+    @contextlib.contextmanager
+    def _recording(self, hook: str) -> Iterator[None]:
+        records: list[LogRecord] = []
+        try:
+            with recording_logs(self.module, records, 1, hook):
+                yield
+        finally:
+            self.logs.extend(r._replace(name=f"{r.name}/stage_{self.stage}") for r in records)
 
     def before_backward(self, loss: torch.Tensor) -> None:
-        for callback in self.trainer.callbacks:
-            callback.on_before_backward(self.trainer, self.module, loss)
-        self.module.on_before_backward(loss)
+        with self._recording("on_before_backward"):
+            for callback in self.trainer.callbacks:
+                callback.on_before_backward(self.trainer, self.module, loss)
+            self.module.on_before_backward(loss)
 
     def after_backward(self) -> None:
-        for callback in self.trainer.callbacks:
-            callback.on_after_backward(self.trainer, self.module)
-        self.module.on_after_backward()
+        with self._recording("on_after_backward"):
+            for callback in self.trainer.callbacks:
+                callback.on_after_backward(self.trainer, self.module)
+            self.module.on_after_backward()
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        for callback in self.trainer.callbacks:
-            callback.on_before_optimizer_step(self.trainer, self.module, optimizer)
-        self.module.on_before_optimizer_step(optimizer)
-        self.module.configure_gradient_clipping(optimizer, gradient_clip_val=self.trainer.gradient_clip_val,
-                                                gradient_clip_algorithm=self.trainer.gradient_clip_algorithm)
+        with self._recording("on_before_optimizer_step"):
+            for callback in self.trainer.callbacks:
+                callback.on_before_optimizer_step(self.trainer, self.module, optimizer)
+            self.module.on_before_optimizer_step(optimizer)
+            self.module.configure_gradient_clipping(optimizer, gradient_clip_val=self.trainer.gradient_clip_val,
+                                                    gradient_clip_algorithm=self.trainer.gradient_clip_algorithm)
+
+    def replay_hook_logs(self) -> None:
+        """On the last stage: log every record that has arrived, one ``self.log`` call each (as the hooks made them,
+        so epoch aggregates see every call and the step value is the newest)."""
+        records, self.logs[:] = list(self.logs), []
+        for record in records:
+            self.module.log(record.name, record.value, batch_size=record.batch_size, **dict(record.options))

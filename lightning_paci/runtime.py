@@ -112,6 +112,10 @@ class BackwardHooks(Protocol):
 
     def after_backward(self) -> None: ...
 
+    # ``self.log`` records made by hooks (this stage's and upstream stages'), travelling downstream with the
+    # activations to the last stage, which is global rank 0 (see [Note: the logging rank] in logs.py)
+    logs: list[LogRecord]
+
 
 class StageProgram(Protocol):
     """Runs one micro-batch's forward through this stage's part of the model."""
@@ -338,7 +342,10 @@ class StageRuntime:
 
     # -- messages ---------------------------------------------------------------------------------------------
     def _send_activation(self, mb: int) -> None:
-        self.comm.send(self.held[mb].output.outgoing, self.stage + 1)
+        logs: list[LogRecord] = []
+        if self.hooks is not None:
+            logs, self.hooks.logs[:] = list(self.hooks.logs), []
+        self.comm.send((self.held[mb].output.outgoing, logs), self.stage + 1)
 
     def _send_gradient(self, mb: int) -> None:
         grads = self.input_grads.pop(mb)
@@ -347,7 +354,10 @@ class StageRuntime:
         self._skipping.discard(key)
 
     def _receive_activation(self, mb: int) -> None:
-        self.inbox[(RECV_F, mb)] = self.comm.recv(self.stage - 1)
+        outgoing, logs = self.comm.recv(self.stage - 1)
+        self.inbox[(RECV_F, mb)] = outgoing
+        if self.hooks is not None:
+            self.hooks.logs.extend(logs)
 
     def _receive_gradient(self, mb: int) -> None:
         self.inbox[(RECV_B, mb)] = self.comm.recv(self.stage + 1)

@@ -68,6 +68,7 @@ class PipelineStage:
         self.fingerprint = BatchFingerprint(carve.stage)
         self._broadcast = broadcast
         self._resumed_gradients: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self.hooks: LightningHooks | None = None
 
     @property
     def index(self) -> int:
@@ -84,6 +85,7 @@ class PipelineStage:
             )
         optimizer = optimizers[0]
         carve = self.carve
+        self.hooks = hooks
         self.accumulation = accumulation
         stage_optimizer = StageOptimizer(optimizer, list(self.module.parameters()), schedulers=schedulers,
                                          before_step=hooks.before_step if hooks else None, exclude=self._replicas)
@@ -108,6 +110,8 @@ class PipelineStage:
         self.fingerprint.update(batch, batch_idx)
         driver.feed(batch, batch_idx, drain=drain, accumulation=accumulation)
         self.relay.emit(self.module, runtime.logs)
+        if self.hooks is not None and self.carve.is_last:
+            self.hooks.replay_hook_logs()
         return self.relay.last_loss, self.relay.last_minibatch
 
     def drain(self) -> None:

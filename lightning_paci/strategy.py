@@ -180,7 +180,7 @@ class PACIStrategy(PipelineProcesses):
     def _setup_training(self, trainer: Trainer, module: LightningModule, stage: PipelineStage) -> None:
         owned = [cfg.scheduler for cfg in self.lr_scheduler_configs if cfg.interval == "step"]
         stage.start_training(self.optimizers, schedulers=owned, accumulation=self.accumulation,
-                             hooks=LightningHooks(module, trainer),
+                             hooks=LightningHooks(module, trainer, stage.index),
                              train_context=self.precision_plugin.train_step_context)
         self._undo_patches += patch_for_pipeline(trainer, module, owned)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import warnings
 
@@ -468,3 +469,43 @@ def test_an_overridden_optimizer_step_is_named_at_setup(tmp_path):
         callbacks=[_RecordSetupWarnings(tmp_path / "warnings.json")])
     seen = json.loads((tmp_path / "warnings.json").read_text())
     assert any("`_WarmUp.optimizer_step` is overridden" in w and "on_before_optimizer_step" in w for w in seen)
+
+
+class _GradNorm(SequentialMLP):
+    """Gradient-norm logging, as people write it: in `on_before_optimizer_step`, over the module's gradients."""
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.log("grad_norm", torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+
+class _KeepGradNorms(L.Callback):
+    def __init__(self, path) -> None:
+        self.path, self.rows = path, []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("grad_norm")})
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps(self.rows))
+
+
+def test_what_hooks_log_on_every_stage_reaches_rank_zero_tagged_per_stage(tmp_path):
+    torch.manual_seed(47)
+    model = _GradNorm(depth=8)
+    single = copy.deepcopy(model)
+    loader = regression_loader(num_batches=4)
+    _one_device_norms = _KeepGradNorms(tmp_path / "single.json")
+    L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, callbacks=[_one_device_norms]).fit(single, loader)
+    fit(model, loader, devices=4, max_steps=4, schedule="1f1b", microbatches=2, partition="parameters",
+        callbacks=[_KeepGradNorms(tmp_path / "piped.json")])
+    expected = [row["grad_norm"] for row in json.loads((tmp_path / "single.json").read_text())]
+    rows = json.loads((tmp_path / "piped.json").read_text())
+    assert set(rows[-1]) == {f"grad_norm/stage_{s}" for s in range(4)}  # before: rank 0's own stage only
+    # update k: the last stage logs it in call k, the others' values arrive with the next batch's activations;
+    # together they are the whole model's norm, as one device logs it (1f1b: the same gradients)
+    for k in range(3):
+        parts = [rows[k + 1][f"grad_norm/stage_{s}"] for s in range(3)] + [rows[k]["grad_norm/stage_3"]]
+        assert math.sqrt(sum(v * v for v in parts)) == pytest.approx(expected[k], rel=1e-5)
