@@ -3,7 +3,7 @@
 Layout of the optimizer entry (``checkpoint["optimizer_states"][0]``), independent of the partition so that a run
 can resume onto a different number of stages::
 
-    {"paci": {"num_stages": N, "backwards": b, "steps": t,
+    {"paci": {"num_stages": N, "backwards": b, "steps": t, "window_start": w,
               "params": {fqn: {"state": {...optimizer tensors...}, "group": {lr, betas, ...}, "grad": g | None},
                          tied_replica_fqn: {"grad": g | None}}}}
 
@@ -147,6 +147,7 @@ class Resumed(NamedTuple):
     backwards: int  # micro-batches back-propagated on every stage (the accumulation counter)
     steps: int  # local optimizer steps
     gradients: list[tuple[nn.Parameter, torch.Tensor]]  # the open window's gradients, to install at train start
+    window_start: int = 0  # backwards before the open window's count began (a window closed at an epoch's end)
 
 
 def cpu_state(module: nn.Module, exclude: Collection[str] = ()) -> dict[str, torch.Tensor]:
@@ -204,9 +205,10 @@ class PipelineCheckpoints:
         return gather_to_first(local) or {}
 
     def optimizer_state(self, optimizer: StageOptimizer, module: nn.Module, *, backwards: int, steps: int,
-                        replicas: Sequence[nn.Parameter] = ()) -> dict[str, Any]:
+                        replicas: Sequence[nn.Parameter] = (), window_start: int = 0) -> dict[str, Any]:
         """Every stage's optimizer state keyed by parameter name, with the accumulation counters (module docstring)."""
-        counters = {"num_stages": self.num_stages, "backwards": backwards, "steps": steps}
+        counters = {"num_stages": self.num_stages, "backwards": backwards, "steps": steps,
+                    "window_start": window_start}
         local = stage_optimizer_state(optimizer, module, replicas)
         if self.layout == "sharded":
             return {"paci": {**counters, "params": local}}
@@ -244,7 +246,8 @@ class PipelineCheckpoints:
             )
         saved = states[0]["paci"]
         gradients = load_stage_optimizer_state(optimizer, module, saved["params"], replicas)
-        return Resumed(int(saved["num_stages"]), int(saved["backwards"]), int(saved["steps"]), gradients)
+        return Resumed(int(saved["num_stages"]), int(saved["backwards"]), int(saved["steps"]), gradients,
+                       int(saved.get("window_start", 0)))
 
     def remove(self, filepath: str | Path) -> None:
         if self.writes:

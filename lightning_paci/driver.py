@@ -18,7 +18,7 @@ from typing import Any
 
 from lightning_paci.cursor import StreamCursor
 from lightning_paci.microbatch import loss_scale_for, split_weighted
-from lightning_paci.runtime import StageRuntime
+from lightning_paci.runtime import StageRuntime, closing_actions
 
 __all__ = ["StreamDriver"]
 
@@ -47,11 +47,13 @@ class StreamDriver:
         self._cursor: StreamCursor | None = None
         self.calls = 0  # batches fed into the current stream
 
-    def feed(self, batch: Any, batch_idx: int, *, drain: bool, accumulation: int | None = None) -> None:
+    def feed(self, batch: Any, batch_idx: int, *, drain: bool, accumulation: int | None = None,
+             close_window: bool = False) -> None:
         """Split ``batch`` into micro-batches, run this stage's actions of the current round, and drain when
         ``drain`` (or when the stream reached ``max_stream_batches``). ``accumulation``, when given, is the window
         of the stream this batch opens (Lightning's ``accumulate_grad_batches`` may change between epochs, and
-        streams end at epochs); the loss scale follows it."""
+        streams end at epochs); the loss scale follows it. ``close_window`` (with ``drain``: an epoch's last batch)
+        steps a window the drain leaves open, as Lightning does at the end of an epoch."""
         runtime, m = self.runtime, self.num_microbatches
         if self._cursor is None:
             if accumulation is not None:
@@ -59,19 +61,22 @@ class StreamDriver:
                 runtime.loss_scale = loss_scale_for(accumulation)
             done = runtime.microbatch_base  # backwards run so far on every stage (streams end drained)
             self._cursor = StreamCursor(self.schedule, runtime.num_stages, m, self.accumulation, runtime.stage,
-                                        backward_offset=done % self.accumulation, tied=self.tied)
+                                        backward_offset=(done - runtime.window_base) % self.accumulation,
+                                        tied=self.tied)
             self.calls = 0
             runtime.records.set_phase("startup")  # the new stream fills the pipeline
         for i, (part, weight) in enumerate(split_weighted(batch, m)):
             runtime.add_microbatch(self.calls * m + i, part, batch_idx, weight=weight)
         self.calls += 1
         if drain or self.calls >= self.max_stream_batches:
-            self.drain()
+            self.drain(close_window=close_window and drain)
         else:
             runtime.run(self._cursor.segment(self.calls - 1))
 
-    def drain(self) -> None:
-        """Run the cool-down of the current stream on this stage and wait for its sends (no-op outside a stream)."""
+    def drain(self, *, close_window: bool = False) -> None:
+        """Run the cool-down of the current stream on this stage and wait for its sends (no-op outside a stream);
+        ``close_window``: then step the accumulation window if it is still open (``closing_actions``), and start
+        the next window's count here."""
         runtime, cursor = self.runtime, self._cursor
         if cursor is None:
             return
@@ -82,6 +87,11 @@ class StreamDriver:
             raise AssertionError(f"stage {runtime.stage}: drain left {len(runtime.held)} micro-batches in flight")
         runtime.microbatch_base += self.calls * self.num_microbatches
         self._cursor = None
+        if close_window:
+            if (runtime.microbatch_base - runtime.window_base) % self.accumulation:
+                runtime.run(closing_actions(runtime.stage, runtime.num_stages, tied=self.tied))
+                runtime.comm.flush()
+            runtime.window_base = runtime.microbatch_base
         runtime.records.set_phase("outside")  # validation, checkpoints, epoch ends: not pipeline time
         if self.on_drain is not None:
             self.on_drain()

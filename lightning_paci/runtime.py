@@ -42,7 +42,8 @@ from lightning_paci.stage_optimizer import StageOptimizer
 from lightning_paci.supervision import StageFailure
 from lightning_paci.timeline import Interval
 
-__all__ = ["BackwardHooks", "ForwardOutput", "StageProgram", "StageRuntime", "microbatch_rng"]
+__all__ = [
+    "BackwardHooks", "ForwardOutput", "StageProgram", "StageRuntime", "closing_actions", "microbatch_rng"]
 
 # how each action kind's time is accounted, and the kind its interval shows in a timeline
 _CATEGORY = {F: "compute", B: "compute", OPT: "optimizer", RECV_F: "wait", RECV_B: "wait", RECV_T: "wait",
@@ -185,6 +186,7 @@ class StageRuntime:
         self.version = 0  # local optimizer steps so far
         self.forward_version: dict[int, int] = {}  # micro-batch in flight -> version at its forward
         self.microbatch_base = 0  # stream-local index -> run-global index (for records across drains)
+        self.window_base = 0  # backwards before the current accumulation window's count began (see closing_actions)
         self.skip_nonfinite = skip_nonfinite
         self._skipping: set[int] = set()  # dropped micro-batches whose "skip" still has to travel upstream
         self.step_label = ""  # where the run is, for error messages ("Lightning batch 7 (global step 7)")
@@ -382,3 +384,16 @@ class StageRuntime:
                     p.data.copy_(w)  # no micro-batch is in flight on the last stage here
             self.tied_version += 1
             self.records.fingerprint(self.tied)
+
+
+def closing_actions(stage: int, num_stages: int, *, tied: bool) -> list[Action]:
+    """The optimizer step that closes an accumulation window left open at a drain, as Lightning steps at an epoch's
+    last batch whatever ``accumulate_grad_batches`` says. With tied weights it carries the same exchange as any
+    other update: the last stage sends its replica's gradient after its own step and installs stage 0's new
+    weights; stage 0 adds that gradient before its step and sends the weights after it."""
+    last = num_stages - 1
+    if tied and stage == 0:
+        return [Action(stage, RECV_T, 0), Action(stage, OPT, None), Action(stage, SEND_T, 0)]
+    if tied and stage == last:
+        return [Action(stage, OPT, None), Action(stage, SEND_T, 0), Action(stage, RECV_T, 0)]
+    return [Action(stage, OPT, None)]

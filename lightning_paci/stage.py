@@ -98,7 +98,8 @@ class PipelineStage:
                                    max_stream_batches=self.config.max_stream_batches,
                                    on_drain=lambda: self.fingerprint.check(self._broadcast))
 
-    def train(self, batch: Any, batch_idx: int, *, label: str, drain: bool, accumulation: int) -> tuple[float, int]:
+    def train(self, batch: Any, batch_idx: int, *, label: str, drain: bool, accumulation: int,
+              close_window: bool = False) -> tuple[float, int]:
         """Feed one Lightning batch (``accumulation``: the current window, used when the batch opens a stream);
         replay the logs of every mini-batch complete here; return the mean loss of the last mini-batch replayed on
         this rank and its index in the run: on the last stage (global rank 0) the batch just fed; on the stages
@@ -108,7 +109,7 @@ class PipelineStage:
             raise RuntimeError("PipelineStage.train before start_training")
         runtime.step_label = label
         self.fingerprint.update(batch, batch_idx)
-        driver.feed(batch, batch_idx, drain=drain, accumulation=accumulation)
+        driver.feed(batch, batch_idx, drain=drain, accumulation=accumulation, close_window=close_window)
         self.relay.emit(self.module, runtime.logs)
         if self.hooks is not None and self.carve.is_last:
             self.hooks.replay_hook_logs()
@@ -126,7 +127,8 @@ class PipelineStage:
         runtime = self.runtime
         assert runtime is not None and runtime.optimizer is not None
         entry = checkpoints.optimizer_state(runtime.optimizer, self.module, backwards=runtime.microbatch_base,
-                                            steps=runtime.version, replicas=self._replicas)
+                                            steps=runtime.version, replicas=self._replicas,
+                                            window_start=runtime.window_base)
         if self.layout is not None and checkpoints.layout == "consolidated" and entry:  # rank 0: every stage's
             entry.update(self.layout.to_torch(entry["paci"]["params"]))
         return entry
@@ -139,6 +141,7 @@ class PipelineStage:
             checkpoint = self.layout.as_pipeline_checkpoint(checkpoint, self.accumulation)
         resumed = checkpoints.load_optimizer_state(checkpoint, runtime.optimizer, self.module, self._replicas)
         runtime.microbatch_base, runtime.version = resumed.backwards, resumed.steps
+        runtime.window_base = resumed.window_start
         self._resumed_gradients = resumed.gradients
         if resumed.num_stages != self.plan.num_stages:
             rank_zero_info(f"lightning_paci: resumed a {resumed.num_stages}-stage checkpoint on "

@@ -45,6 +45,7 @@ from lightning_paci.stage_optimizer import optimizer_and_step_schedulers
 from lightning_paci.supervision import mark_setup_error
 from lightning_paci.trainer_glue import (
     check_trainer,
+    ends_epoch,
     measure_block_costs,
     must_drain,
     patch_for_pipeline,
@@ -131,6 +132,13 @@ class PACIStrategy(PipelineProcesses):
         return (self.config.accumulation or self.num_microbatches) * factor
 
     @property
+    def _closes_windows(self) -> bool:
+        """Whether an epoch's end steps an open window, as Lightning does: when windows are whole Lightning batches
+        (``accumulate_grad_batches``); a window of ``accumulation`` micro-batches that is not a multiple of the
+        batch's is PACI's own and carries on across epochs."""
+        return self.accumulation % self.num_microbatches == 0
+
+    @property
     def runtime(self) -> StageRuntime:
         if self._stage is None or self._stage.runtime is None:
             raise RuntimeError("PACIStrategy.runtime is only available after `trainer.fit` has set up the stage.")
@@ -196,7 +204,8 @@ class PACIStrategy(PipelineProcesses):
         assert trainer is not None and stage is not None
         loss, minibatch = stage.train(batch, batch_idx,
                                       label=f"Lightning batch {batch_idx} (global step {trainer.global_step})",
-                                      drain=must_drain(trainer, batch_idx), accumulation=self.accumulation)
+                                      drain=must_drain(trainer, batch_idx), accumulation=self.accumulation,
+                                      close_window=self._closes_windows and ends_epoch(trainer, batch_idx))
         # what `on_train_batch_end(outputs)` gets: the loss of mini-batch `paci_minibatch` (see PipelineStage.train)
         return {"loss": torch.tensor(loss, device=self.root_device), "paci_minibatch": minibatch}
 

@@ -24,7 +24,7 @@ from lightning_paci.microbatch import microbatch_size, split_microbatches
 from lightning_paci.partition import BlockCosts, profile_block_costs
 from lightning_paci.program import extract_loss
 
-__all__ = ["SUPPORTED_PRECISION", "check_trainer", "measure_block_costs", "must_drain",
+__all__ = ["SUPPORTED_PRECISION", "check_trainer", "ends_epoch", "measure_block_costs", "must_drain",
            "patch_for_pipeline", "same_data_on_every_stage", "seed_workers_alike",
            "without_side_effects"]
 
@@ -142,11 +142,15 @@ def without_side_effects(module: torch.nn.Module, *, cuda_devices: list[int]) ->
                     buf.copy_(saved)
 
 
+def ends_epoch(trainer: Trainer, batch_idx: int) -> bool:
+    """Whether this batch is the epoch's last: Lightning then steps the optimizer whatever the accumulation."""
+    last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    return bool(last) or batch_idx + 1 >= trainer.num_training_batches
+
+
 def must_drain(trainer: Trainer, batch_idx: int) -> bool:
     """Whether this call is the last before validation, an epoch end or the end of training."""
-    if trainer.should_stop or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-        return True
-    if batch_idx + 1 >= trainer.num_training_batches:
+    if trainer.should_stop or ends_epoch(trainer, batch_idx):
         return True
     # Lightning counts a step every `accumulate_grad_batches` batches (aligned to the epoch start)
     closes_step = (batch_idx + 1) % trainer.accumulate_grad_batches == 0

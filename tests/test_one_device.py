@@ -22,7 +22,7 @@ from torch.multiprocessing import ProcessRaisedException
 from lightning_paci import ReferencePipeline, build, plan_partition
 
 from helpers import fit
-from models import LoopTransformer, SequentialMLP, regression_loader, token_loader
+from models import HFCausalLM, LoopTransformer, SequentialMLP, regression_loader, token_loader
 
 
 class _BatchNormMLP(SequentialMLP):
@@ -509,3 +509,27 @@ def test_what_hooks_log_on_every_stage_reaches_rank_zero_tagged_per_stage(tmp_pa
     for k in range(3):
         parts = [rows[k + 1][f"grad_norm/stage_{s}"] for s in range(3)] + [rows[k]["grad_norm/stage_3"]]
         assert math.sqrt(sum(v * v for v in parts)) == pytest.approx(expected[k], rel=1e-5)
+
+
+class _SGDCausalLM(HFCausalLM):
+    """A tied GPT-2 with SGD (the tied weight's two gradients must meet at every update, the forced one too)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_window_left_open_at_the_epoch_end_is_stepped_as_on_one_device(tied):
+    # accumulate_grad_batches=2 over epochs of 3 batches: Lightning steps after batches 2 and 3 (the epoch's last,
+    # a window of one batch); before, the pipeline carried that batch's gradient into the next epoch's window
+    torch.manual_seed(48)
+    if tied:
+        model, loader = _SGDCausalLM("gpt2", layers=4, tied=True), token_loader(num_batches=3, vocab=64)
+    else:
+        model, loader = _Momentum(), regression_loader(num_batches=3)
+    expected = copy.deepcopy(model)
+    L.Trainer(accelerator="cpu", devices=1, max_epochs=2, accumulate_grad_batches=2, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(expected, loader)
+    fit(model, loader, devices=2, max_steps=-1, schedule="1f1b", microbatches=2, partition="parameters",
+        trainer_kwargs={"max_epochs": 2, "accumulate_grad_batches": 2})
+    _assert_same_weights(model, expected)
