@@ -32,16 +32,15 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_paci import lightning_api as api
-from lightning_paci.checkpoint import PipelineCheckpoints, cpu_state
 from lightning_paci.comm import DistComm
 from lightning_paci.config import PACIConfig
 from lightning_paci.optimizer_layout import OptimizerLayout
 from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage, plan_partition
-from lightning_paci.processes import PipelineProcesses
 from lightning_paci.program import LightningHooks
 from lightning_paci.runtime import StageRuntime
 from lightning_paci.stage import PipelineStage
 from lightning_paci.stage_optimizer import optimizer_and_step_schedulers
+from lightning_paci.strategy_checkpoints import CheckpointingProcesses
 from lightning_paci.supervision import mark_setup_error
 from lightning_paci.trainer_glue import (
     check_trainer,
@@ -65,7 +64,7 @@ _REGISTERED = (  # Trainer(strategy=...) names: one class, different process sta
 )
 
 
-class PACIStrategy(PipelineProcesses):
+class PACIStrategy(CheckpointingProcesses):
     """Pipeline-parallel training with PACI's asynchronous, flush-free 1F1B schedule (one process per stage).
 
     The pipeline options are documented on :class:`~lightning_paci.config.PACIConfig`, which checks them here; the
@@ -118,8 +117,6 @@ class PACIStrategy(PipelineProcesses):
         self._trainer: Trainer | None = None
         self._stage: PipelineStage | None = None
         self._undo_patches: list[Callable[[], None]] = []
-        # after `fit`: rank 0's gathered optimizer and scheduler states, for `trainer.save_checkpoint` after `fit`
-        self._after_fit: dict[str, list[Any]] | None = None
 
     @property
     def num_microbatches(self) -> int:
@@ -209,10 +206,6 @@ class PACIStrategy(PipelineProcesses):
         # what `on_train_batch_end(outputs)` gets: the loss of mini-batch `paci_minibatch` (see PipelineStage.train)
         return {"loss": torch.tensor(loss, device=self.root_device), "paci_minibatch": minibatch}
 
-    def _drain(self) -> None:
-        if self._stage is not None:
-            self._stage.drain()
-
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         return closure_loss  # the schedule already ran every backward inside training_step
@@ -256,64 +249,6 @@ class PACIStrategy(PipelineProcesses):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._evaluate("predict_step", args, kwargs)
 
-    @property
-    def _checkpoints(self) -> PipelineCheckpoints:
-        return PipelineCheckpoints(self.config.checkpoint_layout, self.stage_index, self.num_stages,
-                                   self.checkpoint_io, rank=self.global_rank)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._drain()
-        assert self.lightning_module is not None
-        if not api.distributed_is_initialized():
-            return cpu_state(self.lightning_module)
-        foreign = self._stage.carve.foreign_buffers if self._stage is not None else set()
-        return self._checkpoints.weights(self.lightning_module, foreign)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        self._drain()
-        if self._stage is None or self._stage.runtime is None:
-            if self._after_fit is not None:  # `trainer.save_checkpoint` after `fit`: what teardown gathered
-                return self._after_fit["optimizer_states"][0]
-            return super().optimizer_state(optimizer)
-        return self._stage.optimizer_state(self._checkpoints)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self._stage is None or self._stage.runtime is None:
-            raise ValueError("Resuming optimizer state needs a fitting PACIStrategy (`trainer.fit(ckpt_path=...)`).")
-        self._stage.load_optimizer_state(self._checkpoints, checkpoint)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self._after_fit is not None:  # the main process of a fork/spawn run has no optimizer of its own
-            for key, states in self._after_fit.items():
-                if key in checkpoint and not checkpoint[key]:
-                    checkpoint[key] = states
-        self._checkpoints.save(checkpoint, filepath, storage_options)
-
-    def _send_after_fit(self, trainer: Trainer) -> Any:
-        """To the main process of a fork/spawn run, for a ``trainer.save_checkpoint`` there after ``fit``: the
-        optimizer and scheduler states, the fit loop's progress (epoch, step) and the callbacks' states."""
-        return {"states": self._after_fit, "fit_loop": trainer.fit_loop.state_dict(),
-                "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks}}
-
-    def _receive_after_fit(self, trainer: Trainer, sent: Any) -> None:
-        self._after_fit = sent["states"]
-        trainer.fit_loop.load_state_dict(sent["fit_loop"])
-        for callback in trainer.callbacks:
-            if sent["callbacks"].get(callback.state_key):
-                callback.load_state_dict(sent["callbacks"][callback.state_key])
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        return self._checkpoints.load(checkpoint_path, weights_only)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        self._checkpoints.remove(filepath)
-
     # -- failures and teardown -------------------------------------------------------------------------------------
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -347,9 +282,7 @@ class PACIStrategy(PipelineProcesses):
         stage = self._stage
         if stage is None:
             return
-        if stage.runtime is not None and api.distributed_is_initialized():  # keep what a later save needs
-            self._after_fit = {"optimizer_states": [stage.optimizer_state(self._checkpoints)],
-                               "lr_schedulers": [cfg.scheduler.state_dict() for cfg in self.lr_scheduler_configs]}
+        self._keep_after_fit(stage)
         stage.restore_full_model(gather=api.distributed_is_initialized())
 
     @classmethod
