@@ -12,7 +12,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_paci import PACIStrategy
+from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
+
+from models import SequentialMLP
 
 
 def _parameter_storages() -> dict[int, int]:
@@ -157,3 +159,40 @@ class RecordFreezeCount(Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         path = self.directory / f"freeze{trainer.strategy.stage_index}.json"
         path.write_text(json.dumps({"during": self.during, "teardown": gc.get_freeze_count()}))
+
+
+# -- comparisons with one device and the reference executor (tests/test_one_device*.py) --------------------
+
+def one_device(max_epochs: int = 1, **trainer_kwargs) -> L.Trainer:
+    """`Trainer(devices=1)` as a user runs it, without the extras (logger, checkpoints, progress bar, summary)."""
+    kwargs = dict(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(**{**kwargs, **trainer_kwargs})
+
+
+def reference_run(initial, schedule: str, stages: int, m: int, a: int, batches, *, tied: bool = False):
+    """The one-process reference executor run on ``batches`` with the split the tests' runs use."""
+    reference = ReferencePipeline(initial, plan_partition(initial, stages, partition="parameters"))
+    reference.run(build(schedule, stages, m, a, len(batches), tied=tied), list(batches))
+    return reference
+
+
+class Momentum(SequentialMLP):
+    """SGD with momentum: a lost optimizer state changes every later update."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def assert_same_weights(actual, expected) -> None:
+    for key, value in expected.state_dict().items():
+        torch.testing.assert_close(actual.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+class KeepMetrics(L.Callback):
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps({k: float(v) for k, v in trainer.callback_metrics.items()}))
