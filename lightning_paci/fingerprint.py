@@ -41,13 +41,13 @@ class BatchFingerprint:
         self.batches = 0  # fed since the last check; every stage counts the same (drains are at the same batches)
         self.first_batch: int | None = None
         self.digest: torch.Tensor | None = None  # (2,) float64, on the batch's device
-        self._weights: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._weights: dict[torch.device, torch.Tensor] = {}  # (SAMPLE,) position weights, one per device
 
     def _positions(self, n: int, device: torch.device) -> torch.Tensor:
-        key = (n, device)
-        if key not in self._weights:
-            self._weights[key] = torch.arange(1, n + 1, dtype=torch.float64, device=device).remainder_(97).add_(1)
-        return self._weights[key]
+        if device not in self._weights:
+            positions = torch.arange(1, SAMPLE + 1, dtype=torch.float64, device=device)
+            self._weights[device] = positions.remainder_(97).add_(1)
+        return self._weights[device][:n]
 
     def update(self, batch: Any, batch_idx: int) -> None:
         """Fold one Lightning batch (every tensor leaf) into the digest."""

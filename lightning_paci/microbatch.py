@@ -52,10 +52,11 @@ def split_weighted(batch: Any, num_microbatches: int) -> list[tuple[Any, float]]
     size = microbatch_size(batch)
     if size >= num_microbatches:
         parts = split_microbatches(batch, num_microbatches)
-        sizes = [microbatch_size(p) for p in parts]
-        if len(set(sizes)) == 1:
+        if size % num_microbatches == 0:
             return [(p, 1.0) for p in parts]
-        return [(p, b * num_microbatches / size) for p, b in zip(parts, sizes)]
+        # tensor_split's sizes: the first B mod m parts hold one sample more
+        base, extra = divmod(size, num_microbatches)
+        return [(p, (base + (j < extra)) * num_microbatches / size) for j, p in enumerate(parts)]
     parts = split_microbatches(batch, size)
     weight = num_microbatches / size
     return [(p, weight) for p in parts] + [(parts[-1], 0.0)] * (num_microbatches - size)

@@ -71,28 +71,29 @@ def same_data_on_every_stage(trainer: Trainer, broadcast: Callable[[Any, int], A
     without a common seed would otherwise differ). The forwards never advance those states (see [Note: randomness
     per micro-batch] in runtime.py), so the ranks stay in step; fingerprint.py checks that they did."""
     api.keep_user_samplers(trainer)
-    states = broadcast((torch.random.get_rng_state(), random.getstate(), _numpy_state()), 0)
+    np_random = _numpy_random()
+    states = broadcast((torch.random.get_rng_state(), random.getstate(),
+                        np_random.get_state() if np_random is not None else None), 0)
     torch.random.set_rng_state(states[0])
     random.setstate(states[1])
-    if states[2] is not None:
-        import numpy
-
-        numpy.random.set_state(states[2])
+    if np_random is not None and states[2] is not None:
+        np_random.set_state(states[2])
 
 
-def _numpy_state() -> Any:
+def _numpy_random() -> Any:
+    """NumPy's global generator module, or None where NumPy is not installed."""
     try:
-        import numpy
+        import numpy.random
     except ImportError:
         return None
-    return numpy.random.get_state()
+    return numpy.random
 
 
 def seed_workers_alike(dataloader: Any) -> Any:
     """Seed the dataloader's workers by the data-parallel rank (0 in a pure pipeline), not the global rank:
     ``seed_everything(..., workers=True)`` otherwise gives each stage's workers other random augmentations or masks
     (Lightning adds its worker seeding right after ``Strategy.process_dataloader``, only where none is set)."""
-    if os.environ.get("PL_SEED_WORKERS", "0") == "1" and getattr(dataloader, "worker_init_fn", False) is None:
+    if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", False) is None:
         dataloader.worker_init_fn = functools.partial(pl_worker_init_function, rank=0)
     return dataloader
 
