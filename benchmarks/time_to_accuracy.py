@@ -207,7 +207,12 @@ class Record(Callback):
         stage = trainer.strategy.stage_index  # type: ignore[attr-defined]
         for version, (_, weights) in self.versions.items():
             torch.save(weights, self.directory / f"stage{stage}_v{version}.pt")
+        optimizer = runtime.optimizer.optimizer
+        model_bytes = sum(t.numel() * t.element_size() for t in [p for g in optimizer.param_groups for p in g["params"]]
+                          + [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)])
         record = {"peak_inflight": runtime.records.peak_inflight,
+                  "model_bytes": model_bytes,  # parameters + optimizer state
+                  "lookahead_bytes": runtime.lookahead.peak_extra_bytes if runtime.lookahead is not None else 0,
                   "peak_activation_bytes": runtime.records.peak_activation_bytes,
                   "seconds": time.perf_counter() - self.start, "batch_ends": self.batch_ends,
                   "version_times": {v: t for v, (t, _) in self.versions.items()}}
@@ -249,7 +254,7 @@ def run(schedule: str, m: int, seed: int, max_steps: int, args: argparse.Namespa
         every = args.val_every if validate else max_steps + 1
         trainer = L.Trainer(
             strategy=PACIStrategy(schedule=schedule, microbatches=m, start_method="fork", partition="parameters",  # type: ignore[arg-type]
-                                  timeout=timedelta(seconds=300)),
+                                  timeout=timedelta(seconds=300), compensation=args.compensation),
             accelerator="cpu", devices=NUM_STAGES, max_steps=max_steps, limit_val_batches=0,
             num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, use_distributed_sampler=False,
@@ -263,7 +268,9 @@ def run(schedule: str, m: int, seed: int, max_steps: int, args: argparse.Namespa
     return {"schedule": schedule, "microbatches": m, "seed": seed, "curve": curve,
             "seconds": stages[0]["seconds"], "batch_ends": stages[0]["batch_ends"],
             "peak_inflight": [st["peak_inflight"] for st in stages],
-            "peak_activation_bytes": [st["peak_activation_bytes"] for st in stages]}
+            "peak_activation_bytes": [st["peak_activation_bytes"] for st in stages],
+            "model_bytes": [st["model_bytes"] for st in stages],
+            "lookahead_bytes": [st["lookahead_bytes"] for st in stages]}
 
 
 def steps_per_second(result: dict[str, Any], skip: int) -> float:
@@ -317,6 +324,8 @@ def main() -> None:
     parser.add_argument("--ms-per-sample", type=float, default=2.5, help="forward sleep per block and sample")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=15, help="warm-up updates")
+    parser.add_argument("--compensation", choices=("auto", "lookahead", "none"), default="auto",
+                        help="PACIStrategy(compensation=...) of the paci runs (flush schedules have no drift)")
     parser.add_argument("--json")
     parser.add_argument("--plot")
     parser.add_argument("--report", metavar="JSON", help="print and plot the runs saved by an earlier --json")
@@ -329,6 +338,7 @@ def main() -> None:
         saved = json.loads(Path(args.report).read_text())
         for key in ("seeds", "max_steps", "fixed_ms", "ms_per_sample"):
             setattr(args, key, saved["args"][key])
+        args.compensation = saved["args"].get("compensation", "none")  # files before the option: none
         runs = saved["runs"]
         rate_runs = {r["microbatches"]: r for r in runs if not r["curve"]}
         paci = [r for r in runs if r["schedule"] == "paci"]
@@ -352,6 +362,7 @@ def main() -> None:
                 for p, f in zip(paci, flush)]
 
     print(f"\n{NUM_STAGES} emulated stages, global batch {GLOBAL_BATCH}, {args.max_steps} steps, seeds {args.seeds}, "
+          f"paci compensation={args.compensation!r}, "
           f"block forward {args.fixed_ms} ms + {args.ms_per_sample} ms/sample, backward 2x")
     print(f"{'config':>10} {'wall clock (s)':>15} {'time to target (s)':>19} {'final val loss':>15} "
           f"{'peak in-flight per stage':>26} {'peak activation KiB per stage':>40}")
@@ -369,6 +380,12 @@ def main() -> None:
         kib = " ".join(f"{b / 1024:.0f}" for b in memory["peak_activation_bytes"])
         print(f"{name:>10} {wall:>15.1f} {times[name]:>19.1f} {curve[-1][2]:>15.4f} "
               f"{str(memory['peak_inflight']):>26} {kib:>40}" + ("" if trained else "  (time rescaled)"))
+    if "lookahead_bytes" in paci[0]:  # the look-ahead's memory against the stage's parameters, state, activations
+        base = [a + b for a, b in zip(paci[0]["model_bytes"], paci[0]["peak_activation_bytes"])]
+        extra = paci[0]["lookahead_bytes"]
+        print("per-stage peak memory, parameters + optimizer state + activations (KiB): "
+              + " ".join(f"{b / 1024:.0f}" for b in base) + "; look-ahead's extra: "
+              + " ".join(f"{e / 1024:.1f} ({100 * e / b:.2f}%)" for e, b in zip(extra, base)))
     speedup = _speedup(best_flush[0], times["paci m=8"])
     equal = [(step, p, f, (p - f) / f)
              for (step, _, p), (_, _, f) in zip(curves["paci m=8"], curves[f"1f1b m={fastest}"])]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from lightning_paci.compensation import COMPENSATIONS
 from lightning_paci.partition import PartitionSpec
 from lightning_paci.schedules import SCHEDULE_NAMES
 
@@ -62,6 +63,12 @@ class PACIConfig:
             torch, Lightning and transformers holds ~470k objects, and each full collection over them paused a
             stage for 1-1.5 s; in a pipeline every stage's pause stalls all the others (measured: 1.6-2.9 s steps
             instead of 0.8 s, several times per 200 steps). Objects created during training are still collected.
+        compensation: staleness compensation (see [Note: exact look-ahead] in compensation.py). ``"auto"``
+            (default): a micro-batch that will cross ``k`` local updates between its forward and its backward is
+            forwarded with the weights moved ``k`` predicted updates ahead, along the optimizer's own momentum (SGD
+            with momentum, Adam, AdamW), exactly undone after the forward: no weight copy, no parameter-sized
+            buffer; other optimizers train uncompensated with a warning. ``"lookahead"``: the same, but an
+            unsupported optimizer is an error. ``"none"``: the paper's PACI, forwards with the weights as they are.
         process_group_backend: ``"nccl"`` on CUDA, ``"gloo"`` otherwise (default: chosen from the device).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"`` (CPU tests,
             notebooks) or ``"forkserver"``.
@@ -83,6 +90,7 @@ class PACIConfig:
     max_stream_batches: int = 256
     freeze_gc: bool = True
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
+    compensation: Literal["auto", "lookahead", "none"] = "auto"
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES)
@@ -99,3 +107,4 @@ class PACIConfig:
             raise ValueError(f"`failure_timeout` must be > 0 seconds, got {self.failure_timeout!r}. The default 20.0 "
                              f"declares a stage dead after 20 s without a heartbeat.")
         _choice("start_method", self.start_method, ("popen", "spawn", "fork", "forkserver"))
+        _choice("compensation", self.compensation, COMPENSATIONS)

@@ -18,9 +18,10 @@ from typing import Any
 
 from lightning_paci.cursor import StreamCursor
 from lightning_paci.microbatch import loss_scale_for, split_weighted
-from lightning_paci.runtime import StageRuntime, closing_actions
+from lightning_paci.runtime import StageRuntime
+from lightning_paci.schedules import OPT, RECV_T, SEND_T, Action
 
-__all__ = ["StreamDriver"]
+__all__ = ["StreamDriver", "closing_actions"]
 
 
 class StreamDriver:
@@ -60,9 +61,11 @@ class StreamDriver:
                 self.accumulation = accumulation
                 runtime.loss_scale = loss_scale_for(accumulation)
             done = runtime.microbatch_base  # backwards run so far on every stage (streams end drained)
+            offset = (done - runtime.window_base) % self.accumulation
             self._cursor = StreamCursor(self.schedule, runtime.num_stages, m, self.accumulation, runtime.stage,
-                                        backward_offset=(done - runtime.window_base) % self.accumulation,
-                                        tied=self.tied)
+                                        backward_offset=offset, tied=self.tied)
+            runtime.crossings = _crossings(runtime, offset, self.accumulation)
+            runtime.window_backwards = offset
             self.calls = 0
             runtime.records.set_phase("startup")  # the new stream fills the pipeline
         for i, (part, weight) in enumerate(split_weighted(batch, m)):
@@ -95,3 +98,29 @@ class StreamDriver:
         runtime.records.set_phase("outside")  # validation, checkpoints, epoch ends: not pipeline time
         if self.on_drain is not None:
             self.on_drain()
+
+
+def _crossings(runtime: StageRuntime, offset: int, accumulation: int) -> Callable[[int], int]:
+    """How many local updates micro-batch ``mb`` of the stream starting now crosses between its forward (now) and
+    its backward: every list steps right after each ``accumulation``-th backward and backwards run in micro-batch
+    order, so ``(offset + mb) // accumulation`` updates of the stream precede its backward. Equal to
+    ``schedules.static_drift`` of the stream's list (tests/test_compensation.py checks the grid)."""
+    start = runtime.version
+
+    def crossings(mb: int) -> int:
+        return start + (offset + mb) // accumulation - runtime.version
+
+    return crossings
+
+
+def closing_actions(stage: int, num_stages: int, *, tied: bool) -> list[Action]:
+    """The optimizer step that closes an accumulation window left open at a drain, as Lightning steps at an epoch's
+    last batch whatever ``accumulate_grad_batches`` says. With tied weights it carries the same exchange as any
+    other update: the last stage sends its replica's gradient after its own step and installs stage 0's new
+    weights; stage 0 adds that gradient before its step and sends the weights after it."""
+    last = num_stages - 1
+    if tied and stage == 0:
+        return [Action(stage, RECV_T, 0), Action(stage, OPT, None), Action(stage, SEND_T, 0)]
+    if tied and stage == last:
+        return [Action(stage, OPT, None), Action(stage, SEND_T, 0), Action(stage, RECV_T, 0)]
+    return [Action(stage, OPT, None)]

@@ -16,11 +16,12 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lightning_paci.comm import LocalComm
+from lightning_paci.compensation import lookahead_for
 from lightning_paci.microbatch import loss_scale_for, split_weighted
 from lightning_paci.partition import PartitionPlan, carve_stage
 from lightning_paci.program import LightningStageProgram
 from lightning_paci.runtime import StageRuntime
-from lightning_paci.schedules import RECV_KINDS, Action, ActionKind, Schedule, message_key, validate
+from lightning_paci.schedules import RECV_KINDS, Action, ActionKind, Schedule, message_key, static_drift, validate
 from lightning_paci.stage_optimizer import StageOptimizer, optimizer_and_step_schedulers
 
 __all__ = ["ReferencePipeline", "run_lists"]
@@ -52,6 +53,7 @@ class ReferencePipeline:
 
     ``optimizer_factory(module)`` returns ``(optimizer, schedulers)`` for a carved copy; by default it calls the
     module's own ``configure_optimizers`` (a single optimizer, optionally with step-interval schedulers).
+    ``compensation`` is ``PACIStrategy``'s option of that name (see compensation.py), with the same default.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class ReferencePipeline:
         plan: PartitionPlan,
         *,
         optimizer_factory: Callable[[LightningModule], tuple[torch.optim.Optimizer, list[Any]]] | None = None,
+        compensation: str = "auto",
     ) -> None:
         self.plan = plan
         self.modules: list[LightningModule] = []
@@ -76,6 +79,7 @@ class ReferencePipeline:
                                              exclude=replicas)
             runtime = StageRuntime(stage, plan.num_stages, LightningStageProgram(copy_, carve), comms[stage],
                                    stage_optimizer, loss_scale=1.0, tied=carve.tied_params)
+            runtime.lookahead = lookahead_for(compensation, optimizer, stage_optimizer.pairs, warn=None)
             self.modules.append(copy_)
             self.runtimes.append(runtime)
 
@@ -97,6 +101,8 @@ class ReferencePipeline:
             for k, batch in enumerate(batches):
                 for i, (part, weight) in enumerate(split_weighted(batch, schedule.num_microbatches)):
                     runtime.add_microbatch(k * schedule.num_microbatches + i, part, k, weight=weight)
+        for runtime, actions in zip(self.runtimes, schedule.actions):
+            runtime.crossings = static_drift(actions).__getitem__  # read from the list itself (the driver counts)
         run_lists(self.runtimes, schedule.actions)
         for runtime in self.runtimes:
             runtime.microbatch_base = base + schedule.total_microbatches

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_paci.comm import Comm, flatten
+from lightning_paci.compensation import LookAhead
 from lightning_paci.logs import LOSS_KEY, LogRecord
 from lightning_paci.microbatch import microbatch_size
 from lightning_paci.records import ActivationMeter, BackwardRecord, StageRecords
@@ -42,8 +43,7 @@ from lightning_paci.stage_optimizer import StageOptimizer
 from lightning_paci.supervision import StageFailure
 from lightning_paci.timeline import Interval
 
-__all__ = [
-    "BackwardHooks", "ForwardOutput", "StageProgram", "StageRuntime", "closing_actions", "microbatch_rng"]
+__all__ = ["BackwardHooks", "ForwardOutput", "StageProgram", "StageRuntime", "microbatch_rng"]
 
 # how each action kind's time is accounted, and the kind its interval shows in a timeline
 _CATEGORY = {F: "compute", B: "compute", OPT: "optimizer", RECV_F: "wait", RECV_B: "wait", RECV_T: "wait",
@@ -89,6 +89,10 @@ class ForwardOutput:
 
 
 _NO_CONTEXT = contextlib.nullcontext()
+
+
+def _no_crossings(microbatch: int) -> int:
+    return 0
 
 
 @contextlib.contextmanager
@@ -195,6 +199,11 @@ class StageRuntime:
         # called with the new version right after every local update: the weights are then exactly that version
         # on this stage, with no other stage involved (e.g. to keep version-k weights without draining)
         self.update_hooks: list[Callable[[int], None]] = []
+        # staleness compensation (see [Note: exact look-ahead]): the forward of a micro-batch that will cross
+        # ``crossings(mb)`` local updates before its backward runs with the weights moved that far ahead
+        self.lookahead: LookAhead | None = None
+        self.crossings: Callable[[int], int] = _no_crossings
+        self.window_backwards = 0  # backwards accumulated since the last update (the look-ahead's known share)
         self._handlers: dict[str, Callable[[Any], None]] = {
             F: self._forward, B: self._backward, OPT: self._optimizer_step,
             SEND_F: self._send_activation, SEND_B: self._send_gradient, RECV_F: self._receive_activation,
@@ -244,7 +253,10 @@ class StageRuntime:
         padding = weight == 0.0
         if weight != 1.0 and not padding:
             self.loss_weights[mb] = weight
-        with microbatch_rng(self.seed, self.stage, key), (_padding(self.program.module) if padding else _NO_CONTEXT):
+        ahead = _NO_CONTEXT
+        if self.lookahead is not None and not padding:
+            ahead = self.lookahead.moved(self.crossings(mb), max(0.0, 1.0 - self.window_backwards * self.loss_scale))
+        with microbatch_rng(self.seed, self.stage, key), (_padding(self.program.module) if padding else ahead):
             if records.activations:
                 meter = ActivationMeter(self.program.module.parameters())
                 with meter:
@@ -313,6 +325,7 @@ class StageRuntime:
         if self.stage > 0:
             self.input_grads[mb] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in held.leaves]
         forward_version = self.forward_version.pop(mb)
+        self.window_backwards += 1
         drift, exact = self.records.weight_drift_between(forward_version, self.version)
         self.records.add_backward(BackwardRecord(key, self.version - forward_version, drift, exact))
 
@@ -323,6 +336,7 @@ class StageRuntime:
         measuring = self.records.weight_drift
         update_norm, weight_norm = self.optimizer.step(measure=measuring)
         self.version += 1
+        self.window_backwards = 0
         if measuring:
             self.records.record_update(self.version, update_norm, weight_norm)
         if self.tied and self.stage == 0:
@@ -385,15 +399,3 @@ class StageRuntime:
             self.tied_version += 1
             self.records.fingerprint(self.tied)
 
-
-def closing_actions(stage: int, num_stages: int, *, tied: bool) -> list[Action]:
-    """The optimizer step that closes an accumulation window left open at a drain, as Lightning steps at an epoch's
-    last batch whatever ``accumulate_grad_batches`` says. With tied weights it carries the same exchange as any
-    other update: the last stage sends its replica's gradient after its own step and installs stage 0's new
-    weights; stage 0 adds that gradient before its step and sends the weights after it."""
-    last = num_stages - 1
-    if tied and stage == 0:
-        return [Action(stage, RECV_T, 0), Action(stage, OPT, None), Action(stage, SEND_T, 0)]
-    if tied and stage == last:
-        return [Action(stage, OPT, None), Action(stage, SEND_T, 0), Action(stage, RECV_T, 0)]
-    return [Action(stage, OPT, None)]

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_paci.checkpoint import PipelineCheckpoints, cpu_state
 from lightning_paci.comm import Comm
+from lightning_paci.compensation import lookahead_for
 from lightning_paci.config import PACIConfig
 from lightning_paci.driver import StreamDriver
 from lightning_paci.evaluation import PipelineEvaluator
@@ -93,6 +94,8 @@ class PipelineStage:
         self.runtime = StageRuntime(self.index, self.plan.num_stages, program, self._comm(), stage_optimizer,
                                     loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
                                     skip_nonfinite=self.config.nonfinite == "skip", hooks=hooks)
+        warn = rank_zero_warn if self.config.schedule == "paci" else None  # flush schedules have no drift at a = m
+        self.runtime.lookahead = lookahead_for(self.config.compensation, optimizer, stage_optimizer.pairs, warn=warn)
         self.driver = StreamDriver(self.runtime, schedule=self.config.schedule, num_microbatches=self.num_microbatches,
                                    accumulation=accumulation, tied=bool(self.plan.tied),
                                    max_stream_batches=self.config.max_stream_batches,

@@ -104,12 +104,14 @@ class PACIStrategy(CheckpointingProcesses):
         max_stream_batches: int = 256,
         freeze_gc: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        compensation: Literal["auto", "lookahead", "none"] = "auto",
     ) -> None:
         config = PACIConfig(
             schedule=schedule, microbatches=microbatches, accumulation=accumulation, partition=partition,
             block_container=block_container, process_group_backend=process_group_backend, timeout=timeout,
             failure_timeout=failure_timeout, nonfinite=nonfinite, checkpoint_layout=checkpoint_layout,
-            max_stream_batches=max_stream_batches, freeze_gc=freeze_gc, start_method=start_method)
+            max_stream_batches=max_stream_batches, freeze_gc=freeze_gc, start_method=start_method,
+            compensation=compensation)
         super().__init__(config, accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)

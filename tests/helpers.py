@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -196,3 +197,21 @@ class KeepMetrics(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:
             self.path.write_text(json.dumps({k: float(v) for k, v in trainer.callback_metrics.items()}))
+
+
+class RecordSetupWarnings(L.Callback):
+    """Rank 0 writes the warnings raised from setup to the start of training (forked ranks' warnings never reach
+    the test's own recorder)."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def setup(self, trainer, pl_module, stage) -> None:  # before the strategy's setup
+        self._catcher = warnings.catch_warnings(record=True)
+        self.seen = self._catcher.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._catcher.__exit__(None, None, None)
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps([str(w.message) for w in self.seen]))

@@ -94,11 +94,12 @@ def test_memory_monitor_shows_paci_holds_what_1f1b_holds(tmp_path):
 @pytest.mark.parametrize("accumulation", [3, 1])
 def test_weight_drift_matches_brute_force_copies(accumulation):
     # the reference executor, with the test stashing a full copy of each stage's weights at every forward;
-    # a = 3 = N - 1: at most one update per window, the monitor is exact; a = 1: it is an upper bound
+    # a = 3 = N - 1: at most one update per window, the monitor is exact; a = 1: it is an upper bound. (The drift
+    # is the distance between the versions at F and at B; a look-ahead would move the forward's weights.)
     torch.manual_seed(21)
     model = SequentialMLP(depth=4, lr=0.5)
     plan = plan_partition(model, 4, partition="parameters")
-    reference = ReferencePipeline(model, plan,
+    reference = ReferencePipeline(model, plan, compensation="none",
                                   optimizer_factory=lambda m: (torch.optim.AdamW(m.parameters(), lr=0.05), []))
     brute: dict[tuple[int, int], float] = {}
     for runtime, module in zip(reference.runtimes, reference.modules):

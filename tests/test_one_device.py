@@ -17,7 +17,15 @@ import torch
 from lightning.pytorch.callbacks import ModelSummary
 from torch import nn
 
-from helpers import KeepMetrics, Momentum, assert_same_weights, fit, one_device, reference_run
+from helpers import (
+    KeepMetrics,
+    Momentum,
+    RecordSetupWarnings,
+    assert_same_weights,
+    fit,
+    one_device,
+    reference_run,
+)
 from models import HFCausalLM, LoopTransformer, SequentialMLP, regression_loader, token_loader
 
 
@@ -189,24 +197,9 @@ class _WarmUp(SequentialMLP):
         optimizer.step(closure=optimizer_closure)
 
 
-class _RecordSetupWarnings(L.Callback):
-    def __init__(self, path) -> None:
-        self.path = path
-
-    def setup(self, trainer, pl_module, stage) -> None:  # before the strategy's setup
-        self._catcher = warnings.catch_warnings(record=True)
-        self.seen = self._catcher.__enter__()
-        warnings.simplefilter("always")
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._catcher.__exit__(None, None, None)
-        if trainer.is_global_zero:
-            self.path.write_text(json.dumps([str(w.message) for w in self.seen]))
-
-
 def test_an_overridden_optimizer_step_is_named_at_setup(tmp_path):
     fit(_WarmUp(), regression_loader(num_batches=2), devices=2, max_steps=1, partition="parameters",
-        callbacks=[_RecordSetupWarnings(tmp_path / "warnings.json")])
+        callbacks=[RecordSetupWarnings(tmp_path / "warnings.json")])
     seen = json.loads((tmp_path / "warnings.json").read_text())
     assert any("`_WarmUp.optimizer_step` is overridden" in w and "on_before_optimizer_step" in w for w in seen)
 

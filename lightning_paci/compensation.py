@@ -1,0 +1,267 @@
+"""Staleness compensation: forward a micro-batch with the weights its backward will use, without a weight copy.
+
+[Note: exact look-ahead]
+Under PACI a micro-batch forwarded on stage ``s`` is back-propagated ``k`` local updates later (``k`` is 0 or 1 at
+``a = m``; the schedule says exactly which micro-batches cross an update, see ``schedules.static_drift``). Its
+backward already runs with the *current* weights (see [Note: alias optimizer]), but its activations came from the
+weights ``k`` updates older: the gradient mixes two versions, and the loss per update suffers, more at higher
+learning rates (benchmarks/RESULTS.md). The look-ahead moves the weights, for that micro-batch's forward only, to
+where the optimizer is about to take them, ``w + k * d``, and back afterwards:
+
+* ``d`` is the optimizer's own next update for a predicted gradient: the part of the current window already
+  accumulated in ``.grad`` plus, for the share ``rest`` of the window still to come, the rate its momentum implies
+  (SGD: ``buf * (1 - mu)``; Adam/AdamW: ``m_hat``). With nothing known the moments stay put and the step is
+  ``-lr * buf`` (SGD) or ``-lr * m_hat / (sqrt(v_hat) + eps)`` (Adam/AdamW); with the whole window known it is
+  exactly the optimizer's next step (tests/test_compensation.py). Nothing is stored: ``d`` comes from the
+  optimizer's state and the gradients, which nothing changes during a forward, and from the group's current
+  ``lr`` (the schedulers have already stepped). Weight decay (AdamW's ``-lr * wd * w``, the L2 term of SGD/Adam
+  in the window's known part) is left out: it depends on the weights being moved, so the way back would differ
+  from the way out and undoing it exactly would need a copy; it is ``lr * wd`` of a weight per update (1e-4 at
+  lr 1e-3, wd 0.1), and momentum-carried decay of earlier windows is in the prediction.
+* The move is done in place through the alias parameters, so no autograd version counter moves and the graphs of
+  the other micro-batches in flight are untouched; the one forwarded keeps the storage, so its backward sees the
+  updated weights as before.
+* Undoing it is exact, bit for bit: ``w -> fl(w + d) -> fl(fl(w + d) - d)`` returns ``w`` except for the few
+  elements whose rounding lost information (a binade crossed, a tie); those are found when the move is made and
+  kept (index and value) until the forward is over. ``d`` is recomputed for the way back (the same bits: it reads
+  nothing the move or the forward changes), so the move costs transient memory of two chunks of elements plus
+  the kept elements (``LookAhead.peak_extra_bytes``), never a parameter-sized buffer.
+
+Everything here is a function of the list (``k``), the optimizer's state and the weights: the reference executor
+and the processes compute the same bits whatever the timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["COMPENSATIONS", "LookAhead", "lookahead_for", "lookahead_unsupported"]
+
+COMPENSATIONS = ("auto", "lookahead", "none")
+
+_NOTHING = contextlib.nullcontext()
+_Direction = Callable[[dict, dict, float, torch.Tensor | None, float], torch.Tensor | None]
+
+
+def _known(grad: torch.Tensor | None, group: dict, rest: float) -> torch.Tensor | None:
+    """The part of the next gradient already known: the window's accumulated gradient (each micro-batch's share
+    is already ``1/a``), negated for ``maximize`` as the optimizer does before its moments see it."""
+    if grad is None or rest >= 1.0:
+        return None
+    return grad.neg() if group.get("maximize") else grad.clone()
+
+
+def _sgd(state: dict, group: dict, scale: float, grad: torch.Tensor | None, rest: float) -> torch.Tensor | None:
+    """SGD's next update. The next gradient is predicted as the part of the window already accumulated plus the
+    share ``rest`` still to come at the rate the momentum buffer implies (``g = buf * (1 - mu) / (1 -
+    dampening)``); with nothing known the buffer stays ``buf`` (Nesterov's ``g + mu * buf`` too): ``-lr * buf``."""
+    buf = state.get("momentum_buffer")
+    if buf is None:
+        return None
+    mu, dampening = group["momentum"], group["dampening"]
+    known = _known(grad, group, rest)
+    if known is None:
+        return buf * (-group["lr"] * scale)
+    predicted = known.add_(buf, alpha=rest * (1 - mu) / (1 - dampening))  # the next gradient
+    step = buf * mu
+    step.add_(predicted, alpha=1 - dampening)  # the next momentum buffer
+    if group["nesterov"]:
+        step.mul_(mu).add_(predicted)
+    return step.mul_(-group["lr"] * scale)
+
+
+def _adam(state: dict, group: dict, scale: float, grad: torch.Tensor | None, rest: float) -> torch.Tensor | None:
+    """Adam(W)'s next update. The next gradient is predicted as the part of the window already accumulated plus
+    the share ``rest`` still to come at the bias-corrected first moment's rate; with nothing known both moments
+    stay where they are (up to the bias correction the next step applies) and the step is ``-lr * m_hat /
+    (sqrt(v_hat) + eps)``; else the second moment takes the predicted gradient's square. (``maximize`` is
+    already in the moments; weight decay is left out, see [Note: exact look-ahead].)"""
+    step = state.get("step")
+    if step is None or float(step) == 0:
+        return None
+    step = float(step)
+    beta1, beta2 = group["betas"]
+    lr, eps = group["lr"] * scale, group["eps"]
+    known = None if grad is None or rest >= 1.0 else grad
+    if known is None:  # -lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), scalars folded: four elementwise passes
+        second = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
+        root = math.sqrt(1 - beta2 ** step)
+        denom = torch.sqrt(second).add_(eps * root)
+        return torch.div(state["exp_avg"], denom).mul_(-lr * root / (1 - beta1 ** step))
+    # the predicted gradient g (maximize: the moments hold -g), the next moments m' = beta1 m + (1 - beta1) g and
+    # v' = beta2 (v + (1 - beta2) / beta2 g^2), and the step -lr / bc1' * m' / (sqrt(v') / sqrt(bc2') + eps) with
+    # every scalar folded into one multiplication: seven elementwise passes
+    predicted = torch.add(known.neg() if group.get("maximize") else known, state["exp_avg"],
+                          alpha=rest / (1 - beta1 ** step))
+    denom = torch.addcmul(state["exp_avg_sq"], predicted, predicted, value=(1 - beta2) / beta2)
+    if group.get("amsgrad"):
+        denom = torch.maximum(denom, state["max_exp_avg_sq"].div(beta2))
+    root = math.sqrt(beta2 / (1 - beta2 ** (step + 1)))  # sqrt(v') / sqrt(bc2') = root * sqrt(denom)
+    denom.sqrt_().add_(eps / root)
+    update = predicted.add_(state["exp_avg"], alpha=beta1 / (1 - beta1)).div_(denom)  # m' / (1 - beta1) / ...
+    update.mul_(-lr * (1 - beta1) / (1 - beta1 ** (step + 1)) / root)
+    return update
+
+
+def _direction_of(optimizer: torch.optim.Optimizer) -> _Direction | None:
+    # exact types: a subclass may change the update (the look-ahead would then predict the wrong step)
+    kind = type(optimizer)
+    if kind is torch.optim.SGD:
+        return _sgd if all(g["momentum"] for g in optimizer.param_groups) else None
+    if kind in (torch.optim.Adam, torch.optim.AdamW):
+        return _adam
+    return None
+
+
+def lookahead_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the look-ahead cannot predict this optimizer's next update (``None`` if it can)."""
+    kind = type(optimizer)
+    if kind is torch.optim.SGD and not all(g["momentum"] for g in optimizer.param_groups):
+        return ("SGD without momentum has no state to predict its next update from (every param group needs "
+                "`momentum > 0`)")
+    if _direction_of(optimizer) is None:
+        return (f"{kind.__module__}.{kind.__qualname__} is not one of the optimizers whose next update it predicts "
+                f"(torch.optim.SGD with momentum, torch.optim.Adam, torch.optim.AdamW)")
+    if any(g.get("differentiable") or g.get("capturable") for g in optimizer.param_groups):
+        return "`differentiable=True` / `capturable=True` optimizers are not supported"
+    return None
+
+
+_SLICED = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # per-element state
+
+
+@dataclass
+class _Moved:
+    """What undoing one look-ahead needs beyond the optimizer's state: the elements whose rounding lost
+    information, per moved tensor (flat indices and their values before the move)."""
+
+    scale: float
+    rest: float
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]]  # pair index -> (flat indices (int32), values)
+    kept_bytes: int
+
+
+class LookAhead:
+    """Moves a stage's weights to ``w + k * d`` for one forward and back (see [Note: exact look-ahead]).
+
+    The work is elementwise and done a chunk at a time (``chunk`` elements: ``1/128`` of the stage's parameters,
+    at least 4096), so its temporaries are two chunks, never a parameter-sized buffer.
+
+    Args:
+        optimizer: the stage optimizer (its ``param_groups`` hold the aliases, see [Note: alias optimizer]).
+        pairs: ``(alias, real)`` parameter pairs of the stage optimizer.
+        gradient: use the window's gradient accumulated so far in the prediction (else the momentum alone).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], *,
+                 gradient: bool = True) -> None:
+        reason = lookahead_unsupported(optimizer)
+        if reason is not None:
+            raise ValueError(f"compensation='lookahead': {reason}.")
+        self.optimizer = optimizer
+        self.direction: _Direction = _direction_of(optimizer)  # type: ignore[assignment]
+        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        self.entries = [(alias, real, group_of[id(alias)]) for alias, real in pairs]
+        self.gradient = gradient
+        total = sum(alias.numel() for alias, _ in pairs)
+        self.chunk = max(4096, -(-total // 128))
+        # the most the look-ahead held beyond the model (bytes): kept elements plus two chunks of temporaries
+        self.peak_extra_bytes = 0
+        self.moves = 0  # forwards run ahead
+
+    def moved(self, k: int, rest: float = 1.0) -> contextlib.AbstractContextManager[None]:
+        """A context in which the weights are ``k`` predicted updates ahead (nothing happens for ``k == 0``);
+        ``rest``: the share of the current window's gradient not accumulated yet."""
+        return _NOTHING if k <= 0 else self._ahead(k, rest)
+
+    @contextlib.contextmanager
+    def _ahead(self, k: int, rest: float) -> Iterator[None]:
+        moved = self.apply(k, rest)
+        self.moves += 1
+        largest = max((min(a.numel(), self.chunk) * a.element_size() for a, _, _ in self.entries), default=0)
+        self.peak_extra_bytes = max(self.peak_extra_bytes, moved.kept_bytes + 2 * largest)
+        try:
+            yield
+        finally:
+            self.revert(moved)
+
+    def _chunks(self, moved: _Moved) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """``(entry, start, weights chunk, delta chunk)`` for every parameter with optimizer state; the weights
+        chunk is a flat view of the alias's storage (the alias's own version counter)."""
+        for i, (alias, real, group) in enumerate(self.entries):
+            state = self.optimizer.state.get(alias)
+            if not state:
+                continue
+            flat = alias.data.view(-1)  # (numel,)
+            grad = real.grad if self.gradient else None  # (parameter shape), like the state
+            if flat.numel() <= self.chunk:  # most tensors: one chunk, no slicing
+                delta = self.direction(state, group, moved.scale, grad, moved.rest)
+                if delta is not None:
+                    yield i, 0, flat, delta.view(-1)
+                continue
+            grad = None if grad is None else grad.view(-1)
+            for lo in range(0, flat.numel(), self.chunk):
+                hi = lo + self.chunk
+                part = {k: (v.view(-1)[lo:hi] if k in _SLICED and torch.is_tensor(v) else v) for k, v in state.items()}
+                delta = self.direction(part, group, moved.scale, None if grad is None else grad[lo:hi], moved.rest)
+                if delta is not None:
+                    yield i, lo, flat[lo:hi], delta
+
+    @torch.no_grad()
+    def apply(self, k: int, rest: float = 1.0) -> _Moved:
+        """Move every weight with optimizer state by ``k`` predicted updates; returns what :meth:`revert` needs."""
+        moved = _Moved(float(k), rest, {}, 0)
+        for i, lo, w, delta in self._chunks(moved):
+            target = w + delta  # (chunk,)
+            missed = torch.sub(target, delta, out=delta).ne_(w)  # (chunk,) where the way back misses w
+            if missed.any():
+                lost = missed.nonzero().view(-1)  # (lost,) positions
+                values = w.index_select(0, lost)
+                lost = lost.add_(lo).to(torch.int32 if lo + w.numel() < 2**31 else torch.int64)
+                if i in moved.kept:
+                    lost = torch.cat([moved.kept[i][0], lost])
+                    values = torch.cat([moved.kept[i][1], values])
+                moved.kept[i] = (lost, values)
+            w.copy_(target)
+            del target, missed
+        moved.kept_bytes = sum(x.numel() * x.element_size() + v.numel() * v.element_size()
+                               for x, v in moved.kept.values())
+        return moved
+
+    @torch.no_grad()
+    def revert(self, moved: _Moved) -> None:
+        """Undo :meth:`apply`: the weights are bit for bit those before it."""
+        for _, _, w, delta in self._chunks(moved):  # the same bits as on the way out: nothing they read changed
+            w.sub_(delta)
+        for i, (lost, values) in moved.kept.items():
+            self.entries[i][0].data.view(-1).index_copy_(0, lost.long(), values)
+
+
+def lookahead_for(compensation: str, optimizer: torch.optim.Optimizer,
+                  pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], *,
+                  warn: Callable[[str], None] | None) -> LookAhead | None:
+    """The stage's look-ahead for ``PACIStrategy(compensation=...)``: ``"none"`` -> none; ``"lookahead"`` -> one,
+    or a ``ValueError`` naming why the optimizer is not supported; ``"auto"`` -> one when supported, else a
+    ``warn``-ing (where the schedule has drift) that the run is not compensated."""
+    if compensation not in COMPENSATIONS:
+        raise ValueError(f"`compensation` must be one of {', '.join(map(repr, COMPENSATIONS))}, got "
+                         f"{compensation!r}.")
+    if compensation == "none":
+        return None
+    reason = lookahead_unsupported(optimizer)
+    if reason is None:
+        return LookAhead(optimizer, pairs)
+    if compensation == "lookahead":
+        raise ValueError(f"`PACIStrategy(compensation='lookahead')`: {reason}. Use one of those optimizers or pass "
+                         f"`compensation='none'`.")
+    if warn is not None:
+        warn(f"lightning_paci: no staleness compensation for this run: {reason}. PACI then loses some loss per "
+             f"update to its drift (see the README's 'same as one device' table); pass `compensation='none'` to "
+             f"silence this warning.")
+    return None
