@@ -199,8 +199,7 @@ class StageRuntime:
         # called with the new version right after every local update: the weights are then exactly that version
         # on this stage, with no other stage involved (e.g. to keep version-k weights without draining)
         self.update_hooks: list[Callable[[int], None]] = []
-        # staleness compensation (see [Note: exact look-ahead]): the forward of a micro-batch that will cross
-        # ``crossings(mb)`` local updates before its backward runs with the weights moved that far ahead
+        # [Note: exact look-ahead]: a forward that will cross ``crossings(mb)`` updates runs with the weights ahead
         self.lookahead: LookAhead | None = None
         self.crossings: Callable[[int], int] = _no_crossings
         self.window_backwards = 0  # backwards accumulated since the last update (the look-ahead's known share)
