@@ -51,10 +51,11 @@ _Direction = Callable[[dict, dict, float, torch.Tensor | None, float], torch.Ten
 
 def _known(grad: torch.Tensor | None, group: dict, rest: float) -> torch.Tensor | None:
     """The part of the next gradient already known: the window's accumulated gradient (each micro-batch's share
-    is already ``1/a``), negated for ``maximize`` as the optimizer does before its moments see it."""
+    is already ``1/a``), negated for ``maximize`` as the optimizer does before its moments see it. Read only:
+    callers compute out of place (it may be ``.grad`` itself)."""
     if grad is None or rest >= 1.0:
         return None
-    return grad.neg() if group.get("maximize") else grad.clone()
+    return grad.neg() if group.get("maximize") else grad
 
 
 def _sgd(state: dict, group: dict, scale: float, grad: torch.Tensor | None, rest: float) -> torch.Tensor | None:
@@ -68,7 +69,7 @@ def _sgd(state: dict, group: dict, scale: float, grad: torch.Tensor | None, rest
     known = _known(grad, group, rest)
     if known is None:
         return buf * (-group["lr"] * scale)
-    predicted = known.add_(buf, alpha=rest * (1 - mu) / (1 - dampening))  # the next gradient
+    predicted = torch.add(known, buf, alpha=rest * (1 - mu) / (1 - dampening))  # the next gradient
     step = buf * mu
     step.add_(predicted, alpha=1 - dampening)  # the next momentum buffer
     if group["nesterov"]:
@@ -88,7 +89,7 @@ def _adam(state: dict, group: dict, scale: float, grad: torch.Tensor | None, res
     step = float(step)
     beta1, beta2 = group["betas"]
     lr, eps = group["lr"] * scale, group["eps"]
-    known = None if grad is None or rest >= 1.0 else grad
+    known = _known(grad, group, rest)
     if known is None:  # -lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), scalars folded: four elementwise passes
         second = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
         root = math.sqrt(1 - beta2 ** step)
@@ -97,8 +98,7 @@ def _adam(state: dict, group: dict, scale: float, grad: torch.Tensor | None, res
     # the predicted gradient g (maximize: the moments hold -g), the next moments m' = beta1 m + (1 - beta1) g and
     # v' = beta2 (v + (1 - beta2) / beta2 g^2), and the step -lr / bc1' * m' / (sqrt(v') / sqrt(bc2') + eps) with
     # every scalar folded into one multiplication: seven elementwise passes
-    predicted = torch.add(known.neg() if group.get("maximize") else known, state["exp_avg"],
-                          alpha=rest / (1 - beta1 ** step))
+    predicted = torch.add(known, state["exp_avg"], alpha=rest / (1 - beta1 ** step))
     denom = torch.addcmul(state["exp_avg_sq"], predicted, predicted, value=(1 - beta2) / beta2)
     if group.get("amsgrad"):
         denom = torch.maximum(denom, state["max_exp_avg_sq"].div(beta2))
@@ -171,6 +171,7 @@ class LookAhead:
         self.gradient = gradient
         total = sum(alias.numel() for alias, _ in pairs)
         self.chunk = max(4096, -(-total // 128))
+        self._temporaries = 2 * max((min(a.numel(), self.chunk) * a.element_size() for a, _ in pairs), default=0)
         # the most the look-ahead held beyond the model (bytes): kept elements plus two chunks of temporaries
         self.peak_extra_bytes = 0
         self.moves = 0  # forwards run ahead
@@ -184,8 +185,7 @@ class LookAhead:
     def _ahead(self, k: int, rest: float) -> Iterator[None]:
         moved = self.apply(k, rest)
         self.moves += 1
-        largest = max((min(a.numel(), self.chunk) * a.element_size() for a, _, _ in self.entries), default=0)
-        self.peak_extra_bytes = max(self.peak_extra_bytes, moved.kept_bytes + 2 * largest)
+        self.peak_extra_bytes = max(self.peak_extra_bytes, moved.kept_bytes + self._temporaries)
         try:
             yield
         finally:

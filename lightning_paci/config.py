@@ -65,8 +65,9 @@ class PACIConfig:
             instead of 0.8 s, several times per 200 steps). Objects created during training are still collected.
         compensation: staleness compensation (see [Note: exact look-ahead] in compensation.py). ``"auto"``
             (default): a micro-batch that will cross ``k`` local updates between its forward and its backward is
-            forwarded with the weights moved ``k`` predicted updates ahead, along the optimizer's own momentum (SGD
-            with momentum, Adam, AdamW), exactly undone after the forward: no weight copy, no parameter-sized
+            forwarded with the weights moved ``k`` predicted steps of the optimizer itself ahead (SGD with momentum,
+            Adam, AdamW; the window's gradient so far plus the momentum's rate for the rest), exactly undone after
+            the forward: no weight copy, no parameter-sized
             buffer; other optimizers train uncompensated with a warning. ``"lookahead"``: the same, but an
             unsupported optimizer is an error. ``"none"``: the paper's PACI, forwards with the weights as they are.
         process_group_backend: ``"nccl"`` on CUDA, ``"gloo"`` otherwise (default: chosen from the device).
