@@ -96,17 +96,19 @@ def test_undo_keeps_the_elements_rounding_lost() -> None:
     assert moved.kept_bytes == lost * 8  # an int32 index and a float32 value each
 
 
+@pytest.mark.parametrize("rest", [0.0, 0.75])
 @pytest.mark.parametrize("name", ["sgd_momentum", "sgd_nesterov", "sgd_dampening", "adam", "adamw_amsgrad"])
-def test_with_the_whole_gradient_known_the_prediction_is_the_update(name: str) -> None:
+def test_the_prediction_is_the_update_for_the_known_share_scaled_to_the_window(name: str, rest: float) -> None:
     """``rest = 0``: the window's gradient is complete, so the predicted step is the optimizer's step (weight
-    decay aside, which the look-ahead leaves out)."""
+    decay aside, which the look-ahead leaves out). ``rest = 0.75``: a quarter of the window is accumulated; the
+    prediction is the step for four times that (the known micro-batches stand for the rest)."""
     params, optimizer = _stepped(name)
     gen = torch.Generator().manual_seed(2)
     grads = [torch.randn(p.shape, generator=gen) for p in params]
     for p, g in zip(params, grads):
-        p.grad = g.clone()
+        p.grad = g * (1 - rest)  # the known share as the window accumulates it
     lookahead = LookAhead(optimizer.optimizer, optimizer.pairs)
-    moved = lookahead.apply(1, rest=0.0)
+    moved = lookahead.apply(1, rest=rest)
     predicted = [p.detach().clone() for p in params]
     lookahead.revert(moved)
     start = [p.detach().clone() for p in params]
