@@ -41,11 +41,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["COMPENSATIONS", "LookAhead", "lookahead_for", "lookahead_unsupported"]
+__all__ = ["COMPENSATIONS", "COSTLY_LR", "LookAhead", "costly_regime", "lookahead_for", "lookahead_unsupported"]
 
 COMPENSATIONS = ("auto", "lookahead", "none")
 
 _NOTHING = contextlib.nullcontext()
+COSTLY_LR = 3e-3  # Adam(W) at a constant lr this high: compensated PACI measured +1.23% vs 1f1b (RESULTS.md)
 _Direction = Callable[[dict, dict, float, torch.Tensor | None, float], torch.Tensor | None]
 
 
@@ -264,3 +265,21 @@ def lookahead_for(compensation: str, optimizer: torch.optim.Optimizer,
              f"update to its drift (see the README's 'same as one device' table); pass `compensation='none'` to "
              f"silence this warning.")
     return None
+
+
+def costly_regime(optimizer: torch.optim.Optimizer, schedulers: Sequence[object]) -> str | None:
+    """Why this configuration is in the regime where PACI, even compensated, loses loss per update (``None`` if
+    it is not): Adam/AdamW at a constant learning rate of at least ``COSTLY_LR`` with no step scheduler. Measured
+    (benchmarks/RESULTS.md, 3 seeds, 8 stages): AdamW at a constant 3e-3 ends +1.23% above 1f1b after 200
+    updates (uncompensated +6.48%), at a constant 1e-3 +0.11%, with a warm-up and a decay +0.17% or less: the
+    prediction's error grows with the step, which the step's size and the unseen part of the window set."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or schedulers:
+        return None
+    lr = max(float(group["lr"]) for group in optimizer.param_groups)
+    if lr < COSTLY_LR:
+        return None
+    return (f"lightning_paci: {type(optimizer).__name__} at a constant lr={lr:g} without a learning-rate "
+            f"scheduler: in this regime PACI loses loss per update to its drift even with compensation (measured "
+            f"at a constant 3e-3: +1.2% loss vs the flush schedule after 200 updates; at 1e-3: +0.1%; with a "
+            f"warm-up and a decay: +0.2% or less; benchmarks/RESULTS.md). Add a warm-up and a decay "
+            f"(a step-interval scheduler), use lr <= 1e-3, or `schedule='1f1b'` for this recipe.")

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_paci.checkpoint import PipelineCheckpoints, cpu_state
 from lightning_paci.comm import Comm
-from lightning_paci.compensation import lookahead_for
+from lightning_paci.compensation import costly_regime, lookahead_for
 from lightning_paci.config import PACIConfig
 from lightning_paci.driver import StreamDriver
 from lightning_paci.evaluation import PipelineEvaluator
@@ -96,6 +96,9 @@ class PipelineStage:
                                     skip_nonfinite=self.config.nonfinite == "skip", hooks=hooks)
         warn = rank_zero_warn if self.config.schedule == "paci" else None  # flush schedules have no drift at a = m
         self.runtime.lookahead = lookahead_for(self.config.compensation, optimizer, stage_optimizer.pairs, warn=warn)
+        costly = costly_regime(optimizer, schedulers) if warn is not None else None
+        if costly is not None:
+            warn(costly)  # type: ignore[misc]
         self.driver = StreamDriver(self.runtime, schedule=self.config.schedule, num_microbatches=self.num_microbatches,
                                    accumulation=accumulation, tied=bool(self.plan.tied),
                                    max_stream_batches=self.config.max_stream_batches,

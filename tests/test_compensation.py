@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_paci import ReferencePipeline, plan_partition
-from lightning_paci.compensation import LookAhead, lookahead_for, lookahead_unsupported
+from lightning_paci.compensation import LookAhead, costly_regime, lookahead_for, lookahead_unsupported
 from lightning_paci.driver import _crossings
 from lightning_paci.schedules import OPT, B, F, build, static_drift
 from lightning_paci.stage_optimizer import StageOptimizer
@@ -238,3 +238,24 @@ def test_auto_warns_for_an_optimizer_it_cannot_follow(tmp_path):
     seen = json.loads((tmp_path / "w.json").read_text())
     assert any("no staleness compensation for this run: SGD without momentum" in w for w in seen)
     assert json.loads((tmp_path / "moves0.json").read_text()) is None
+
+
+def test_the_costly_regime_is_named_at_setup(tmp_path):
+    """Adam/AdamW at a constant lr >= 3e-3 without a scheduler: the regime the look-ahead does not rescue
+    (RESULTS.md); said once at setup with the measured figures and the fixes."""
+    params = [nn.Parameter(torch.ones(2))]
+    said = costly_regime(torch.optim.AdamW(params, lr=3e-3), [])
+    assert said is not None and "constant lr=0.003 without a learning-rate scheduler" in said
+    assert costly_regime(torch.optim.AdamW(params, lr=1e-3), []) is None
+    adam = torch.optim.Adam(params, lr=5e-3)
+    assert costly_regime(adam, [torch.optim.lr_scheduler.LambdaLR(adam, lambda step: 1.0)]) is None
+    assert costly_regime(torch.optim.SGD(params, lr=0.1, momentum=0.9), []) is None
+
+    class Hot(_AdamMLP):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    fit(Hot(depth=4), regression_loader(num_batches=2), devices=2, schedule="paci", microbatches=2, max_steps=1,
+        partition="parameters", callbacks=[RecordSetupWarnings(tmp_path / "w.json")])
+    seen = json.loads((tmp_path / "w.json").read_text())
+    assert sum("in this regime PACI loses loss per update" in w for w in seen) == 1
