@@ -176,13 +176,16 @@ class PipelineCheckpoints:
             write (temporary file, fsync, rename); any other is used as given, with the ``storage_options``.
         rank: this process's global rank; rank 0 (where states are gathered) writes the file, or the directory's
             ``meta.pt``.
+        first_replica: this process is its stage's first data-parallel replica, which writes the stage's shard
+            (the replicas hold the same weights and optimizer state: one copy per stage).
     """
 
     def __init__(self, layout: str, stage: int, num_stages: int, checkpoint_io: CheckpointIO, *,
-                 rank: int = 0) -> None:
+                 rank: int = 0, first_replica: bool = True) -> None:
         self.layout, self.stage, self.num_stages = layout, stage, num_stages
         self.checkpoint_io = checkpoint_io
         self.writes = rank == 0
+        self.writes_shard = first_replica
 
     def _writer(self, storage_options: Any | None) -> Callable[[dict[str, Any], Path], None]:
         io = self.checkpoint_io
@@ -221,10 +224,11 @@ class PipelineCheckpoints:
             if self.writes:
                 write(checkpoint, Path(filepath))
             return
-        # sharded: every stage writes its own file; rank 0 adds everything else
+        # sharded: every stage's first replica writes the stage's file; rank 0 adds everything else
         states = checkpoint.get("optimizer_states") or [{}]
         shard = {"state_dict": checkpoint["state_dict"], "optimizer": states[0].get("paci", {})}
-        write(shard, Path(filepath) / shard_file(self.stage))
+        if self.writes_shard:
+            write(shard, Path(filepath) / shard_file(self.stage))
         if self.writes:
             meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             meta["paci_num_stages"] = self.num_stages

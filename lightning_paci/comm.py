@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import pickle
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+from lightning_paci.schedules.rendezvous import Communicator, communicator
 
 __all__ = ["Comm", "DistComm", "LocalComm", "StageMismatchError", "flatten", "unflatten"]
 
@@ -115,18 +117,31 @@ class Comm(Protocol):
 
 
 class DistComm:
-    """torch.distributed transport (gloo on CPU, NCCL on CUDA). ``ranks[s]`` is the global rank of stage ``s``."""
+    """torch.distributed transport (gloo on CPU, NCCL on CUDA). ``ranks[s]`` is the global rank of stage ``s``.
 
-    def __init__(self, ranks: list[int], *, groups: Sequence[dist.ProcessGroup | None] = (None,),
-                 device: torch.device | None = None) -> None:
+    ``groups`` maps each communicator of ``layout`` (``schedules.layout_communicators``) to its process group: with
+    the ``"directed"`` layout activations and gradients of each neighbour pair travel on their own communicators,
+    which the strict rendezvous model proves deadlock-free under NCCL ([Note: rendezvous]). Without ``groups``
+    every message uses the default group (buffered gloo only: tests and benchmarks of the transport itself)."""
+
+    def __init__(self, ranks: list[int], *, groups: Mapping[Communicator, dist.ProcessGroup] | None = None,
+                 layout: str = "directed", replica: int = 0, device: torch.device | None = None) -> None:
         self._ranks = ranks
-        self._groups = list(groups)
+        self._groups = groups
+        self._stage = ranks.index(dist.get_rank()) if groups is not None else -1
+        self._layout, self._replica = layout, replica
         self._device = device or torch.device("cpu")
         self._pending: deque[tuple[Any, list[torch.Tensor]]] = deque()
 
+    def _group(self, channel: int, src: int, dst: int) -> dist.ProcessGroup | None:
+        if self._groups is None:
+            return None
+        kind = "T" if channel == 1 else ("F" if src < dst else "B")
+        return self._groups[communicator(self._layout, kind, src, dst, self._replica)]
+
     def send(self, payload: Any, stage: int, channel: int = 0) -> None:
         dst = self._ranks[stage]
-        group = self._groups[channel]
+        group = self._group(channel, self._stage, stage)
         skeleton, tensors = flatten(payload)
         metas = _metas(skeleton)
         blob = pickle.dumps(skeleton)
@@ -157,7 +172,7 @@ class DistComm:
 
     def recv(self, stage: int, channel: int = 0) -> Any:
         src = self._ranks[stage]
-        group = self._groups[channel]
+        group = self._group(channel, stage, self._stage)
         first = torch.empty(FIRST_BYTES, dtype=torch.uint8, device=self._device)
         dist.recv(first, src, group=group)
         prefix = first[:16].cpu().numpy().tobytes()

@@ -9,6 +9,7 @@ from typing import Literal
 from lightning_paci.compensation import COMPENSATIONS
 from lightning_paci.partition import PartitionSpec
 from lightning_paci.schedules import SCHEDULE_NAMES
+from lightning_paci.topology import check_size_option
 
 __all__ = ["PACIConfig"]
 
@@ -70,6 +71,10 @@ class PACIConfig:
             the forward: no weight copy, no parameter-sized
             buffer; other optimizers train uncompensated with a warning. ``"lookahead"``: the same, but an
             unsupported optimizer is an error. ``"none"``: the paper's PACI, forwards with the weights as they are.
+        pipeline_parallel_size, data_parallel_size: stages x replicas = ``devices x num_nodes`` (``"auto"``: what
+            the other leaves; both ``"auto"``: every process a stage, one replica). The replicas of a stage average
+            their gradients right before each of their local steps (data_parallel.py); see [Note: rank layout] for
+            which ranks form a stage's data-parallel group.
         process_group_backend: ``"nccl"`` on CUDA, ``"gloo"`` otherwise (default: chosen from the device).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"`` (CPU tests,
             notebooks) or ``"forkserver"``.
@@ -92,6 +97,8 @@ class PACIConfig:
     freeze_gc: bool = True
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
     compensation: Literal["auto", "lookahead", "none"] = "auto"
+    pipeline_parallel_size: int | Literal["auto"] = "auto"
+    data_parallel_size: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES)
@@ -109,3 +116,5 @@ class PACIConfig:
                              f"declares a stage dead after 20 s without a heartbeat.")
         _choice("start_method", self.start_method, ("popen", "spawn", "fork", "forkserver"))
         _choice("compensation", self.compensation, COMPENSATIONS)
+        check_size_option("pipeline_parallel_size", self.pipeline_parallel_size)
+        check_size_option("data_parallel_size", self.data_parallel_size)

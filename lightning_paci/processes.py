@@ -1,8 +1,9 @@
-"""``PipelineProcesses``: the process side of a pure pipeline -- one process per stage, under Lightning.
+"""``PipelineProcesses``: the process side of a pipeline -- one process per stage and data-parallel replica.
 
-What every pipeline strategy needs whatever its schedule: device and rank bookkeeping (stage ``s`` is global rank
-``s``), the launcher, the process group and the two point-to-point communicators, the failure watchdog, and the
-collectives of a run with one data-parallel replica (none of them is ever issued per training batch).
+What every pipeline strategy needs whatever its schedule: device and rank bookkeeping (topology.py, [Note: rank
+layout]), the launcher, the process group, the device mesh and the point-to-point communicators, the failure
+watchdog, and the collectives (none of them is ever issued per training batch; the data-parallel gradient
+reduction is per local step, data_parallel.py).
 :class:`~lightning_paci.strategy.PACIStrategy` adds the training lifecycle on top.
 """
 
@@ -25,7 +26,9 @@ from typing_extensions import override
 
 from lightning_paci import lightning_api as api
 from lightning_paci.config import PACIConfig
+from lightning_paci.schedules import Communicator, layout_communicators
 from lightning_paci.supervision import StageWatchdog, connect_store, print_setup_errors_once
+from lightning_paci.topology import Topology, resolve_sizes
 
 __all__ = ["PipelineProcesses"]
 
@@ -45,7 +48,8 @@ class PipelineProcesses(ParallelStrategy):
         self.config = config
         self._process_group_backend = config.process_group_backend
         self._num_nodes = 1
-        self._p2p_groups: list[dist.ProcessGroup | None] = [None, None]
+        self._p2p_groups: dict[Communicator, dist.ProcessGroup] = {}
+        self.device_mesh: Any = None  # torch DeviceMesh ("pp", "dp"), built in setup_environment
         self._watchdog: StageWatchdog | None = None
 
     # -- topology -------------------------------------------------------------------------------------------------
@@ -68,8 +72,20 @@ class PipelineProcesses(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    def topology(self) -> Topology:
+        """Pipeline stages x data-parallel replicas over ``devices x num_nodes`` processes ([Note: rank layout]);
+        an impossible split is a ``ValueError`` naming the numbers and the fix."""
+        world = self.num_nodes * self.num_processes
+        return Topology(*resolve_sizes(self.config.pipeline_parallel_size, self.config.data_parallel_size, world,
+                                       devices=self.num_processes, num_nodes=self.num_nodes))
+
+    @property
     def num_stages(self) -> int:
-        return self.num_nodes * self.num_processes
+        return self.topology.pipeline
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.topology.data
 
     @property
     def stage_index(self) -> int:
@@ -77,11 +93,26 @@ class PipelineProcesses(ParallelStrategy):
         ``is_global_zero`` callbacks live -- holds the *last* stage, which computes mini-batch k's loss and logs in
         its own call k. With stage 0 on rank 0, those values reached rank 0 only with the gradients, calls later,
         and a drain merged several mini-batches into one logged point (see [Note: the logging rank])."""
-        return self.num_stages - 1 - self.global_rank
+        return self.topology.stage_of(self.global_rank)
 
-    def rank_of(self, stage: int) -> int:
-        """The global rank that runs ``stage``."""
-        return self.num_stages - 1 - stage
+    @property
+    def replica_index(self) -> int:
+        """This process's data-parallel coordinate (0 without data parallelism)."""
+        return self.topology.replica_of(self.global_rank)
+
+    @property
+    def watch_id(self) -> int:
+        """This process's id for the failure watchdog: its stage, or its global rank when replicas share stages."""
+        return self.global_rank if self.data_parallel_size > 1 else self.stage_index
+
+    def watch_name(self, watch_id: int) -> str:
+        if self.data_parallel_size == 1:
+            return f"stage {watch_id}"
+        return f"stage {self.topology.stage_of(watch_id)} (replica {self.topology.replica_of(watch_id)})"
+
+    def rank_of(self, stage: int, replica: int | None = None) -> int:
+        """The global rank that runs ``stage`` of ``replica`` (default: this process's replica)."""
+        return self.topology.rank_of(stage, self.replica_index if replica is None else replica)
 
     @property
     def is_distributed(self) -> bool:
@@ -90,7 +121,8 @@ class PipelineProcesses(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": 1, "rank": 0}  # pure pipeline parallelism: every stage sees the same batches
+        # every stage of one replica sees the same batches; replicas see disjoint shards
+        return {"num_replicas": self.data_parallel_size, "rank": self.replica_index}
 
     @property
     def process_group_backend(self) -> str | None:
@@ -105,6 +137,7 @@ class PipelineProcesses(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self.topology  # an impossible pipeline x data split fails here, in the main process, before any start
         if self.config.start_method != "popen":
             self._launcher = api.multiprocessing_launcher(
                 self, self.config.start_method, send=self._send_after_fit, receive=self._receive_after_fit,
@@ -123,14 +156,16 @@ class PipelineProcesses(ParallelStrategy):
     def setup_environment(self) -> None:
         environment = self.cluster_environment
         assert environment is not None
-        stages = self.num_processes * self.num_nodes
-        if environment.creates_processes_externally and stages != environment.world_size():
+        world = self.num_processes * self.num_nodes
+        if environment.creates_processes_externally and world != environment.world_size():
             expected = environment.world_size()  # torchrun, SLURM, ...: check before the rendezvous
             raise ValueError(
-                f"`Trainer(devices={self.num_processes}, num_nodes={self.num_nodes})` starts {stages} pipeline stages, "
-                f"but the launcher started {expected} processes (WORLD_SIZE={expected}). One process runs one stage: "
-                f"pass `devices={max(1, expected // self.num_nodes)}` (per node) or launch {stages} processes."
+                f"`Trainer(devices={self.num_processes}, num_nodes={self.num_nodes})` asks for {world} processes "
+                f"(pipeline stages x data-parallel replicas), but the launcher started {expected} (WORLD_SIZE="
+                f"{expected}). One process runs one stage of one replica: pass "
+                f"`devices={max(1, expected // self.num_nodes)}` (per node) or launch {world} processes."
             )
+        topology = self.topology  # an impossible pipeline x data split fails here, on every rank alike
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -141,14 +176,25 @@ class PipelineProcesses(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         api.init_dist_connection(environment, self._process_group_backend, **kwargs)
-        # pipeline messages on their own communicators, apart from Lightning's collectives: one for activations and
-        # gradients, one for the tied-weight exchange (independent message order, also under NCCL)
-        self._p2p_groups = [dist.new_group(backend=self._process_group_backend, timeout=self.config.timeout)
-                            for _ in range(2)]
+        # pipeline messages on their own communicators, apart from Lightning's collectives: one per neighbour pair
+        # and direction, and per direction of the tied-weight exchange -- the layout the strict rendezvous model
+        # proves deadlock-free under NCCL ([Note: rendezvous]); every rank creates every group, in one order
+        self._p2p_groups = {
+            comm: dist.new_group([topology.rank_of(s, comm[1]) for s in members], backend=self._process_group_backend,
+                                 timeout=self.config.timeout)
+            for comm, members in layout_communicators("directed", topology.pipeline, topology.data).items()
+        }
+        if topology.data > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self.device_mesh = DeviceMesh(self.root_device.type, torch.tensor(topology.mesh_ranks()),
+                                          mesh_dim_names=("pp", "dp"))
         store = connect_store()
         if store is not None:
-            self._watchdog = StageWatchdog(self.stage_index, self.num_stages, store,
-                                           dead_after=self.config.failure_timeout)
+            self._watchdog = StageWatchdog(
+                self.watch_id, topology.world if topology.data > 1 else topology.pipeline, store,
+                dead_after=self.config.failure_timeout, store_host=0 if topology.data > 1 else topology.stage_of(0),
+                name=self.watch_name)
             self._watchdog.start()
         else:
             log.warning("lightning_paci: no rendezvous store reachable (MASTER_ADDR/MASTER_PORT); a dead stage "
@@ -181,8 +227,21 @@ class PipelineProcesses(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
-        # one data-parallel replica: a reduce over it is the identity (logged values are the same on every rank)
-        return tensor
+        """``sync_dist=True``: over the data-parallel replicas of this rank's stage. The stages of one replica hold
+        the same logged values (every rank replays the records of its replica), so a reduce over the stages is the
+        identity and a pure pipeline returns the value as it is; the replicas of a stage replay the same records in
+        the same order, so their group issues the same collectives (also under NCCL)."""
+        if self.data_parallel_size == 1 or not isinstance(tensor, Tensor):
+            return tensor
+        op = str(getattr(reduce_op, "name", reduce_op)).lower()
+        ops = {"mean": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
+               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        if op not in ops:
+            raise ValueError(f"`reduce_op={reduce_op!r}` is not supported across data-parallel replicas: use "
+                             f"'mean', 'sum', 'max' or 'min'.")
+        result = tensor.detach().clone() if tensor.is_floating_point() else tensor.detach().double()
+        dist.all_reduce(result, op=ops[op], group=self.device_mesh.get_group("dp"))
+        return result / self.data_parallel_size if op in ("mean", "avg") else result
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

@@ -17,33 +17,43 @@ from lightning.pytorch import LightningModule
 
 from lightning_paci.comm import LocalComm
 from lightning_paci.compensation import lookahead_for
+from lightning_paci.data_parallel import ReplicaMismatchError
 from lightning_paci.microbatch import loss_scale_for, split_weighted
 from lightning_paci.partition import PartitionPlan, carve_stage
 from lightning_paci.program import LightningStageProgram
 from lightning_paci.runtime import StageRuntime
-from lightning_paci.schedules import RECV_KINDS, Action, ActionKind, Schedule, message_key, static_drift, validate
+from lightning_paci.schedules import OPT, RECV_KINDS, Action, ActionKind, Schedule, message_key, static_drift, validate
 from lightning_paci.stage_optimizer import StageOptimizer, optimizer_and_step_schedulers
 
 __all__ = ["ReferencePipeline", "run_lists"]
 
 
-def run_lists(runtimes: Sequence[StageRuntime], lists: Sequence[Sequence[Action]]) -> None:
-    """Execute every stage's list to the end in one process."""
+def run_lists(runtimes: Sequence[StageRuntime], lists: Sequence[Sequence[Action]], *, replicas: int = 1) -> None:
+    """Execute every stage's list to the end in one process. With ``replicas`` > 1, ``runtimes`` holds replica
+    ``r``'s stage ``s`` at ``r * N + s`` (``lists`` are the ``N`` stages' lists, the same for every replica), and a
+    stage's ``OPT`` waits until all its replicas have reached that update (their gradients are then complete, for
+    the average their ``reduce_gradients`` takes)."""
+    n = len(lists)
     positions = [0] * len(runtimes)
     progress = True
     while progress:
         progress = False
-        for s, runtime in enumerate(runtimes):
-            actions = lists[s]
-            while positions[s] < len(actions):
-                action = actions[positions[s]]
-                key = message_key(action, len(runtimes))
+        for index, runtime in enumerate(runtimes):
+            actions = lists[index % n]
+            while positions[index] < len(actions):
+                action = actions[positions[index]]
+                key = message_key(action, n)
                 if key is not None and action.kind in RECV_KINDS and not runtime.comm.ready(key[1], int(key[0] == "T")):
                     break
+                if action.kind is OPT and replicas > 1 and not all(
+                        runtimes[peer].version > runtime.version  # stepped this update already
+                        or (runtimes[peer].version == runtime.version and actions[positions[peer]].kind is OPT)
+                        for peer in range(index % n, len(runtimes), n)):
+                    break
                 runtime.execute(action)
-                positions[s] += 1
+                positions[index] += 1
                 progress = True
-    if any(positions[s] < len(lists[s]) for s in range(len(runtimes))):
+    if any(positions[i] < len(lists[i % n]) for i in range(len(runtimes))):
         validate(lists)  # raises with the grid
         raise AssertionError("reference executor stalled on a list the validator accepts")
 
@@ -63,30 +73,48 @@ class ReferencePipeline:
         *,
         optimizer_factory: Callable[[LightningModule], tuple[torch.optim.Optimizer, list[Any]]] | None = None,
         compensation: str = "auto",
+        replicas: int = 1,
     ) -> None:
         self.plan = plan
-        self.modules: list[LightningModule] = []
-        self.runtimes: list[StageRuntime] = []
-        self._accumulation = 1
-        comms = LocalComm.network(plan.num_stages)
+        self.replicas = replicas
+        # replica_modules[r][s], replica_runtimes[r][s]; ``modules``/``runtimes``: replica 0's
+        self.replica_modules: list[list[LightningModule]] = []
+        self.replica_runtimes: list[list[StageRuntime]] = []
         factory = optimizer_factory or _configured_optimizer
-        for stage in range(plan.num_stages):
-            copy_ = copy.deepcopy(module)
-            carve = carve_stage(copy_, plan, stage)
-            optimizer, schedulers = factory(copy_)
-            replicas = carve.tied_params if stage == plan.num_stages - 1 else []
-            stage_optimizer = StageOptimizer(optimizer, list(copy_.parameters()), schedulers=schedulers,
-                                             exclude=replicas)
-            runtime = StageRuntime(stage, plan.num_stages, LightningStageProgram(copy_, carve), comms[stage],
-                                   stage_optimizer, loss_scale=1.0, tied=carve.tied_params)
-            runtime.lookahead = lookahead_for(compensation, optimizer, stage_optimizer.pairs, warn=None)
-            self.modules.append(copy_)
-            self.runtimes.append(runtime)
+        for replica in range(replicas):
+            comms = LocalComm.network(plan.num_stages)
+            modules, runtimes = [], []
+            for stage in range(plan.num_stages):
+                copy_ = copy.deepcopy(module)
+                carve = carve_stage(copy_, plan, stage)
+                optimizer, schedulers = factory(copy_)
+                tied_replica = carve.tied_params if stage == plan.num_stages - 1 else []
+                stage_optimizer = StageOptimizer(optimizer, list(copy_.parameters()), schedulers=schedulers,
+                                                 exclude=tied_replica)
+                runtime = StageRuntime(stage, plan.num_stages, LightningStageProgram(copy_, carve), comms[stage],
+                                       stage_optimizer, loss_scale=1.0, tied=carve.tied_params)
+                runtime.lookahead = lookahead_for(compensation, optimizer, stage_optimizer.pairs, warn=None)
+                runtime.replica = replica
+                modules.append(copy_)
+                runtimes.append(runtime)
+            self.replica_modules.append(modules)
+            self.replica_runtimes.append(runtimes)
+        if replicas > 1:
+            for stage in range(plan.num_stages):
+                average = _ReplicaAverage([runtimes[stage] for runtimes in self.replica_runtimes])
+                for runtimes in self.replica_runtimes:
+                    runtimes[stage].reduce_gradients = average
+        self.modules, self.runtimes = self.replica_modules[0], self.replica_runtimes[0]
 
     def run(self, schedule: Schedule, batches: Sequence[Any], *, accumulation_scale: int | None = None) -> None:
-        """Feed ``batches`` (one per mini-batch) and run the schedule's lists to the end."""
-        if len(batches) != schedule.num_minibatches:
-            raise ValueError(f"{len(batches)} batches for a schedule of {schedule.num_minibatches} mini-batches")
+        """Feed ``batches`` (one per mini-batch; with replicas, ``batches[r]`` is replica ``r``'s) and run the
+        schedule's lists to the end."""
+        per_replica = [batches] if self.replicas == 1 else list(batches)
+        if len(per_replica) != self.replicas:
+            raise ValueError(f"{len(per_replica)} batch lists for {self.replicas} replicas: pass one per replica")
+        if any(len(b) != schedule.num_minibatches for b in per_replica):
+            raise ValueError(f"{[len(b) for b in per_replica]} batches for a schedule of "
+                             f"{schedule.num_minibatches} mini-batches")
         has_tied_messages = any(a.kind in (ActionKind.SEND_T, ActionKind.RECV_T) for a in schedule.actions[0])
         if bool(self.plan.tied) and not has_tied_messages:
             raise ValueError(
@@ -96,15 +124,16 @@ class ReferencePipeline:
             )
         scale = loss_scale_for(accumulation_scale or schedule.accumulation)
         base = self.runtimes[0].microbatch_base
-        for runtime in self.runtimes:
+        everyone = [runtime for runtimes in self.replica_runtimes for runtime in runtimes]
+        for runtime in everyone:
             runtime.loss_scale = scale
-            for k, batch in enumerate(batches):
+            for k, batch in enumerate(per_replica[runtime.replica]):
                 for i, (part, weight) in enumerate(split_weighted(batch, schedule.num_microbatches)):
                     runtime.add_microbatch(k * schedule.num_microbatches + i, part, k, weight=weight)
-        for runtime, actions in zip(self.runtimes, schedule.actions):
-            runtime.crossings = static_drift(actions).__getitem__  # read from the list itself (the driver counts)
-        run_lists(self.runtimes, schedule.actions)
-        for runtime in self.runtimes:
+            # read from the list itself (the driver counts)
+            runtime.crossings = static_drift(schedule.actions[runtime.stage]).__getitem__
+        run_lists(everyone, schedule.actions, replicas=self.replicas)
+        for runtime in everyone:
             runtime.microbatch_base = base + schedule.total_microbatches
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -114,6 +143,36 @@ class ReferencePipeline:
         for module in reversed(self.modules):
             full.update(module.state_dict())
         return full
+
+
+class _ReplicaAverage:
+    """The reference executor's data-parallel reduction: the first replica of a stage to step averages every
+    replica's gradients (``run_lists`` lets it only when all have reached that update), as
+    :func:`~lightning_paci.data_parallel.average_gradients` does over processes: summed in replica order, then
+    divided (for two replicas the same bits as gloo's all-reduce)."""
+
+    def __init__(self, runtimes: list[StageRuntime]) -> None:
+        self.runtimes = runtimes
+        self.done = -1
+
+    def __call__(self) -> None:
+        version = min(runtime.version for runtime in self.runtimes)
+        if version == self.done:
+            return
+        self.done = version
+        params = [[p for _, p in runtime.optimizer.pairs] for runtime in self.runtimes]  # type: ignore[union-attr]
+        for same in zip(*params):
+            grads = [p.grad for p in same]
+            present = sum(g is not None for g in grads)
+            if present == 0:
+                continue
+            if present != len(grads):
+                raise ReplicaMismatchError(f"a parameter has a gradient on {present} of {len(grads)} replicas")
+            total = grads[0].clone()  # type: ignore[union-attr]
+            for grad in grads[1:]:
+                total += grad
+            for p in same:
+                p.grad.copy_(total).div_(len(grads))  # type: ignore[union-attr]
 
 
 def _configured_optimizer(module: LightningModule) -> tuple[torch.optim.Optimizer, list[Any]]:

@@ -22,7 +22,7 @@ from torch import nn
 from lightning_paci.comm import Comm, flatten
 from lightning_paci.compensation import LookAhead
 from lightning_paci.logs import LOSS_KEY, LogRecord
-from lightning_paci.microbatch import microbatch_size
+from lightning_paci.microbatch import microbatch_rng, microbatch_size
 from lightning_paci.records import ActivationMeter, BackwardRecord, StageRecords
 from lightning_paci.schedules import (
     OPT,
@@ -43,37 +43,13 @@ from lightning_paci.stage_optimizer import StageOptimizer
 from lightning_paci.supervision import StageFailure
 from lightning_paci.timeline import Interval
 
-__all__ = ["BackwardHooks", "ForwardOutput", "StageProgram", "StageRuntime", "microbatch_rng"]
+__all__ = ["BackwardHooks", "ForwardOutput", "StageProgram", "StageRuntime"]
 
 # how each action kind's time is accounted, and the kind its interval shows in a timeline
 _CATEGORY = {F: "compute", B: "compute", OPT: "optimizer", RECV_F: "wait", RECV_B: "wait", RECV_T: "wait",
              SEND_F: "comm", SEND_B: "comm", SEND_T: "comm"}
 _INTERVAL_KIND = {F: "F", B: "B", OPT: "OPT", RECV_F: "WAIT_F", RECV_B: "WAIT_B", RECV_T: "WAIT_F",
                   SEND_F: "SEND", SEND_B: "SEND", SEND_T: "SEND"}
-
-
-@contextlib.contextmanager
-def microbatch_rng(seed: int, stage: int, microbatch: int) -> Iterator[None]:
-    """[Note: randomness per micro-batch]
-    Every forward runs with the CPU (and CUDA) generators seeded from ``(seed, stage, micro-batch index in the run)``
-    and the CPU generator restored afterwards. Dropout masks and any other draw of a forward are then independent
-    across stages (every rank starts from the same RNG state: drawing in lock step, stage 1's block 2 used stage 0's
-    block 0 masks), the same whatever the timing, equal in the one-process reference executor and the processes,
-    and the main RNG stream (samplers, augmentation) no longer depends on how many forwards a stage ran.
-    """
-    mixed = (((seed * 1_000_003) ^ (stage + 1)) * 1_000_033 + microbatch) % (2**63 - 1)
-    generators = [torch.default_generator]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        generators.append(torch.cuda.default_generators[torch.cuda.current_device()])
-    # the generators themselves, not torch.manual_seed (150 us: it visits every backend) or fork_rng: ~3 us
-    states = [g.get_state() for g in generators]
-    for g in generators:
-        g.manual_seed(mixed)
-    try:
-        yield
-    finally:
-        for g, state in zip(generators, states):
-            g.set_state(state)
 
 
 @dataclass
@@ -148,8 +124,8 @@ class StageRuntime:
         loss_scale: the last stage back-propagates ``loss * loss_scale`` (``1 / accumulation``).
         clock: time source of the records. tied: tied-weight parameters (see [Note: tied weights]).
         skip_nonfinite: drop a micro-batch whose loss is not finite instead of failing.
-        retention: per-micro-batch records kept (see :class:`~lightning_paci.records.StageRecords`).
-        hooks: called around each local backward (see :class:`BackwardHooks`).
+        retention: per-micro-batch records kept (:class:`~lightning_paci.records.StageRecords`). hooks: called
+            around each local backward (:class:`BackwardHooks`).
         seed: base of every forward's random stream (default: ``torch.initial_seed()``, see
             [Note: randomness per micro-batch]).
     """
@@ -178,6 +154,8 @@ class StageRuntime:
         self.loss_scale = loss_scale
         self.hooks = hooks
         self.seed = torch.initial_seed() if seed is None else seed  # the same on every rank after seeding
+        self.replica = 0  # data-parallel replica: its forwards draw their own random streams
+        self.replica_tag = ""  # " (replica r)" in error messages when there are replicas
         self.clock = clock
         self.records = StageRecords(clock=clock, retention=retention)
         # micro-batch -> (data, step args after the batch, loss weight; see microbatch.split_weighted)
@@ -203,6 +181,7 @@ class StageRuntime:
         self.lookahead: LookAhead | None = None
         self.crossings: Callable[[int], int] = _no_crossings
         self.window_backwards = 0  # backwards accumulated since the last update (the look-ahead's known share)
+        self.reduce_gradients: Callable[[], None] | None = None  # data parallel: average over the stage's replicas
         self._handlers: dict[str, Callable[[Any], None]] = {
             F: self._forward, B: self._backward, OPT: self._optimizer_step,
             SEND_F: self._send_activation, SEND_B: self._send_gradient, RECV_F: self._receive_activation,
@@ -234,8 +213,8 @@ class StageRuntime:
                 raise AssertionError(f"no message for {action}") from err
             receiving = kind in RECV_KINDS
             raise StageFailure(
-                f"stage {self.stage}: {'receiving from' if receiving else 'sending to'} stage "
-                f"{key[1] if receiving else key[2]} failed at {action} ({self.step_label}): {err}"
+                f"stage {self.stage}{self.replica_tag}: {'receiving from' if receiving else 'sending to'} stage "
+                f"{key[1] if receiving else key[2]}{self.replica_tag} failed at {action} ({self.step_label}): {err}"
             ) from err
         index = None if mb is None else mb + self.microbatch_base
         self.records.account(_CATEGORY[kind], Interval(self.stage, _INTERVAL_KIND[kind], index, start, self.clock()))
@@ -255,7 +234,8 @@ class StageRuntime:
         ahead = _NO_CONTEXT
         if self.lookahead is not None and not padding:
             ahead = self.lookahead.moved(self.crossings(mb), max(0.0, 1.0 - self.window_backwards * self.loss_scale))
-        with microbatch_rng(self.seed, self.stage, key), (_padding(self.program.module) if padding else ahead):
+        context = _padding(self.program.module) if padding else ahead
+        with microbatch_rng(self.seed, self.stage, key, self.replica), context:
             if records.activations:
                 meter = ActivationMeter(self.program.module.parameters())
                 with meter:
@@ -331,6 +311,8 @@ class StageRuntime:
     def _optimizer_step(self, _: None) -> None:
         if self.optimizer is None:
             raise AssertionError(f"stage {self.stage}: OPT scheduled on a stage without an optimizer")
+        if self.reduce_gradients is not None:  # before the check: every replica then sees (and names) a bad value
+            self.reduce_gradients()
         self._check_finite_gradients()
         measuring = self.records.weight_drift
         update_norm, weight_norm = self.optimizer.step(measure=measuring)

@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
@@ -34,6 +35,7 @@ from typing_extensions import override
 from lightning_paci import lightning_api as api
 from lightning_paci.comm import DistComm
 from lightning_paci.config import PACIConfig
+from lightning_paci.data_parallel import GradientAverage
 from lightning_paci.optimizer_layout import OptimizerLayout
 from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage, plan_partition
 from lightning_paci.program import LightningHooks
@@ -105,13 +107,16 @@ class PACIStrategy(CheckpointingProcesses):
         freeze_gc: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         compensation: Literal["auto", "lookahead", "none"] = "auto",
+        pipeline_parallel_size: int | Literal["auto"] = "auto",
+        data_parallel_size: int | Literal["auto"] = "auto",
     ) -> None:
         config = PACIConfig(
             schedule=schedule, microbatches=microbatches, accumulation=accumulation, partition=partition,
             block_container=block_container, process_group_backend=process_group_backend, timeout=timeout,
             failure_timeout=failure_timeout, nonfinite=nonfinite, checkpoint_layout=checkpoint_layout,
             max_stream_batches=max_stream_batches, freeze_gc=freeze_gc, start_method=start_method,
-            compensation=compensation)
+            compensation=compensation, pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size)
         super().__init__(config, accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -162,23 +167,23 @@ class PACIStrategy(CheckpointingProcesses):
         module = self.lightning_module
         assert module is not None
         check_trainer(trainer, module, self.num_stages)
-        same_data_on_every_stage(trainer, self.broadcast)
+        same_data_on_every_stage(trainer, self.broadcast, self.data_parallel_size)
         if self._stage is None:
             measured = measure_block_costs(self, trainer) if self.config.partition == "balanced" else None
             if trainer.state.fn == TrainerFn.FITTING and self.is_global_zero:  # before carving: the whole model
                 self._undo_patches += api.whole_model_summaries(trainer, module)
             plan = plan_partition(module, self.num_stages, container=self.config.block_container,
                                   partition=self.config.partition, measured=measured)
-            rank_zero_info(f"lightning_paci: {self.num_stages} stages, schedule={self.config.schedule!r}, "
+            rank_zero_info(f"lightning_paci: {self.topology.describe()}, schedule={self.config.schedule!r}, "
                            f"microbatches={self.num_microbatches}, accumulation={self.accumulation}; "
                            f"{plan.describe()}")
             layout = OptimizerLayout.of(module) if trainer.state.fn == TrainerFn.FITTING else None
             self._stage = PipelineStage(
                 module, plan, carve_stage(module, plan, self.stage_index), config=self.config, layout=layout,
                 num_microbatches=self.num_microbatches,
-                broadcast=lambda obj, stage: self.broadcast(obj, src=self.rank_of(stage)),
+                broadcast=self._pipeline_broadcast,
                 comm=lambda: DistComm([self.rank_of(s) for s in range(self.num_stages)], groups=self._p2p_groups,
-                                      device=self.root_device),
+                                      replica=self.replica_index, device=self.root_device),
                 eval_context=self.precision_plugin.val_step_context)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -189,11 +194,27 @@ class PACIStrategy(CheckpointingProcesses):
         stage.start_training(self.optimizers, schedulers=owned, accumulation=self.accumulation,
                              hooks=LightningHooks(module, trainer, stage.index),
                              train_context=self.precision_plugin.train_step_context)
+        if self.data_parallel_size > 1:
+            stage.runtime.replica = self.replica_index
+            stage.runtime.replica_tag = f" (replica {self.replica_index})"
+            names = {id(p): name for name, p in module.named_parameters()}
+            params = [p for _, p in stage.runtime.optimizer.pairs]
+            stage.runtime.reduce_gradients = GradientAverage(
+                params, self.device_mesh.get_group("dp"), self.data_parallel_size,
+                names=[names.get(id(p), f"parameter {i}") for i, p in enumerate(params)])
         self._undo_patches += patch_for_pipeline(trainer, module, owned)
+
+    def _pipeline_broadcast(self, obj: Any, stage: int) -> Any:
+        """Broadcast from ``stage`` of this process's replica to the other stages of that replica."""
+        if self.data_parallel_size == 1:
+            return self.broadcast(obj, src=self.rank_of(stage))
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=self.rank_of(stage), group=self.device_mesh.get_group("pp"))
+        return holder[0]
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        return seed_workers_alike(dataloader)
+        return seed_workers_alike(dataloader, self.replica_index)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -257,7 +278,7 @@ class PACIStrategy(CheckpointingProcesses):
         """Tell every other stage (through the store) which stage failed and why, before Lightning unwinds."""
         self._failed = True
         if self._watchdog is not None:
-            self._watchdog.report(self.stage_index, f"{type(exception).__name__}: {exception}")
+            self._watchdog.report(self.watch_id, f"{type(exception).__name__}: {exception}")
             self._watchdog.stop(done=False)
 
     @override

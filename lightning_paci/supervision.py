@@ -53,9 +53,14 @@ class StageWatchdog:
     """Heartbeat and failure watcher of one stage (see the module docstring)."""
 
     def __init__(self, stage: int, num_stages: int, store: Any, *, interval: float = 1.0, dead_after: float = 20.0,
-                 exit_fn: Callable[[int], None] = os._exit) -> None:
+                 exit_fn: Callable[[int], None] = os._exit, name: Callable[[int], str] = "stage {}".format,
+                 store_host: int = 0) -> None:
+        # ``stage``/``num_stages``: this process's index among the watched ones and their count -- the stage index
+        # of a pure pipeline, the global rank under data parallelism (``name`` then says "stage s (replica r)")
         self.stage = stage
         self.num_stages = num_stages
+        self.name = name
+        self.store_host = store_host  # the index of global rank 0, whose process hosts the store
         self.store = store
         self.interval = interval
         self.dead_after = dead_after
@@ -97,11 +102,11 @@ class StageWatchdog:
                 self._beat()
                 failure = self._failure()
             except Exception as err:  # the store lives in rank 0's process: unreachable means rank 0 is gone
-                failure = (0, f"exited or died: the rendezvous store it hosts is unreachable ({err}); if another "
-                              f"stage failed first, its message is above")
+                failure = (self.store_host, f"exited or died: the rendezvous store it hosts is unreachable ({err}); "
+                                            f"if another stage failed first, its message is above")
             if failure is not None and not self._stop.is_set():
                 stage, reason = failure
-                print(f"lightning_paci: stage {stage} failed: {reason} -- stopping stage {self.stage}",
+                print(f"lightning_paci: {self.name(stage)} failed: {reason} -- stopping {self.name(self.stage)}",
                       file=sys.stderr, flush=True)
                 self._exit(1)
                 return

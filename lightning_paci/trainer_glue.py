@@ -63,14 +63,17 @@ def check_trainer(trainer: Trainer, module: LightningModule, num_stages: int) ->
                          f"`Trainer(devices=N)` with N >= 2.")
 
 
-def same_data_on_every_stage(trainer: Trainer, broadcast: Callable[[Any, int], Any]) -> None:
+def same_data_on_every_stage(trainer: Trainer, broadcast: Callable[[Any, int], Any], replicas: int = 1) -> None:
     """Every stage iterates the same batches, in the order one device would: the user's samplers are kept (no
-    ``DistributedSampler(num_replicas=1)``: a pure pipeline has one data-parallel replica), and every rank adopts
+    ``DistributedSampler(num_replicas=1)``: a pure pipeline has one data-parallel replica; with ``replicas`` > 1
+    Lightning's ``DistributedSampler`` shards by the data-parallel coordinate only, ``distributed_sampler_kwargs``,
+    so every stage of one replica still sees the same samples), and every rank adopts
     rank 0's states of torch's, Python's ``random`` and NumPy's global generators, from which a ``RandomSampler``
     draws each epoch's order, a ``collate_fn`` its masks and the dataloader its workers' seeds (ranks started
     without a common seed would otherwise differ). The forwards never advance those states (see [Note: randomness
     per micro-batch] in runtime.py), so the ranks stay in step; fingerprint.py checks that they did."""
-    api.keep_user_samplers(trainer)
+    if replicas == 1:
+        api.keep_user_samplers(trainer)
     np_random = _numpy_random()
     states = broadcast((torch.random.get_rng_state(), random.getstate(),
                         np_random.get_state() if np_random is not None else None), 0)
@@ -89,12 +92,12 @@ def _numpy_random() -> Any:
     return numpy.random
 
 
-def seed_workers_alike(dataloader: Any) -> Any:
+def seed_workers_alike(dataloader: Any, replica: int = 0) -> Any:
     """Seed the dataloader's workers by the data-parallel rank (0 in a pure pipeline), not the global rank:
     ``seed_everything(..., workers=True)`` otherwise gives each stage's workers other random augmentations or masks
     (Lightning adds its worker seeding right after ``Strategy.process_dataloader``, only where none is set)."""
     if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", False) is None:
-        dataloader.worker_init_fn = functools.partial(pl_worker_init_function, rank=0)
+        dataloader.worker_init_fn = functools.partial(pl_worker_init_function, rank=replica)
     return dataloader
 
 

@@ -72,7 +72,7 @@ def read_stage_records(directory: Path, num_stages: int) -> list[dict[str, Any]]
 
 
 def fit(model: L.LightningModule, loader: Any, *, devices: int, max_steps: int = 5, callbacks: list[Any] | None = None,
-        trainer_kwargs: dict[str, Any] | None = None, ckpt_path: str | None = None,
+        trainer_kwargs: dict[str, Any] | None = None, ckpt_path: str | None = None, val_dataloaders: Any = None,
         **strategy_kwargs: Any) -> L.Trainer:
     strategy = PACIStrategy(start_method="fork", timeout=timedelta(seconds=60), **strategy_kwargs)
     kwargs: dict[str, Any] = dict(
@@ -82,7 +82,7 @@ def fit(model: L.LightningModule, loader: Any, *, devices: int, max_steps: int =
     )
     kwargs.update(trainer_kwargs or {})
     trainer = L.Trainer(strategy=strategy, **kwargs)
-    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    trainer.fit(model, loader, val_dataloaders, ckpt_path=ckpt_path)
     return trainer
 
 

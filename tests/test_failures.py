@@ -166,8 +166,9 @@ def test_devices_not_matching_the_torchrun_world_size(monkeypatch):
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "x"}.items():
         monkeypatch.setenv(key, value)
     trainer = L.Trainer(strategy="paci", accelerator="cpu", devices=4, logger=False)
-    with pytest.raises(ValueError, match=r"`Trainer\(devices=4, num_nodes=1\)` starts 4 pipeline stages, "
-                                         r"but the launcher started 2 processes.*pass `devices=2`"):
+    with pytest.raises(ValueError, match=r"`Trainer\(devices=4, num_nodes=1\)` asks for 4 processes \(pipeline "
+                                         r"stages x data-parallel replicas\), but the launcher started 2.*pass "
+                                         r"`devices=2`"):
         trainer.fit(SequentialMLP(), regression_loader())
 
 

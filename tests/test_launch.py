@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,3 +22,46 @@ def test_paci_strategy_string_launches_a_script_and_rank_zero_ends_with_full_wei
     assert "OK rank0 keys=8" in out.stdout
     assert "OK predict" in out.stdout
     assert "OK save after fit" in out.stdout
+
+
+TORCHRUN_SCRIPT = Path(__file__).parent / "scripts" / "torchrun_script.py"
+
+
+def _two_torchrun_nodes(out: Path, *args: str) -> tuple[list[subprocess.CompletedProcess], float]:
+    """The two commands of the README's "Launching" section, one per "node", on this machine: c10d rendezvous on
+    localhost at a free port, 2 processes each."""
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", str(TORCHRUN_SCRIPT), str(out), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    done = []
+    for node in nodes:
+        stdout, stderr = node.communicate(timeout=150)
+        done.append(subprocess.CompletedProcess(command, node.returncode, stdout, stderr))
+    return done, time.monotonic() - start
+
+
+def test_two_torchrun_nodes_train_checkpoint_and_resume_as_pp2_dp2_and_pp4_dp1(tmp_path):
+    nodes, _ = _two_torchrun_nodes(tmp_path)
+    for node in nodes:
+        assert node.returncode == 0, node.stderr[-3000:]
+    said = "".join(node.stdout for node in nodes)
+    for rank in range(4):
+        assert f"OK rank {rank}: pipeline 2 x data 2 and pipeline 4 x data 1 trained, saved, resumed" in said
+
+
+def test_sigkill_of_one_rank_under_torchrun_brings_every_rank_down_naming_it(tmp_path):
+    nodes, seconds = _two_torchrun_nodes(tmp_path, "kill")
+    assert seconds < 60
+    assert all(node.returncode != 0 for node in nodes)
+    said = "".join(node.stderr for node in nodes)
+    assert "stage 1 (replica 1)" in said  # the killed rank, named by the others
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    assert len(pids) == 4
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

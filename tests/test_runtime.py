@@ -115,7 +115,7 @@ def test_a_skipped_microbatch_sends_zero_gradients_and_no_loss():
 
 
 def test_each_forward_draws_from_its_own_stream_and_leaves_the_main_one_alone():
-    from lightning_paci.runtime import microbatch_rng
+    from lightning_paci.microbatch import microbatch_rng
 
     torch.manual_seed(3)
     before = torch.random.get_rng_state()

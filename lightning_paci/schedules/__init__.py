@@ -8,7 +8,8 @@ The package keeps one concept per module and re-exports all of them here, so imp
 * :mod:`~lightning_paci.schedules.actions`: action kinds, ``Action``, its text form, ``Schedule``, message keys,
 * :mod:`~lightning_paci.schedules.build`: the builder (compute order, lowering, tied-weight exchange),
 * :mod:`~lightning_paci.schedules.analysis`: facts read off the lists (drift, in-flight depth, call rounds),
-* :mod:`~lightning_paci.schedules.validate`: the validator and its step x stage grid.
+* :mod:`~lightning_paci.schedules.validate`: the validator and its step x stage grid,
+* :mod:`~lightning_paci.schedules.rendezvous`: the strict model of NCCL messaging and the communicator layouts.
 
 Importing this package imports neither torch nor lightning: the simulator and the command line stay light.
 """
@@ -45,10 +46,18 @@ from lightning_paci.schedules.analysis import (
     static_tied_lags,
 )
 from lightning_paci.schedules.build import SCHEDULE_NAMES, ScheduleName, build
+from lightning_paci.schedules.rendezvous import (
+    LAYOUTS,
+    Communicator,
+    check_rendezvous,
+    communicator,
+    layout_communicators,
+)
 from lightning_paci.schedules.validate import format_grid, stage_lists_from_text, validate
 
 __all__ = [
     "COMPUTE_KINDS",
+    "LAYOUTS",
     "OPT",
     "RECV_B",
     "RECV_F",
@@ -62,6 +71,7 @@ __all__ = [
     "Action",
     "ActionKind",
     "B",
+    "Communicator",
     "F",
     "MessageKey",
     "Schedule",
@@ -69,10 +79,13 @@ __all__ = [
     "ScheduleName",
     "assign_rounds",
     "build",
+    "check_rendezvous",
+    "communicator",
     "derived_drift_bound",
     "drift_bound",
     "format_grid",
     "inflight_profile",
+    "layout_communicators",
     "message_key",
     "parse_actions",
     "stage_lists_from_text",

@@ -29,6 +29,7 @@ from lightning_paci.schedules.actions import (
     message_key,
     parse_actions,
 )
+from lightning_paci.schedules.rendezvous import check_rendezvous
 
 __all__ = ["format_grid", "stage_lists_from_text", "validate"]
 
@@ -71,9 +72,14 @@ def _fail(actions: Sequence[Sequence[Action | None]], stage: int, step: int, mes
     return ScheduleError(f"Stage {stage}, step {step}: {message}\n{grid}")
 
 
-def validate(actions: Sequence[Sequence[Action | None]] | Schedule) -> None:
+def validate(actions: Sequence[Sequence[Action | None]] | Schedule, *, rendezvous: str | None = None,
+             replicas: int = 1) -> None:
     """Reject impossible lists: backward before forward, a micro-batch run twice, an unmatched send or receive,
     and any circular wait (deadlock) under the runtime's semantics (sends never block, receives do).
+
+    ``rendezvous``: also run the lists under the strict model of NCCL ([Note: rendezvous]) with that communicator
+    layout (``"directed"``, what the runtime uses, or ``"shared"``, 0.1's) and ``replicas`` data-parallel
+    replicas per stage, whose gradient all-reduce precedes every ``OPT``.
 
     ``None`` entries are deliberate bubbles and are skipped. Raises :class:`ScheduleError` with the grid.
     """
@@ -162,6 +168,8 @@ def validate(actions: Sequence[Sequence[Action | None]] | Schedule) -> None:
     if stuck:
         cycle = ", ".join(f"stage {s} waits at {lists[s][position[s]]}" for s in stuck)
         raise _fail(lists, stuck[0], position[stuck[0]], f"deadlock: {cycle}.")
+    if rendezvous is not None:
+        check_rendezvous(lists, layout=rendezvous, replicas=replicas)
 
 
 def stage_lists_from_text(rows: Mapping[int, str] | Iterable[str]) -> list[list[Action]]:

@@ -1,0 +1,84 @@
+"""Data parallelism per stage: the replicas of a stage average their accumulated gradients right before each of
+their local optimizer steps.
+
+PACI has no global step, so its data parallelism stays per stage: the replicas of stage ``s`` run the same action
+list, reach their ``k``-th ``OPT`` after the same ``a`` backwards, and average what those backwards accumulated --
+one all-reduce per local step over the stage's data-parallel group, nothing between stages. A micro-batch backward
+never synchronises (torchtitan's ``no_sync`` micro-batches, done here by owning the reduction instead of wrapping
+the stage in DDP). Averaged gradients equal those of one replica fed all replicas' samples of the window, so a flush
+schedule over ``D`` replicas of ``b`` samples equals one device on the ``D * b`` samples; gradient clipping, the
+finite check and the step then see the same gradients on every replica, and the replicas stay equal bit for bit.
+
+One bucket per dtype and device: the gradients are copied into one flat buffer (bytes of the stage's gradients,
+the size of DDP's buckets together), reduced once, and copied back. Each parameter's slot carries a presence flag:
+a parameter with a gradient on some replicas and not on others (data-dependent control flow) is an error naming
+it, instead of a silently skewed average; one without a gradient anywhere keeps ``grad = None`` so the optimizer
+skips it as one device would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["GradientAverage", "ReplicaMismatchError", "average_gradients"]
+
+
+class ReplicaMismatchError(RuntimeError):
+    """The replicas of a stage disagree on which parameters received a gradient."""
+
+
+def average_gradients(params: Sequence[nn.Parameter], replicas: int,
+                      all_reduce: Callable[[torch.Tensor], None], *, names: Sequence[str] | None = None) -> None:
+    """Average ``params``' gradients over ``replicas`` in place, through ``all_reduce`` (a sum over the replicas of
+    a flat tensor, in place). Gradients are summed, then divided by ``replicas``, as one device's mean over the
+    replicas' samples is (each replica's gradient already is the mean over its own samples)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.dtype, p.device), []).append(i)
+    for (dtype, device), members in groups.items():
+        sizes = [params[i].numel() for i in members]
+        flat = torch.zeros(sum(sizes) + len(members), dtype=dtype, device=device)  # gradients, then the flags
+        views = flat[: sum(sizes)].split(sizes)
+        flags = flat[sum(sizes):]
+        for k, (i, view) in enumerate(zip(members, views)):
+            grad = params[i].grad
+            if grad is not None:
+                view.copy_(grad.reshape(-1))
+                flags[k] = 1
+        all_reduce(flat)
+        counts = flags.tolist()  # one host copy per bucket and step
+        for k, (i, view) in enumerate(zip(members, views)):
+            present = round(counts[k])
+            if present == 0:
+                continue
+            if present != replicas:
+                name = names[i] if names is not None else f"parameter {i}"
+                raise ReplicaMismatchError(
+                    f"{name} has a gradient on {present} of {replicas} data-parallel replicas of this stage: the "
+                    f"replicas must use the same parameters in every window (no data-dependent branches that skip "
+                    f"a parameter on some samples), as under DDP without find_unused_parameters.")
+            p = params[i]
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.copy_(view.view_as(p)).div_(replicas)
+
+
+class GradientAverage:
+    """The stage's reduction over its data-parallel process group, called by the runtime before each ``OPT``."""
+
+    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, replicas: int,
+                 names: Sequence[str] | None = None) -> None:
+        self.params = list(params)
+        self.group = group
+        self.replicas = replicas
+        self.names = names
+        self.reductions = 0
+
+    def __call__(self) -> None:
+        average_gradients(self.params, self.replicas, lambda flat: dist.all_reduce(flat, group=self.group),
+                          names=self.names)
+        self.reductions += 1

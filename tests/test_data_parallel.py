@@ -1,0 +1,244 @@
+"""Data parallel x pipeline: stages x replicas through the real Trainer (fork-launched gloo ranks), against one
+device on the replicas' samples together and against the reference executor with the replicas' gradients
+averaged."""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing import ProcessRaisedException
+from torch.utils.data import DataLoader
+
+from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
+from lightning_paci.data_parallel import ReplicaMismatchError, average_gradients
+from lightning_paci.topology import Topology, resolve_sizes
+
+from helpers import fit
+from models import SequentialMLP, reference_accumulation, regression_loader
+
+
+class RecordBatches(L.Callback):
+    """Stage 0 of every replica saves the batches it trained on (``batches<replica>.pt``)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.seen = directory, []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
+        if trainer.strategy.stage_index == 0:
+            self.seen.append(tuple(t.clone() for t in batch))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.strategy.stage_index == 0:
+            torch.save(self.seen, self.directory / f"batches{trainer.strategy.replica_index}.pt")
+
+
+def _replica_batches(directory: Path, loader: DataLoader, replicas: int) -> list[list[tuple[torch.Tensor, ...]]]:
+    """What each replica trained on, checked to be disjoint shards of the dataset (Lightning's
+    ``DistributedSampler`` by the data-parallel coordinate only)."""
+    out = [torch.load(directory / f"batches{r}.pt") for r in range(replicas)]
+    rows = [tuple(x.tolist()) for batches in out for batch in batches for x in batch[0]]
+    dataset_rows = {tuple(x.tolist()) for x in loader.dataset.tensors[0]}  # type: ignore[attr-defined]
+    assert len(set(rows)) == len(rows) and set(rows) <= dataset_rows  # no sample twice, all from the dataset
+    return out
+
+
+def _assert_state_close(model: torch.nn.Module, expected: dict[str, torch.Tensor], rtol: float) -> None:
+    for key, value in expected.items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=rtol, atol=1e-7, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.distributed
+def test_two_stages_by_two_replicas_flush_equals_one_device_on_the_replicas_samples(tmp_path):
+    torch.manual_seed(0)
+    model = SequentialMLP(depth=4)
+    reference = copy.deepcopy(model)
+    loader = regression_loader(num_batches=8, batch_size=4)  # 4 samples per replica and step
+    steps = 3
+    fit(model, loader, devices=4, max_steps=steps, schedule="1f1b", microbatches=2, pipeline_parallel_size=2,
+        trainer_kwargs={"use_distributed_sampler": True}, callbacks=[RecordBatches(tmp_path)])
+    per_replica = _replica_batches(tmp_path, loader, 2)
+    union = [tuple(torch.cat(parts) for parts in zip(*(per_replica[r][k] for r in range(2)))) for k in range(steps)]
+    reference_accumulation(reference, union, num_microbatches=1, num_steps=steps)  # one device, 8 samples a step
+    _assert_state_close(model, reference.state_dict(), rtol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("accumulation", [2, 4])
+def test_paci_replicas_equal_the_reference_executor_with_averaged_gradients(tmp_path, accumulation):
+    torch.manual_seed(4)
+    model = SequentialMLP(depth=4)
+    initial = copy.deepcopy(model)
+    loader = regression_loader(num_batches=10, batch_size=4)
+    steps, m = 4, 2
+    fit(model, loader, devices=4, max_steps=steps, schedule="paci", microbatches=m, accumulation=accumulation,
+        data_parallel_size=2, trainer_kwargs={"use_distributed_sampler": True}, callbacks=[RecordBatches(tmp_path)])
+    per_replica = _replica_batches(tmp_path, loader, 2)
+    reference = ReferencePipeline(initial, plan_partition(initial, 2), replicas=2)
+    reference.run(build("paci", 2, m, accumulation, steps), per_replica)
+    replica1 = {k: v for module in reversed(reference.replica_modules[1]) for k, v in module.state_dict().items()}
+    for key, value in reference.state_dict().items():  # the replicas stayed equal bit for bit
+        torch.testing.assert_close(replica1[key], value, rtol=0, atol=0)
+    for key, value in reference.state_dict().items():  # gloo's sum of two replicas is the reference's, bit for bit
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    # and the averaging matters: one replica alone ends elsewhere
+    alone = ReferencePipeline(copy.deepcopy(initial), plan_partition(initial, 2))
+    alone.run(build("paci", 2, m, accumulation, steps), per_replica[0])
+    assert not torch.allclose(alone.state_dict()["net.0.weight"], reference.state_dict()["net.0.weight"])
+
+
+def _mismatch_worker(rank: int, path: str, errors: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=30))
+        params = [torch.nn.Parameter(torch.ones(n)) for n in (3, 2, 1)]
+        params[0].grad = torch.full((3,), float(rank + 1))
+        if rank == 0:
+            params[1].grad = torch.ones(2)  # only replica 0 used this parameter
+        try:
+            average_gradients(params, 2, lambda flat: dist.all_reduce(flat), names=["a", "b", "c"])
+        except ReplicaMismatchError as err:
+            assert "b has a gradient on 1 of 2 data-parallel replicas" in str(err), str(err)
+        else:
+            raise AssertionError("no ReplicaMismatchError")
+        # without a mismatch: the mean, and a parameter without a gradient anywhere keeps None
+        params[1].grad = torch.full((2,), 2.0 * rank)
+        average_gradients(params, 2, lambda flat: dist.all_reduce(flat))
+        assert torch.equal(params[0].grad, torch.full((3,), 1.5)) and torch.equal(params[1].grad, torch.ones(2))
+        assert params[2].grad is None
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+
+
+@pytest.mark.timeout(60)
+def test_gradient_average_refuses_replicas_that_used_different_parameters(tmp_path: Path):
+    context = mp.get_context("fork")
+    errors = context.Queue()
+    processes = [context.Process(target=_mismatch_worker, args=(r, str(tmp_path / "rdv"), errors)) for r in (0, 1)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(50)
+    assert errors.empty(), errors.get()
+    assert [p.exitcode for p in processes] == [0, 0]
+
+
+def test_rank_layout_keeps_a_stages_replicas_on_consecutive_ranks():
+    topology = Topology(pipeline=4, data=2)
+    assert topology.mesh_ranks() == [[6, 7], [4, 5], [2, 3], [0, 1]]  # the last stage of replica 0 on rank 0
+    assert [(topology.stage_of(r), topology.replica_of(r)) for r in range(8)] == [
+        (3, 0), (3, 1), (2, 0), (2, 1), (1, 0), (1, 1), (0, 0), (0, 1)]
+    assert Topology(pipeline=3).mesh_ranks() == [[2], [1], [0]]  # a pure pipeline: as before
+
+
+def test_sizes_resolve_and_bad_splits_name_the_numbers():
+    assert resolve_sizes("auto", "auto", 8, devices=8, num_nodes=1) == (8, 1)  # every device a stage
+    assert resolve_sizes(2, "auto", 8, devices=8, num_nodes=1) == (2, 4)
+    assert resolve_sizes("auto", 2, 8, devices=4, num_nodes=2) == (4, 2)
+    assert resolve_sizes(4, 2, 8, devices=8, num_nodes=1) == (4, 2)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=3 does not divide 8.*one of \[1, 2, 4, 8\]"):
+        resolve_sizes(3, "auto", 8, devices=8, num_nodes=1)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=4 x data_parallel_size=4 = 16.*make the product 8"):
+        resolve_sizes(4, 4, 8, devices=4, num_nodes=2)
+    with pytest.raises(ValueError, match="`data_parallel_size` must be an int >= 1 or 'auto', got 0"):
+        PACIStrategy(data_parallel_size=0)
+    with pytest.raises(ValueError, match="`pipeline_parallel_size` must be an int >= 1 or 'auto', got 'two'"):
+        PACIStrategy(pipeline_parallel_size="two")
+
+
+@pytest.mark.distributed
+def test_a_pipeline_size_that_does_not_divide_the_world_fails_at_setup():
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=3 does not divide 4"):
+        fit(SequentialMLP(), regression_loader(num_batches=2), devices=4, pipeline_parallel_size=3)
+
+
+@pytest.mark.distributed
+def test_more_stages_than_blocks_fails_at_setup():
+    # 4 processes as 4 stages x 1 replica of a 3-block model: the split cannot give every stage a block; the same
+    # processes as 2 stages x 2 replicas train
+    with pytest.raises(ProcessRaisedException, match="into 4 stages: every stage needs at least one block"):
+        fit(SequentialMLP(depth=2), regression_loader(num_batches=2), devices=4, pipeline_parallel_size=4)
+    fit(SequentialMLP(depth=2), regression_loader(num_batches=2), devices=4, pipeline_parallel_size=2, max_steps=1)
+
+
+def test_replicas_draw_their_own_dropout_masks():
+    from lightning_paci.microbatch import microbatch_rng
+
+    def draw(replica: int) -> torch.Tensor:
+        with microbatch_rng(3, 1, 5, replica):
+            return torch.rand(4)
+
+    assert torch.equal(draw(0), draw(0)) and not torch.equal(draw(0), draw(1))
+    torch.manual_seed(3)
+    with microbatch_rng(3, 1, 5):  # replica 0 keeps the streams of a pure pipeline
+        before = torch.rand(4)
+    assert torch.equal(before, draw(0))
+
+
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["sharded", "consolidated"])
+def test_checkpoint_one_copy_per_stage_and_resume_exact_or_onto_another_shape(tmp_path, layout):
+    loader = regression_loader(num_batches=4, batch_size=4)  # 2 batches per replica and epoch
+    kwargs = dict(devices=4, schedule="paci", microbatches=2, data_parallel_size=2, checkpoint_layout=layout,
+                  trainer_kwargs={"use_distributed_sampler": True, "max_steps": -1})
+    torch.manual_seed(5)
+    whole = SequentialMLP(depth=4)
+    first = copy.deepcopy(whole)
+    fit(whole, loader, trainer_kwargs={**kwargs.pop("trainer_kwargs"), "max_epochs": 2}, **kwargs)
+    # the epoch-end checkpoint written inside the run (sharded: every stage's first replica writes its shard)
+    fit(first, loader, trainer_kwargs={"use_distributed_sampler": True, "max_steps": -1, "max_epochs": 1,
+                                       "enable_checkpointing": True, "default_root_dir": str(tmp_path)}, **kwargs)
+    path = next((tmp_path / "checkpoints").iterdir())
+    if layout == "sharded":
+        assert sorted(p.name for p in path.iterdir()) == ["meta.pt", "stage_000.pt", "stage_001.pt"]
+    resumed = SequentialMLP(depth=4)
+    fit(resumed, loader, trainer_kwargs={"use_distributed_sampler": True, "max_steps": -1, "max_epochs": 2},
+        ckpt_path=str(path), **kwargs)
+    for key, value in whole.state_dict().items():  # the same shape: exact
+        torch.testing.assert_close(resumed.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    other = SequentialMLP(depth=4)  # 4 stages x 1 replica from the 2 x 2 checkpoint: trains on
+    fit(other, loader, devices=4, schedule="paci", microbatches=2, checkpoint_layout=layout, ckpt_path=str(path),
+        trainer_kwargs={"max_steps": -1, "max_epochs": 2})
+    assert not torch.equal(other.state_dict()["net.0.weight"], first.state_dict()["net.0.weight"])
+
+
+class _ValLoss(SequentialMLP):
+    def __init__(self, sync: bool) -> None:
+        super().__init__(depth=4)
+        self.sync = sync
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=self.sync)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sync", [True, False])
+def test_validation_is_sharded_by_replica_and_sync_dist_reduces_across_replicas(tmp_path, sync):
+    torch.manual_seed(6)
+    model = _ValLoss(sync)
+    val = regression_loader(num_batches=4, batch_size=4, seed=1)  # 2 batches per replica
+    trainer = fit(model, regression_loader(num_batches=4, batch_size=4), devices=4, microbatches=2,
+                  pipeline_parallel_size=2, trainer_kwargs={"use_distributed_sampler": True, "limit_val_batches": 1.0,
+                                                            "max_steps": -1, "max_epochs": 1},
+                  val_dataloaders=val)
+    x, y = val.dataset.tensors  # type: ignore[attr-defined]
+    with torch.no_grad():
+        losses = ((model(x) - y) ** 2).mean(dim=1)  # per sample
+    whole = float(losses.mean())
+    replica0 = float(losses[0::2].mean())  # DistributedSampler(shuffle=False) for validation: samples 0, 2, 4, ...
+    logged = float(trainer.callback_metrics["val_loss"])
+    assert logged == pytest.approx(whole if sync else replica0, rel=1e-5)
+    assert abs(whole - replica0) > 1e-4  # the two cases are told apart

@@ -1,0 +1,141 @@
+"""The strict rendezvous model of NCCL messaging ([Note: rendezvous]): it finds 0.1's deadlock and proves the
+communicator layout the runtime uses free of it for every list the builder makes (no process group needed)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from lightning_paci.driver import closing_actions
+from lightning_paci.evaluation import forward_only_actions
+from lightning_paci.schedules import (
+    SCHEDULE_NAMES,
+    ScheduleError,
+    build,
+    check_rendezvous,
+    communicator,
+    layout_communicators,
+    stage_lists_from_text,
+    validate,
+)
+
+from helpers import fit
+from models import SequentialMLP, regression_loader
+
+
+@pytest.mark.parametrize("name", ["paci", "1f1b"])
+@pytest.mark.parametrize("num_stages", [2, 4, 8])
+def test_one_shared_communicator_deadlocks_in_the_1f1b_steady_state(name, num_stages):
+    # 0.1's layout: activations and gradients on one communicator; gloo's buffered sends hid it
+    schedule = build(name, num_stages, 8, 8, 2)
+    validate(schedule)  # the buffered-send model accepts it
+    with pytest.raises(ScheduleError, match="deadlock under strict rendezvous with the 'shared'") as info:
+        check_rendezvous(schedule, layout="shared")
+    # the cycle named: a stage's gradient receive queued behind its own activation send
+    assert "waits for RECV_B" in str(info.value) and "first in its communicators: SEND_F" in str(info.value)
+    assert "<-- ERROR HERE" in str(info.value)
+
+
+def test_gpipe_alone_survives_the_shared_communicator():
+    # all forwards, then all backwards: no stage ever has a send and a receive to opposite sides pending
+    check_rendezvous(build("gpipe", 4, 8, 8, 2), layout="shared")
+
+
+def test_every_built_list_set_is_deadlock_free_under_the_directed_layout():
+    """The whole grid of the issue: paci, 1f1b, gpipe; N <= 8, m <= 16, a <= 16; tied weights when N > 1; one and
+    two data-parallel replicas (the gradient all-reduce before every OPT); plus the epoch-end closing step."""
+    checked = 0
+    for name, n, m, a in itertools.product(SCHEDULE_NAMES, range(1, 9), range(1, 17), range(1, 17)):
+        schedule = build(name, n, m, a, 2, tied=n > 1)
+        lists = [list(actions) + closing_actions(s, n, tied=n > 1) for s, actions in enumerate(schedule.actions)]
+        check_rendezvous(lists, layout="directed", replicas=2 if (m + a) % 2 else 1)
+        checked += 1
+    assert checked == 3 * 8 * 16 * 16
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+@pytest.mark.parametrize("offset", [0, 1, 5])
+def test_streams_after_a_drain_and_replicas_are_deadlock_free(replicas, offset):
+    for name in SCHEDULE_NAMES:
+        schedule = build(name, 4, 6, 7, 3, backward_offset=offset, tied=True)
+        validate(schedule, rendezvous="directed", replicas=replicas)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 8])
+def test_evaluation_lists_are_deadlock_free(num_stages):
+    lists = [forward_only_actions(s, num_stages, 5) for s in range(num_stages)]
+    validate(lists, rendezvous="directed", replicas=2)
+
+
+def test_messages_received_in_another_order_than_sent_are_refused():
+    # the buffered model pairs messages by their keys; NCCL pairs the first send with the first receive
+    lists = stage_lists_from_text([
+        "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B1 0B1 0RECV_B0 0B0",
+        "1RECV_F1 1RECV_F0 1F0 1F1 1B1 1SEND_B1 1B0 1SEND_B0",
+    ])
+    validate(lists)
+    with pytest.raises(ScheduleError, match="NCCL would pair them, the messages are in different orders"):
+        check_rendezvous(lists)
+
+
+def test_replicas_reductions_are_modelled_where_the_runtime_issues_them():
+    # every replica of a stage must reach its all-reduce before any of them steps; the model counts the updates
+    lists = stage_lists_from_text([
+        "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0OPT 0RECV_B1 0B1 0OPT",
+        "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1OPT",
+    ])
+    for replicas in (1, 2, 3):
+        check_rendezvous(lists, replicas=replicas)
+    # a stage that is missing its partner's message is reported with every replica's wait
+    with pytest.raises(ScheduleError, match=r"stage 1 \(replica 1\) waits for RECV_F1 \(0->1\)"):
+        check_rendezvous(stage_lists_from_text(["0F0 0SEND_F0 0OPT", "1RECV_F0 1F0 1OPT 1RECV_F1"]), replicas=2)
+
+
+def test_directed_layout_gives_each_direction_of_each_pair_its_own_communicator():
+    seen = {communicator("directed", c, s, d, r) for r in (0, 1) for c, s, d in
+            [("F", 0, 1), ("B", 1, 0), ("F", 1, 2), ("B", 2, 1), ("T", 0, 2), ("T", 2, 0)]}
+    assert len(seen) == 12
+    assert communicator("shared", "F", 0, 1) == communicator("shared", "B", 1, 0)
+
+
+def test_bad_layout_and_replicas_are_refused():
+    with pytest.raises(ValueError, match="`layout` must be one of 'directed', 'shared', got 'ring'"):
+        check_rendezvous(build("paci", 2, 2, 2, 1), layout="ring")
+    with pytest.raises(ValueError, match="`replicas` must be an int >= 1, got 0"):
+        check_rendezvous(build("paci", 2, 2, 2, 1), replicas=0)
+
+
+class _WriteGroups(Callback):
+    """Every rank writes the process groups its strategy created for the pipeline's messages."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        groups = {repr(comm): dist.get_process_group_ranks(group) for comm, group in strategy._p2p_groups.items()
+                  if dist.get_rank() in dist.get_process_group_ranks(group)}
+        ranks = [strategy.rank_of(s) for s in range(strategy.num_stages)]
+        (self.directory / f"groups{dist.get_rank()}.json").write_text(json.dumps({"groups": groups, "ranks": ranks}))
+
+
+@pytest.mark.distributed
+def test_the_runtime_creates_exactly_the_layout_the_model_proves(tmp_path):
+    torch.manual_seed(0)
+    fit(SequentialMLP(), regression_loader(num_batches=2), devices=3, max_steps=2, microbatches=4,
+        callbacks=[_WriteGroups(tmp_path)])
+    expected = layout_communicators("directed", 3)
+    assert len(expected) == 2 * 2 + 2
+    for rank in range(3):
+        record = json.loads((tmp_path / f"groups{rank}.json").read_text())
+        ranks = record["ranks"]
+        mine = {repr(comm): sorted(ranks[s] for s in members) for comm, members in expected.items()
+                if rank in {ranks[s] for s in members}}
+        assert record["groups"] == mine  # each communicator: its two stages' ranks, nothing shared
