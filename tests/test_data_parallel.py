@@ -242,3 +242,24 @@ def test_validation_is_sharded_by_replica_and_sync_dist_reduces_across_replicas(
     logged = float(trainer.callback_metrics["val_loss"])
     assert logged == pytest.approx(whole if sync else replica0, rel=1e-5)
     assert abs(whole - replica0) > 1e-4  # the two cases are told apart
+
+
+@pytest.mark.distributed
+def test_monitors_write_one_run_per_stage_and_replica(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_paci import BubbleMonitor, DriftMonitor
+
+    torch.manual_seed(7)
+    logger = L.pytorch.loggers.TensorBoardLogger(tmp_path, name="tb", version=0)
+    fit(SequentialMLP(depth=4), regression_loader(num_batches=8, batch_size=4), devices=4, max_steps=3,
+        microbatches=2, data_parallel_size=2, callbacks=[DriftMonitor(), BubbleMonitor()],
+        trainer_kwargs={"logger": logger, "log_every_n_steps": 1, "use_distributed_sampler": True})
+    directory = tmp_path / "tb" / "version_0"
+    runs = sorted(p.name for p in directory.iterdir() if p.name.startswith("stage_"))
+    assert runs == ["stage_0", "stage_0_replica_1", "stage_1", "stage_1_replica_1"]
+    for run in runs:
+        events = EventAccumulator(str(directory / run))
+        events.Reload()
+        stage = run.split("_")[1]
+        assert f"paci/drift_max/stage_{stage}" in events.Tags()["scalars"]

@@ -59,10 +59,12 @@ def monitor_directory(trainer: L.Trainer) -> str:
     return trainer.strategy.broadcast(directory, src=0)
 
 
-def stage_writer(directory: str, stage: int) -> Any:
+def stage_writer(directory: str, stage: int, replica: int = 0) -> Any:
+    """The stage's event directory, ``stage_<s>``; with data parallelism the other replicas of the stage write
+    beside it, ``stage_<s>_replica_<r>`` (each process its own run, the same tags)."""
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(log_dir=os.path.join(directory, f"stage_{stage}"))
+    return SummaryWriter(log_dir=os.path.join(directory, f"stage_{stage}" + (f"_replica_{replica}" if replica else "")))
 
 
 class StageMonitor(Callback, ABC):

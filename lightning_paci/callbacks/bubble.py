@@ -63,7 +63,7 @@ class BubbleMonitor(StageMonitor):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = paci_strategy(trainer)
-        self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index)
+        self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index, strategy.replica_index)
         self._last = strategy.runtime.records.time_snapshot()
 
     def _log(self, trainer: L.Trainer) -> None:

@@ -73,7 +73,7 @@ class DriftMonitor(StageMonitor):
         strategy = paci_strategy(trainer)
         records = strategy.runtime.records
         records.measure(weight_drift=self.weight_drift)
-        self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index)
+        self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index, strategy.replica_index)
         tied = bool(strategy.plan.tied)
         schedule = build(strategy.config.schedule, strategy.num_stages, strategy.num_microbatches,
                          strategy.accumulation, 4 + 2 * strategy.accumulation, tied=tied)

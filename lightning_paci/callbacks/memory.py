@@ -32,7 +32,7 @@ class MemoryMonitor(StageMonitor):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = paci_strategy(trainer)
-        self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index)
+        self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index, strategy.replica_index)
         strategy.runtime.records.measure(activation_bytes=True)
 
     def _log(self, trainer: L.Trainer) -> None:

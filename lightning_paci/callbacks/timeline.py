@@ -57,7 +57,8 @@ class TimelineMonitor(StageMonitor):
         self.directory = Path(base) / "timeline"
         self.directory.mkdir(parents=True, exist_ok=True)
         if trainer.is_global_zero:
-            self._writer = stage_writer(base, paci_strategy(trainer).stage_index)
+            strategy = paci_strategy(trainer)
+            self._writer = stage_writer(base, strategy.stage_index, strategy.replica_index)
 
     def _log(self, trainer: L.Trainer) -> None:
         if self.directory is not None:
@@ -66,6 +67,8 @@ class TimelineMonitor(StageMonitor):
     def _record(self, trainer: L.Trainer) -> None:
         assert self.directory is not None
         strategy = paci_strategy(trainer)
+        if strategy.replica_index:  # the picture shows replica 0's pipeline (its replicas run the same lists)
+            return
         mine = recent_intervals(list(strategy.runtime.records.intervals), self.last_microbatches)
         path = self.directory / f"stage_{strategy.stage_index}.json"
         tmp = path.with_suffix(".json.tmp")
