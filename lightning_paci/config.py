@@ -75,6 +75,9 @@ class PACIConfig:
             the other leaves; both ``"auto"``: every process a stage, one replica). The replicas of a stage average
             their gradients right before each of their local steps (data_parallel.py); see [Note: rank layout] for
             which ranks form a stage's data-parallel group.
+        local_sgd_steps: with replicas, average the replicas' parameters every this many local steps of a stage
+            (and at every drain) instead of their gradients before every step (LocalSGD, as Accelerate's): fewer
+            collectives for a slow interconnect, at some loss per sample (benchmarks/RESULTS.md).
         process_group_backend: ``"nccl"`` on CUDA, ``"gloo"`` otherwise (default: chosen from the device).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"`` (CPU tests,
             notebooks) or ``"forkserver"``.
@@ -99,6 +102,7 @@ class PACIConfig:
     compensation: Literal["auto", "lookahead", "none"] = "auto"
     pipeline_parallel_size: int | Literal["auto"] = "auto"
     data_parallel_size: int | Literal["auto"] = "auto"
+    local_sgd_steps: int | None = None
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES)
@@ -118,3 +122,5 @@ class PACIConfig:
         _choice("compensation", self.compensation, COMPENSATIONS)
         check_size_option("pipeline_parallel_size", self.pipeline_parallel_size)
         check_size_option("data_parallel_size", self.data_parallel_size)
+        _positive_int("local_sgd_steps", self.local_sgd_steps, "Average the replicas' parameters every k local steps, "
+                      "e.g. `local_sgd_steps=8`; None (default) averages gradients before every step.", optional=True)

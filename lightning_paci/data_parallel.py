@@ -14,17 +14,24 @@ the size of DDP's buckets together), reduced once, and copied back. Each paramet
 a parameter with a gradient on some replicas and not on others (data-dependent control flow) is an error naming
 it, instead of a silently skewed average; one without a gradient anywhere keeps ``grad = None`` so the optimizer
 skips it as one device would.
+
+LocalSGD (``PACIStrategy(local_sgd_steps=k)``, as Accelerate's ``LocalSGD``): the replicas step on their own
+gradients and average their *parameters* after every ``k``-th local step of the stage (and at every drain, so
+checkpoints, validation and the end of ``fit`` see one model): ``1/k`` of the collectives, for interconnects too
+slow for one all-reduce per step. The optimizer states stay each replica's own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradientAverage", "ReplicaMismatchError", "average_gradients"]
+__all__ = ["GradientAverage", "ParameterAverage", "ReplicaMismatchError", "average_gradients", "average_parameters",
+           "join_replicas"]
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -82,3 +89,59 @@ class GradientAverage:
         average_gradients(self.params, self.replicas, lambda flat: dist.all_reduce(flat, group=self.group),
                           names=self.names)
         self.reductions += 1
+
+
+def average_parameters(params: Sequence[nn.Parameter], replicas: int,
+                       all_reduce: Callable[[torch.Tensor], None]) -> None:
+    """Average ``params`` over ``replicas`` in place (one flat buffer per dtype and device, summed by
+    ``all_reduce``, then divided), through ``.data``: no autograd version counter moves (see [Note: alias
+    optimizer])."""
+    groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault((p.dtype, p.device), []).append(p)
+    for members in groups.values():
+        flat = torch.cat([p.data.reshape(-1) for p in members])
+        all_reduce(flat)
+        for p, part in zip(members, flat.split([p.numel() for p in members])):
+            p.data.copy_(part.view_as(p)).div_(replicas)
+
+
+class ParameterAverage:
+    """LocalSGD's reduction, an update hook of the stage: every ``every``-th local step, and on ``sync()``."""
+
+    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, replicas: int, every: int) -> None:
+        self.params, self.group, self.replicas, self.every = list(params), group, replicas, every
+        self.averages = 0
+
+    def __call__(self, version: int) -> None:
+        if version % self.every == 0:
+            self.sync()
+
+    def sync(self) -> None:
+        average_parameters(self.params, self.replicas, lambda flat: dist.all_reduce(flat, group=self.group))
+        self.averages += 1
+
+
+def join_replicas(runtime: Any, driver: Any, group: dist.ProcessGroup, replicas: int, replica: int, *,
+                  local_sgd_steps: int | None, last_stage: bool, names: Mapping[int, str]) -> None:
+    """Make a stage's runtime (``runtime.StageRuntime``) one of ``replicas``: its forwards draw replica ``replica``'s
+    random streams, its errors name the replica, and its gradients are averaged before every local step -- or,
+    with ``local_sgd_steps``, its parameters every that many steps and at every drain of ``driver``."""
+    runtime.replica, runtime.replica_tag = replica, f" (replica {replica})"
+    params = [p for _, p in runtime.optimizer.pairs] if runtime.optimizer is not None else []
+    if local_sgd_steps is None:
+        runtime.reduce_gradients = GradientAverage(
+            params, group, replicas, names=[names.get(id(p), f"parameter {i}") for i, p in enumerate(params)])
+        return
+    # the last stage's copy of tied weights too: at a drain it then equals stage 0's average
+    average = ParameterAverage(params + (list(runtime.tied) if last_stage else []), group, replicas,
+                               local_sgd_steps)
+    runtime.update_hooks.append(average)
+    check = driver.on_drain
+
+    def on_drain() -> None:
+        if check is not None:
+            check()
+        average.sync()
+
+    driver.on_drain = on_drain

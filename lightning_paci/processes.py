@@ -211,6 +211,14 @@ class PipelineProcesses(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
+    def _pipeline_broadcast(self, obj: Any, stage: int) -> Any:
+        """Broadcast from ``stage`` of this process's replica to the other stages of that replica."""
+        if self.data_parallel_size == 1:
+            return self.broadcast(obj, src=self.rank_of(stage))
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=self.rank_of(stage), group=self.device_mesh.get_group("pp"))
+        return holder[0]
+
     # -- collectives (never per training batch) -------------------------------------------------------------------
     @override
     def barrier(self, name: str | None = None) -> None:

@@ -28,11 +28,13 @@ from lightning_paci.stage_optimizer import StageOptimizer, optimizer_and_step_sc
 __all__ = ["ReferencePipeline", "run_lists"]
 
 
-def run_lists(runtimes: Sequence[StageRuntime], lists: Sequence[Sequence[Action]], *, replicas: int = 1) -> None:
-    """Execute every stage's list to the end in one process. With ``replicas`` > 1, ``runtimes`` holds replica
-    ``r``'s stage ``s`` at ``r * N + s`` (``lists`` are the ``N`` stages' lists, the same for every replica), and a
-    stage's ``OPT`` waits until all its replicas have reached that update (their gradients are then complete, for
-    the average their ``reduce_gradients`` takes)."""
+def run_lists(runtimes: Sequence[StageRuntime], lists: Sequence[Sequence[Action]]) -> None:
+    """Execute every stage's list to the end in one process. With replicas (more runtimes than lists), ``runtimes``
+    holds replica ``r``'s stage ``s`` at ``r * N + s`` (``lists`` are the ``N`` stages' lists, the same for every
+    replica), and a stage's ``OPT`` waits until all its replicas have reached that update; then all of them step,
+    in replica order, before anything else runs (their gradients are complete for the average their
+    ``reduce_gradients`` takes, and a parameter average after the step, LocalSGD's, finds every replica stepped,
+    as the processes' collectives would)."""
     n = len(lists)
     positions = [0] * len(runtimes)
     progress = True
@@ -45,13 +47,13 @@ def run_lists(runtimes: Sequence[StageRuntime], lists: Sequence[Sequence[Action]
                 key = message_key(action, n)
                 if key is not None and action.kind in RECV_KINDS and not runtime.comm.ready(key[1], int(key[0] == "T")):
                     break
-                if action.kind is OPT and replicas > 1 and not all(
-                        runtimes[peer].version > runtime.version  # stepped this update already
-                        or (runtimes[peer].version == runtime.version and actions[positions[peer]].kind is OPT)
-                        for peer in range(index % n, len(runtimes), n)):
+                peers = range(index % n, len(runtimes), n) if action.kind is OPT else (index,)
+                if len(peers) > 1 and not all(runtimes[peer].version == runtime.version
+                                              and actions[positions[peer]].kind is OPT for peer in peers):
                     break
-                runtime.execute(action)
-                positions[index] += 1
+                for peer in peers:
+                    runtimes[peer].execute(action)
+                    positions[peer] += 1
                 progress = True
     if any(positions[i] < len(lists[i % n]) for i in range(len(runtimes))):
         validate(lists)  # raises with the grid
@@ -74,6 +76,7 @@ class ReferencePipeline:
         optimizer_factory: Callable[[LightningModule], tuple[torch.optim.Optimizer, list[Any]]] | None = None,
         compensation: str = "auto",
         replicas: int = 1,
+        local_sgd_steps: int | None = None,
     ) -> None:
         self.plan = plan
         self.replicas = replicas
@@ -99,11 +102,17 @@ class ReferencePipeline:
                 runtimes.append(runtime)
             self.replica_modules.append(modules)
             self.replica_runtimes.append(runtimes)
-        if replicas > 1:
-            for stage in range(plan.num_stages):
-                average = _ReplicaAverage([runtimes[stage] for runtimes in self.replica_runtimes])
-                for runtimes in self.replica_runtimes:
-                    runtimes[stage].reduce_gradients = average
+        self._parameter_averages: list[_ReplicaParameterAverage] = []
+        for stage in range(plan.num_stages if replicas > 1 else 0):
+            group = [runtimes[stage] for runtimes in self.replica_runtimes]
+            if local_sgd_steps is None:
+                average_gradients = _ReplicaAverage(group)
+                for runtime in group:
+                    runtime.reduce_gradients = average_gradients
+                continue
+            average = _ReplicaParameterAverage(group, local_sgd_steps, last=stage == plan.num_stages - 1)
+            group[-1].update_hooks.append(average)  # the last replica to step (run_lists steps them in order)
+            self._parameter_averages.append(average)
         self.modules, self.runtimes = self.replica_modules[0], self.replica_runtimes[0]
 
     def run(self, schedule: Schedule, batches: Sequence[Any], *, accumulation_scale: int | None = None) -> None:
@@ -132,7 +141,9 @@ class ReferencePipeline:
                     runtime.add_microbatch(k * schedule.num_microbatches + i, part, k, weight=weight)
             # read from the list itself (the driver counts)
             runtime.crossings = static_drift(schedule.actions[runtime.stage]).__getitem__
-        run_lists(everyone, schedule.actions, replicas=self.replicas)
+        run_lists(everyone, schedule.actions)
+        for average in self._parameter_averages:  # the end of a run is a drain
+            average.sync()
         for runtime in everyone:
             runtime.microbatch_base = base + schedule.total_microbatches
 
@@ -153,7 +164,7 @@ class _ReplicaAverage:
 
     def __init__(self, runtimes: list[StageRuntime]) -> None:
         self.runtimes = runtimes
-        self.done = -1
+        self.done = -1  # shared by the replicas: the first to step averages for all
 
     def __call__(self) -> None:
         version = min(runtime.version for runtime in self.runtimes)
@@ -173,6 +184,29 @@ class _ReplicaAverage:
                 total += grad
             for p in same:
                 p.grad.copy_(total).div_(len(grads))  # type: ignore[union-attr]
+
+
+class _ReplicaParameterAverage:
+    """The reference executor's LocalSGD: after every ``every``-th step of a stage (called by its last replica,
+    when every replica has stepped) and at the end of a run, each replica's parameters become their mean, summed
+    in replica order and divided, as :func:`~lightning_paci.data_parallel.average_parameters` does."""
+
+    def __init__(self, runtimes: list[StageRuntime], every: int, *, last: bool) -> None:
+        self.runtimes, self.every, self.last = runtimes, every, last
+
+    def __call__(self, version: int) -> None:
+        if version % self.every == 0:
+            self.sync()
+
+    def sync(self) -> None:
+        params = [[p for _, p in runtime.optimizer.pairs] + (list(runtime.tied) if self.last else [])  # type: ignore[union-attr]
+                  for runtime in self.runtimes]
+        for same in zip(*params):
+            total = same[0].data.clone()
+            for p in same[1:]:
+                total += p.data
+            for p in same:
+                p.data.copy_(total).div_(len(same))
 
 
 def _configured_optimizer(module: LightningModule) -> tuple[torch.optim.Optimizer, list[Any]]:

@@ -21,7 +21,6 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
@@ -35,7 +34,7 @@ from typing_extensions import override
 from lightning_paci import lightning_api as api
 from lightning_paci.comm import DistComm
 from lightning_paci.config import PACIConfig
-from lightning_paci.data_parallel import GradientAverage
+from lightning_paci.data_parallel import join_replicas
 from lightning_paci.optimizer_layout import OptimizerLayout
 from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage, plan_partition
 from lightning_paci.program import LightningHooks
@@ -109,6 +108,7 @@ class PACIStrategy(CheckpointingProcesses):
         compensation: Literal["auto", "lookahead", "none"] = "auto",
         pipeline_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_size: int | Literal["auto"] = "auto",
+        local_sgd_steps: int | None = None,
     ) -> None:
         config = PACIConfig(
             schedule=schedule, microbatches=microbatches, accumulation=accumulation, partition=partition,
@@ -116,7 +116,7 @@ class PACIStrategy(CheckpointingProcesses):
             failure_timeout=failure_timeout, nonfinite=nonfinite, checkpoint_layout=checkpoint_layout,
             max_stream_batches=max_stream_batches, freeze_gc=freeze_gc, start_method=start_method,
             compensation=compensation, pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size)
+            data_parallel_size=data_parallel_size, local_sgd_steps=local_sgd_steps)
         super().__init__(config, accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -195,22 +195,16 @@ class PACIStrategy(CheckpointingProcesses):
                              hooks=LightningHooks(module, trainer, stage.index),
                              train_context=self.precision_plugin.train_step_context)
         if self.data_parallel_size > 1:
-            stage.runtime.replica = self.replica_index
-            stage.runtime.replica_tag = f" (replica {self.replica_index})"
             names = {id(p): name for name, p in module.named_parameters()}
-            params = [p for _, p in stage.runtime.optimizer.pairs]
-            stage.runtime.reduce_gradients = GradientAverage(
-                params, self.device_mesh.get_group("dp"), self.data_parallel_size,
-                names=[names.get(id(p), f"parameter {i}") for i, p in enumerate(params)])
+            join_replicas(stage.runtime, stage.driver, self.device_mesh.get_group("dp"), self.data_parallel_size,
+                          self.replica_index, local_sgd_steps=self.config.local_sgd_steps,
+                          last_stage=stage.index == self.num_stages - 1, names=names)
+        elif self.config.local_sgd_steps is not None:
+            raise ValueError(f"`PACIStrategy(local_sgd_steps={self.config.local_sgd_steps})` averages data-parallel "
+                             f"replicas, but this run has one ({self.topology.describe()}). Set `data_parallel_size` "
+                             f"(or a `pipeline_parallel_size` smaller than the {self.topology.world} processes), or "
+                             f"drop `local_sgd_steps`.")
         self._undo_patches += patch_for_pipeline(trainer, module, owned)
-
-    def _pipeline_broadcast(self, obj: Any, stage: int) -> Any:
-        """Broadcast from ``stage`` of this process's replica to the other stages of that replica."""
-        if self.data_parallel_size == 1:
-            return self.broadcast(obj, src=self.rank_of(stage))
-        holder = [obj]
-        dist.broadcast_object_list(holder, src=self.rank_of(stage), group=self.device_mesh.get_group("pp"))
-        return holder[0]
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

@@ -263,3 +263,33 @@ def test_monitors_write_one_run_per_stage_and_replica(tmp_path):
         events.Reload()
         stage = run.split("_")[1]
         assert f"paci/drift_max/stage_{stage}" in events.Tags()["scalars"]
+
+
+@pytest.mark.distributed
+def test_local_sgd_equals_the_reference_executor_and_ends_with_one_model(tmp_path):
+    """``local_sgd_steps=3``: the replicas step on their own gradients and average their parameters after every
+    third local step and at the final drain; 5 steps end between two averages, so the drain's average is needed."""
+    torch.manual_seed(8)
+    model = SequentialMLP(depth=4)
+    initial = copy.deepcopy(model)
+    loader = regression_loader(num_batches=10, batch_size=4)
+    steps, m = 5, 2
+    fit(model, loader, devices=4, max_steps=steps, schedule="paci", microbatches=m, data_parallel_size=2,
+        local_sgd_steps=3, trainer_kwargs={"use_distributed_sampler": True}, callbacks=[RecordBatches(tmp_path)])
+    per_replica = _replica_batches(tmp_path, loader, 2)
+    reference = ReferencePipeline(initial, plan_partition(initial, 2), replicas=2, local_sgd_steps=3)
+    reference.run(build("paci", 2, m, m, steps), per_replica)
+    replica1 = {k: v for module in reversed(reference.replica_modules[1]) for k, v in module.state_dict().items()}
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(replica1[key], value, rtol=0, atol=0)  # one model after the drain
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    every_step = ReferencePipeline(copy.deepcopy(initial), plan_partition(initial, 2), replicas=2)
+    every_step.run(build("paci", 2, m, m, steps), per_replica)  # gradient averaging: another run
+    assert not torch.allclose(every_step.state_dict()["net.0.weight"], model.state_dict()["net.0.weight"])
+
+
+def test_local_sgd_without_replicas_is_refused():
+    with pytest.raises(ProcessRaisedException, match=r"local_sgd_steps=2\)` averages data-parallel replicas"):
+        fit(SequentialMLP(), regression_loader(num_batches=2), devices=2, local_sgd_steps=2)
+    with pytest.raises(ValueError, match="`local_sgd_steps` must be an int >= 1"):
+        PACIStrategy(local_sgd_steps=0)
