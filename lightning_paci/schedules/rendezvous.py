@@ -82,28 +82,32 @@ class _Op:
         return f"{'SEND' if self.sends else 'RECV'}_{channel}{index} ({src}->{dst})"
 
 
-def _ops_of(lists: Sequence[Sequence[Action | None]], layout: str, replicas: int) -> list[list[_Op | None]]:
-    """Every rank's list as operations (``None``: compute, which waits only for what the stream waits for)."""
+def _ops_of(lists: Sequence[Sequence[Action | None]], layout: str, replicas: int) -> list[list[_Op]]:
+    """Every rank's list as its communication operations, in order (compute actions wait only for what the
+    stream waits for, so they are left out)."""
     n = len(lists)
-    ranks: list[list[_Op | None]] = []
+    comms: dict[tuple[str, int, int, int], Communicator] = {}
+    ranks: list[list[_Op]] = []
     for replica in range(replicas):
         for stage, actions in enumerate(lists):
             rank = replica * n + stage
-            ops: list[_Op | None] = []
+            ops: list[_Op] = []
             updates = 0
             for step, action in enumerate(actions):
-                key = None if action is None else message_key(action, n)
+                if action is None:
+                    continue
+                key = message_key(action, n)
                 if key is not None:
                     channel, src, dst, _ = key
-                    comm = communicator(layout, channel, src, dst, replica)
+                    comm = comms.get((channel, src, dst, replica))
+                    if comm is None:
+                        comm = comms[(channel, src, dst, replica)] = communicator(layout, channel, src, dst, replica)
                     sends = action.kind in SEND_KINDS
                     ops.append(_Op(rank, comm, key, sends, (replica * n + (dst if sends else src),), step))
-                elif action is not None and action.kind is OPT and replicas > 1:
+                elif action.kind is OPT and replicas > 1:
                     updates += 1
                     members = tuple(r * n + stage for r in range(replicas))
                     ops.append(_Op(rank, ("reduce", stage), ("reduce", stage, updates), False, members, step))
-                else:
-                    ops.append(None)
             ranks.append(ops)
     return ranks
 
@@ -148,8 +152,6 @@ def check_rendezvous(actions: Sequence[Sequence[Action | None]] | Schedule, *, l
             while stream_waits[rank] is None and position[rank] < len(mine):
                 op = mine[position[rank]]
                 position[rank] += 1
-                if op is None:
-                    continue
                 queue = queues.setdefault((rank, op.comm), deque())
                 queue.append(op)
                 outstanding[rank] += 1
