@@ -34,7 +34,7 @@ from torch import nn
 from lightning_paci.stage_optimizer import StageOptimizer
 
 __all__ = ["PipelineCheckpoints", "Resumed", "atomic_save", "consolidate_checkpoint", "cpu_state", "gather_to_first",
-           "load_sharded", "load_stage_optimizer_state", "stage_optimizer_state"]
+           "load_sharded", "load_stage_optimizer_state", "merge_parts", "stage_optimizer_state"]
 
 
 def atomic_save(checkpoint: dict[str, Any], path: str | Path) -> None:
@@ -155,15 +155,23 @@ def cpu_state(module: nn.Module, exclude: Collection[str] = ()) -> dict[str, tor
     return {k: v.detach().cpu() for k, v in module.state_dict().items() if k not in exclude}
 
 
-def gather_to_first(local: dict[str, Any]) -> dict[str, Any] | None:
-    """Every stage's name-keyed dict (disjoint keys), merged on global rank 0; None on the other ranks, which send
-    their own part and never receive another stage's (their peak memory stays their own stage)."""
+def merge_parts(parts: Sequence[dict[str, Any]], replicas: int = 1) -> dict[str, Any]:
+    """The ranks' name-keyed dicts (``parts[rank]``) as one. A key held by several ranks takes the value of the
+    first data-parallel replica (the copy the sharded layout keeps) and, within it, of the highest rank: stage 0,
+    the owner of a tied weight the last stage (rank 0) holds a replica of ([Note: rank layout])."""
+    order = sorted(range(len(parts)), key=lambda rank: (-(rank % replicas), rank))  # the winner comes last
+    return {k: v for rank in order for k, v in parts[rank].items()}
+
+
+def gather_to_first(local: dict[str, Any], replicas: int = 1) -> dict[str, Any] | None:
+    """Every stage's name-keyed dict, merged on global rank 0 (:func:`merge_parts`); None on the other ranks, which
+    send their own part and never receive another stage's (their peak memory stays their own stage)."""
     if not dist.is_available() or not dist.is_initialized():
         return local
     first = dist.get_rank() == 0
     parts: list[Any] | None = [None] * dist.get_world_size() if first else None
     dist.gather_object(local, parts, dst=0)
-    return {k: v for part in parts for k, v in part.items()} if parts is not None else None
+    return merge_parts(parts, replicas) if parts is not None else None
 
 
 class PipelineCheckpoints:
@@ -181,11 +189,12 @@ class PipelineCheckpoints:
     """
 
     def __init__(self, layout: str, stage: int, num_stages: int, checkpoint_io: CheckpointIO, *,
-                 rank: int = 0, first_replica: bool = True) -> None:
+                 rank: int = 0, first_replica: bool = True, replicas: int = 1) -> None:
         self.layout, self.stage, self.num_stages = layout, stage, num_stages
         self.checkpoint_io = checkpoint_io
         self.writes = rank == 0
         self.writes_shard = first_replica
+        self.replicas = replicas
 
     def _writer(self, storage_options: Any | None) -> Callable[[dict[str, Any], Path], None]:
         io = self.checkpoint_io
@@ -205,7 +214,7 @@ class PipelineCheckpoints:
         local = cpu_state(module, exclude)
         if self.layout == "sharded":
             return local
-        return gather_to_first(local) or {}
+        return gather_to_first(local, self.replicas) or {}
 
     def optimizer_state(self, optimizer: StageOptimizer, module: nn.Module, *, backwards: int, steps: int,
                         replicas: Sequence[nn.Parameter] = (), window_start: int = 0) -> dict[str, Any]:
@@ -215,7 +224,7 @@ class PipelineCheckpoints:
         local = stage_optimizer_state(optimizer, module, replicas)
         if self.layout == "sharded":
             return {"paci": {**counters, "params": local}}
-        params = gather_to_first(local)
+        params = gather_to_first(local, self.replicas)
         return {"paci": {**counters, "params": params}} if params is not None else {}
 
     def save(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:

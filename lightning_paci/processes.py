@@ -50,6 +50,8 @@ class PipelineProcesses(ParallelStrategy):
         self._num_nodes = 1
         self._p2p_groups: dict[Communicator, dist.ProcessGroup] = {}
         self.device_mesh: Any = None  # torch DeviceMesh ("pp", "dp"), built in setup_environment
+        self.dp_group: Any = None  # this rank's stage replicas / replica's pipeline, with config.timeout
+        self.pp_group: Any = None
         self._watchdog: StageWatchdog | None = None
 
     # -- topology -------------------------------------------------------------------------------------------------
@@ -78,6 +80,26 @@ class PipelineProcesses(ParallelStrategy):
         world = self.num_nodes * self.num_processes
         return Topology(*resolve_sizes(self.config.pipeline_parallel_size, self.config.data_parallel_size, world,
                                        devices=self.num_processes, num_nodes=self.num_nodes))
+
+    def _check_topology(self) -> Topology:
+        """The sizes, and what data parallelism cannot run with, named with the fix."""
+        topology, config = self.topology, self.config
+        if topology.data > 1 and topology.pipeline < 2:
+            raise ValueError(
+                f"`PACIStrategy` splits the model into `pipeline_parallel_size` >= 2 stages, got {topology.pipeline} "
+                f"stage x {topology.data} replicas. Use `pipeline_parallel_size=2` or more (for data parallelism "
+                f"alone, use Lightning's `strategy='ddp'`).")
+        if topology.data > 1 and config.nonfinite == "skip":
+            raise ValueError(
+                "`PACIStrategy(nonfinite='skip')` is not supported with data parallelism: a micro-batch skipped on "
+                "one replica and not on another would leave the replicas' gradients and logged values out of step. "
+                "Use `nonfinite='raise'` (the default) or `data_parallel_size=1`.")
+        if topology.data == 1 and config.local_sgd_steps is not None:
+            raise ValueError(
+                f"`PACIStrategy(local_sgd_steps={config.local_sgd_steps})` averages data-parallel replicas, but this "
+                f"run has one ({topology.describe()}). Set `data_parallel_size` (or a `pipeline_parallel_size` "
+                f"smaller than the {topology.world} processes), or drop `local_sgd_steps`.")
+        return topology
 
     @property
     def num_stages(self) -> int:
@@ -137,7 +159,7 @@ class PipelineProcesses(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self.topology  # an impossible pipeline x data split fails here, in the main process, before any start
+        self._check_topology()  # an impossible split fails here, in the main process, before any start
         if self.config.start_method != "popen":
             self._launcher = api.multiprocessing_launcher(
                 self, self.config.start_method, send=self._send_after_fit, receive=self._receive_after_fit,
@@ -165,7 +187,7 @@ class PipelineProcesses(ParallelStrategy):
                 f"{expected}). One process runs one stage of one replica: pass "
                 f"`devices={max(1, expected // self.num_nodes)}` (per node) or launch {world} processes."
             )
-        topology = self.topology  # an impossible pipeline x data split fails here, on every rank alike
+        topology = self._check_topology()  # the same checks on every rank (torchrun, SLURM: no main process)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -189,6 +211,14 @@ class PipelineProcesses(ParallelStrategy):
 
             self.device_mesh = DeviceMesh(self.root_device.type, torch.tensor(topology.mesh_ranks()),
                                           mesh_dim_names=("pp", "dp"))
+            # our own collectives on groups of the same ranks with the strategy's timeout (the mesh's have torch's
+            # default): every rank creates every group, stages' replicas first, then replicas' pipelines
+            mesh = topology.mesh_ranks()
+            dp = [dist.new_group(ranks, backend=self._process_group_backend, timeout=self.config.timeout)
+                  for ranks in mesh]
+            pp = [dist.new_group(list(ranks), backend=self._process_group_backend, timeout=self.config.timeout)
+                  for ranks in zip(*mesh)]
+            self.dp_group, self.pp_group = dp[self.stage_index], pp[self.replica_index]
         store = connect_store()
         if store is not None:
             self._watchdog = StageWatchdog(
@@ -216,7 +246,7 @@ class PipelineProcesses(ParallelStrategy):
         if self.data_parallel_size == 1:
             return self.broadcast(obj, src=self.rank_of(stage))
         holder = [obj]
-        dist.broadcast_object_list(holder, src=self.rank_of(stage), group=self.device_mesh.get_group("pp"))
+        dist.broadcast_object_list(holder, src=self.rank_of(stage), group=self.pp_group)
         return holder[0]
 
     # -- collectives (never per training batch) -------------------------------------------------------------------
@@ -248,8 +278,10 @@ class PipelineProcesses(ParallelStrategy):
             raise ValueError(f"`reduce_op={reduce_op!r}` is not supported across data-parallel replicas: use "
                              f"'mean', 'sum', 'max' or 'min'.")
         result = tensor.detach().clone() if tensor.is_floating_point() else tensor.detach().double()
-        dist.all_reduce(result, op=ops[op], group=self.device_mesh.get_group("dp"))
-        return result / self.data_parallel_size if op in ("mean", "avg") else result
+        dist.all_reduce(result, op=ops[op], group=self.dp_group if group is None else group)
+        if op in ("mean", "avg"):
+            result = result / self.data_parallel_size
+        return result if tensor.is_floating_point() or op in ("mean", "avg") else result.to(tensor.dtype)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

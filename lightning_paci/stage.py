@@ -17,10 +17,11 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_paci.checkpoint import PipelineCheckpoints, cpu_state
+from lightning_paci.checkpoint import PipelineCheckpoints, cpu_state, merge_parts
 from lightning_paci.comm import Comm
 from lightning_paci.compensation import costly_regime, lookahead_for
 from lightning_paci.config import PACIConfig
+from lightning_paci.data_parallel import GradientAverage
 from lightning_paci.driver import StreamDriver
 from lightning_paci.evaluation import PipelineEvaluator
 from lightning_paci.fingerprint import BatchFingerprint
@@ -96,7 +97,7 @@ class PipelineStage:
                                     skip_nonfinite=self.config.nonfinite == "skip", hooks=hooks)
         warn = rank_zero_warn if self.config.schedule == "paci" else None  # flush schedules have no drift at a = m
         self.runtime.lookahead = lookahead_for(self.config.compensation, optimizer, stage_optimizer.pairs, warn=warn)
-        costly = costly_regime(optimizer, schedulers) if warn is not None else None
+        costly = costly_regime(optimizer, schedulers) if warn is not None and self.runtime.lookahead else None
         if costly is not None:
             warn(costly)  # type: ignore[misc]
         self.driver = StreamDriver(self.runtime, schedule=self.config.schedule, num_microbatches=self.num_microbatches,
@@ -132,6 +133,10 @@ class PipelineStage:
         """The checkpoint's optimizer entry (see checkpoint.py): name-keyed state and the accumulation counters."""
         runtime = self.runtime
         assert runtime is not None and runtime.optimizer is not None
+        if isinstance(runtime.reduce_gradients, GradientAverage):
+            # data parallel: an open window's gradients differ per replica until the step averages them; average
+            # them now (the step's average is linear: the same update), so the one copy saved is every replica's
+            runtime.reduce_gradients()
         entry = checkpoints.optimizer_state(runtime.optimizer, self.module, backwards=runtime.microbatch_base,
                                             steps=runtime.version, replicas=self._replicas,
                                             window_start=runtime.window_base)
@@ -166,7 +171,7 @@ class PipelineStage:
         """The last stage's tied-weight replicas (stage 0 owns and steps the weights)."""
         return self.carve.tied_params if self.index == self.plan.num_stages - 1 else []
 
-    def restore_full_model(self, *, gather: bool) -> None:
+    def restore_full_model(self, *, gather: bool, replicas: int = 1) -> None:
         """Put the other stages' modules back, holding the complete trained weights (gathered from every stage
         when ``gather``; a failed gather leaves them as they were at carving, with a warning)."""
         full = None
@@ -174,7 +179,7 @@ class PipelineStage:
             try:
                 gathered: list[Any] = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, cpu_state(self.module, self.carve.foreign_buffers))
-                full = {k: v for part in gathered for k, v in part.items()}
+                full = merge_parts(gathered, replicas)
             except (RuntimeError, ConnectionError) as err:
                 log.warning(f"lightning_paci: could not gather the full weights at teardown: {err}")
         self.carve.restore(self.module, full)

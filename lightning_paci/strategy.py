@@ -196,14 +196,9 @@ class PACIStrategy(CheckpointingProcesses):
                              train_context=self.precision_plugin.train_step_context)
         if self.data_parallel_size > 1:
             names = {id(p): name for name, p in module.named_parameters()}
-            join_replicas(stage.runtime, stage.driver, self.device_mesh.get_group("dp"), self.data_parallel_size,
+            join_replicas(stage.runtime, stage.driver, self.dp_group, self.data_parallel_size,
                           self.replica_index, local_sgd_steps=self.config.local_sgd_steps,
                           last_stage=stage.index == self.num_stages - 1, names=names)
-        elif self.config.local_sgd_steps is not None:
-            raise ValueError(f"`PACIStrategy(local_sgd_steps={self.config.local_sgd_steps})` averages data-parallel "
-                             f"replicas, but this run has one ({self.topology.describe()}). Set `data_parallel_size` "
-                             f"(or a `pipeline_parallel_size` smaller than the {self.topology.world} processes), or "
-                             f"drop `local_sgd_steps`.")
         self._undo_patches += patch_for_pipeline(trainer, module, owned)
 
     @override
@@ -300,7 +295,7 @@ class PACIStrategy(CheckpointingProcesses):
         if stage is None:
             return
         self._keep_after_fit(stage)
-        stage.restore_full_model(gather=api.distributed_is_initialized())
+        stage.restore_full_model(gather=api.distributed_is_initialized(), replicas=self.data_parallel_size)
 
     @classmethod
     @override

@@ -32,7 +32,7 @@ class CheckpointingProcesses(PipelineProcesses):
     def _checkpoints(self) -> PipelineCheckpoints:
         return PipelineCheckpoints(self.config.checkpoint_layout, self.stage_index, self.num_stages,
                                    self.checkpoint_io, rank=self.global_rank,
-                                   first_replica=self.replica_index == 0)
+                                   first_replica=self.replica_index == 0, replicas=self.data_parallel_size)
 
     def _keep_after_fit(self, stage: PipelineStage) -> None:
         """At teardown, before the full model is restored: keep what a later ``save_checkpoint`` needs."""

@@ -190,13 +190,18 @@ def test_replicas_draw_their_own_dropout_masks():
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["sharded", "consolidated"])
 def test_checkpoint_one_copy_per_stage_and_resume_exact_or_onto_another_shape(tmp_path, layout):
-    loader = regression_loader(num_batches=4, batch_size=4)  # 2 batches per replica and epoch
-    kwargs = dict(devices=4, schedule="paci", microbatches=2, data_parallel_size=2, checkpoint_layout=layout,
+    # 2 batches per replica and epoch, 4 micro-batches: a = 3 leaves a window open at the checkpoint, whose
+    # gradients differ per replica until the next step (the checkpoint holds their average)
+    loader = regression_loader(num_batches=4, batch_size=4)
+    kwargs = dict(devices=4, schedule="paci", microbatches=2, accumulation=3, data_parallel_size=2,
+                  checkpoint_layout=layout,
                   trainer_kwargs={"use_distributed_sampler": True, "max_steps": -1})
     torch.manual_seed(5)
     whole = SequentialMLP(depth=4)
     first = copy.deepcopy(whole)
-    fit(whole, loader, trainer_kwargs={**kwargs.pop("trainer_kwargs"), "max_epochs": 2}, **kwargs)
+    # uninterrupted, saving at the same points (a save averages the open window: the same update, other rounding)
+    fit(whole, loader, trainer_kwargs={**kwargs.pop("trainer_kwargs"), "max_epochs": 2, "enable_checkpointing": True,
+                                       "default_root_dir": str(tmp_path / "whole")}, **kwargs)
     # the epoch-end checkpoint written inside the run (sharded: every stage's first replica writes its shard)
     fit(first, loader, trainer_kwargs={"use_distributed_sampler": True, "max_steps": -1, "max_epochs": 1,
                                        "enable_checkpointing": True, "default_root_dir": str(tmp_path)}, **kwargs)
@@ -209,7 +214,8 @@ def test_checkpoint_one_copy_per_stage_and_resume_exact_or_onto_another_shape(tm
     for key, value in whole.state_dict().items():  # the same shape: exact
         torch.testing.assert_close(resumed.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
     other = SequentialMLP(depth=4)  # 4 stages x 1 replica from the 2 x 2 checkpoint: trains on
-    fit(other, loader, devices=4, schedule="paci", microbatches=2, checkpoint_layout=layout, ckpt_path=str(path),
+    fit(other, loader, devices=4, schedule="paci", microbatches=2, accumulation=3, checkpoint_layout=layout,
+        ckpt_path=str(path),
         trainer_kwargs={"max_steps": -1, "max_epochs": 2})
     assert not torch.equal(other.state_dict()["net.0.weight"], first.state_dict()["net.0.weight"])
 
@@ -288,8 +294,12 @@ def test_local_sgd_equals_the_reference_executor_and_ends_with_one_model(tmp_pat
     assert not torch.allclose(every_step.state_dict()["net.0.weight"], model.state_dict()["net.0.weight"])
 
 
-def test_local_sgd_without_replicas_is_refused():
-    with pytest.raises(ProcessRaisedException, match=r"local_sgd_steps=2\)` averages data-parallel replicas"):
+def test_what_data_parallelism_cannot_run_is_refused_when_the_trainer_is_built():
+    with pytest.raises(ValueError, match=r"local_sgd_steps=2\)` averages data-parallel replicas"):
         fit(SequentialMLP(), regression_loader(num_batches=2), devices=2, local_sgd_steps=2)
+    with pytest.raises(ValueError, match=r"`pipeline_parallel_size` >= 2 stages, got 1 stage x 4 replicas"):
+        fit(SequentialMLP(), regression_loader(num_batches=2), devices=4, data_parallel_size=4)
+    with pytest.raises(ValueError, match=r"nonfinite='skip'\)` is not supported with data parallelism"):
+        fit(SequentialMLP(), regression_loader(num_batches=2), devices=4, data_parallel_size=2, nonfinite="skip")
     with pytest.raises(ValueError, match="`local_sgd_steps` must be an int >= 1"):
         PACIStrategy(local_sgd_steps=0)

@@ -24,6 +24,15 @@ With ``replicas > 1`` every stage has that many data-parallel replicas running t
 is preceded by a gradient all-reduce over the replicas of that stage (its own communicator), which the rank waits
 for: the reductions sit in the model where the runtime issues them.
 
+What the model assumes, and what it leaves out: communicators progress independently of each other (NCCL's
+kernels of two communicators may not run concurrently when a GPU's resources are exhausted, e.g. under MPS or with
+many communicators; NCCL then asks for one issue order across ranks, which the directed layout does not give:
+batching each step's send and receive with ``batch_isend_irecv`` on one communicator per neighbour pair would
+remove that assumption -- not done, see the issue notes); the collectives outside the lists (``sync_dist``
+reductions, LocalSGD's and the drains' averages and broadcasts) are issued by every replica of a stage at the same
+points of identical lists, so they pair up as long as the replicas stay in lockstep (``nonfinite="skip"`` would
+break that and is refused with replicas).
+
 The simulation is exact for these rules (every rank's order is fixed, every operation has one partner, so whether
 the run completes does not depend on which rank moves first) and linear in the number of actions.
 """
