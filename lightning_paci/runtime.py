@@ -118,16 +118,14 @@ class StageRuntime:
     """One stage: executes actions; owns the in-flight micro-batches and the received messages.
 
     Args:
-        stage, num_stages: this stage's index and the pipeline's length.
-        program: the stage's forward; comm: messages to and from the other stages.
-        optimizer: the stage's optimizer (``None`` on a stage whose list has no ``OPT``).
+        stage, num_stages: this stage's index and the pipeline's length. program: the stage's forward; comm:
+            messages to and from the other stages; optimizer: ``None`` on a stage whose list has no ``OPT``.
         loss_scale: the last stage back-propagates ``loss * loss_scale`` (``1 / accumulation``).
         clock: time source of the records. tied: tied-weight parameters (see [Note: tied weights]).
         skip_nonfinite: drop a micro-batch whose loss is not finite instead of failing.
         retention: per-micro-batch records kept (:class:`~lightning_paci.records.StageRecords`). hooks: called
             around each local backward (:class:`BackwardHooks`).
-        seed: base of every forward's random stream (default: ``torch.initial_seed()``, see
-            [Note: randomness per micro-batch]).
+        seed: base of every forward's random stream (``torch.initial_seed()``; [Note: randomness per micro-batch]).
     """
 
     def __init__(
@@ -154,8 +152,7 @@ class StageRuntime:
         self.loss_scale = loss_scale
         self.hooks = hooks
         self.seed = torch.initial_seed() if seed is None else seed  # the same on every rank after seeding
-        self.replica = 0  # data-parallel replica: its forwards draw their own random streams
-        self.replica_tag = ""  # " (replica r)" in error messages when there are replicas
+        self.replica, self.replica_tag = 0, ""  # data-parallel replica (own random streams), " (replica r)" in errors
         self.clock = clock
         self.records = StageRecords(clock=clock, retention=retention)
         # micro-batch -> (data, step args after the batch, loss weight; see microbatch.split_weighted)
@@ -313,7 +310,7 @@ class StageRuntime:
             raise AssertionError(f"stage {self.stage}: OPT scheduled on a stage without an optimizer")
         if self.reduce_gradients is not None:  # before the check: every replica then sees (and names) a bad value
             self.reduce_gradients()
-        self._check_finite_gradients()
+        _check_finite_gradients(self)
         measuring = self.records.weight_drift
         update_norm, weight_norm = self.optimizer.step(measure=measuring)
         self.version += 1
@@ -324,18 +321,6 @@ class StageRuntime:
             self.records.fingerprint(self.tied)
         for hook in self.update_hooks:
             hook(self.version)
-
-    def _check_finite_gradients(self) -> None:
-        assert self.optimizer is not None
-        grads = self.optimizer.gradients() + [p.grad for p in self.tied if p.grad is not None]
-        if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
-            names = {id(p): n for n, p in self.program.module.named_parameters()}
-            bad = [names.get(id(p), "?") for _, p in self.optimizer.pairs
-                   if p.grad is not None and not torch.isfinite(p.grad).all()]
-            raise StageFailure(
-                f"stage {self.stage}: non-finite gradient in {bad[:3]} before optimizer step {self.version + 1} at "
-                f"{self.step_label}."
-            )
 
     # -- messages ---------------------------------------------------------------------------------------------
     def _send_activation(self, mb: int) -> None:
@@ -380,3 +365,16 @@ class StageRuntime:
             self.tied_version += 1
             self.records.fingerprint(self.tied)
 
+
+def _check_finite_gradients(runtime: StageRuntime) -> None:
+    """Refuse an update with a NaN/inf gradient on the stage (its own parameters or a tied replica), naming them."""
+    assert runtime.optimizer is not None
+    grads = runtime.optimizer.gradients() + [p.grad for p in runtime.tied if p.grad is not None]
+    if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+        names = {id(p): n for n, p in runtime.program.module.named_parameters()}
+        bad = [names.get(id(p), "?") for _, p in runtime.optimizer.pairs
+               if p.grad is not None and not torch.isfinite(p.grad).all()]
+        raise StageFailure(
+            f"stage {runtime.stage}: non-finite gradient in {bad[:3]} before optimizer step {runtime.version + 1} at "
+            f"{runtime.step_label}."
+        )
