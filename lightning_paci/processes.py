@@ -28,7 +28,7 @@ from lightning_paci import lightning_api as api
 from lightning_paci.config import PACIConfig
 from lightning_paci.schedules import Communicator, layout_communicators
 from lightning_paci.supervision import StageWatchdog, connect_store, print_setup_errors_once
-from lightning_paci.topology import Topology, resolve_sizes
+from lightning_paci.topology import Topology, check_topology, resolve_sizes
 
 __all__ = ["PipelineProcesses"]
 
@@ -82,24 +82,9 @@ class PipelineProcesses(ParallelStrategy):
                                        devices=self.num_processes, num_nodes=self.num_nodes))
 
     def _check_topology(self) -> Topology:
-        """The sizes, and what data parallelism cannot run with, named with the fix."""
-        topology, config = self.topology, self.config
-        if topology.data > 1 and topology.pipeline < 2:
-            raise ValueError(
-                f"`PACIStrategy` splits the model into `pipeline_parallel_size` >= 2 stages, got {topology.pipeline} "
-                f"stage x {topology.data} replicas. Use `pipeline_parallel_size=2` or more (for data parallelism "
-                f"alone, use Lightning's `strategy='ddp'`).")
-        if topology.data > 1 and config.nonfinite == "skip":
-            raise ValueError(
-                "`PACIStrategy(nonfinite='skip')` is not supported with data parallelism: a micro-batch skipped on "
-                "one replica and not on another would leave the replicas' gradients and logged values out of step. "
-                "Use `nonfinite='raise'` (the default) or `data_parallel_size=1`.")
-        if topology.data == 1 and config.local_sgd_steps is not None:
-            raise ValueError(
-                f"`PACIStrategy(local_sgd_steps={config.local_sgd_steps})` averages data-parallel replicas, but this "
-                f"run has one ({topology.describe()}). Set `data_parallel_size` (or a `pipeline_parallel_size` "
-                f"smaller than the {topology.world} processes), or drop `local_sgd_steps`.")
-        return topology
+        """The sizes, and what data parallelism cannot run with, named with the fix (topology.py)."""
+        return check_topology(self.topology, nonfinite=self.config.nonfinite,
+                              local_sgd_steps=self.config.local_sgd_steps)
 
     @property
     def num_stages(self) -> int:

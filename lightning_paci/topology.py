@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Topology", "check_size_option", "resolve_sizes"]
+__all__ = ["Topology", "check_size_option", "check_topology", "resolve_sizes"]
 
 
 def _size(name: str, value: object) -> int | None:
@@ -91,3 +91,23 @@ class Topology:
             return f"{self.pipeline} stages"
         return (f"{self.pipeline} stages x {self.data} data-parallel replicas (stage s, replica r on rank "
                 f"(P-1-s)*{self.data}+r: a stage's replicas on consecutive ranks)")
+
+
+def check_topology(topology: Topology, *, nonfinite: str, local_sgd_steps: int | None) -> Topology:
+    """Refuse what data parallelism cannot run with (or what needs it), naming the fix; return ``topology``."""
+    if topology.data > 1 and topology.pipeline < 2:
+        raise ValueError(
+            f"`PACIStrategy` splits the model into `pipeline_parallel_size` >= 2 stages, got {topology.pipeline} "
+            f"stage x {topology.data} replicas. Use `pipeline_parallel_size=2` or more (for data parallelism "
+            f"alone, use Lightning's `strategy='ddp'`).")
+    if topology.data > 1 and nonfinite == "skip":
+        raise ValueError(
+            "`PACIStrategy(nonfinite='skip')` is not supported with data parallelism: a micro-batch skipped on "
+            "one replica and not on another would leave the replicas' gradients and logged values out of step. "
+            "Use `nonfinite='raise'` (the default) or `data_parallel_size=1`.")
+    if topology.data == 1 and local_sgd_steps is not None:
+        raise ValueError(
+            f"`PACIStrategy(local_sgd_steps={local_sgd_steps})` averages data-parallel replicas, but this run has "
+            f"one ({topology.describe()}). Set `data_parallel_size` (or a `pipeline_parallel_size` smaller than the "
+            f"{topology.world} processes), or drop `local_sgd_steps`.")
+    return topology
