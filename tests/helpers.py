@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 
 from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
@@ -215,3 +216,17 @@ class RecordSetupWarnings(L.Callback):
         self._catcher.__exit__(None, None, None)
         if trainer.is_global_zero:
             self.path.write_text(json.dumps([str(w.message) for w in self.seen]))
+
+
+def run_forked_ranks(target: Any, world: int, rendezvous: Path, timeout: float = 50.0) -> None:
+    """Run ``target(rank, rendezvous_path, errors)`` in ``world`` forked processes and fail with the first rank's
+    traceback a worker put on ``errors`` (a process that dies without one fails the exit-code check)."""
+    context = mp.get_context("fork")
+    errors = context.Queue()
+    processes = [context.Process(target=target, args=(r, str(rendezvous), errors)) for r in range(world)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(timeout)
+    assert errors.empty(), errors.get()
+    assert [p.exitcode for p in processes] == [0] * world

@@ -3,7 +3,6 @@ dtypes and flags, for payloads below and above the single-operation size."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_paci.comm import FIRST_BYTES, DistComm, LocalComm, flatten
+
+from helpers import run_forked_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -63,15 +64,7 @@ def _assert_same(received: Any, sent: Any) -> None:
 
 @pytest.mark.timeout(60)
 def test_messages_arrive_whole_and_in_order(tmp_path: Path) -> None:
-    context = mp.get_context("fork")
-    errors = context.Queue()
-    processes = [context.Process(target=_worker, args=(r, str(tmp_path / "rdv"), errors)) for r in range(2)]
-    for p in processes:
-        p.start()
-    for p in processes:
-        p.join(50)
-    assert errors.empty(), errors.get()
-    assert [p.exitcode for p in processes] == [0, 0]
+    run_forked_ranks(_worker, 2, tmp_path / "rdv")
 
 
 def test_local_comm_copies_and_keeps_order() -> None:

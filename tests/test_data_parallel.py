@@ -14,7 +14,6 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader
 
@@ -22,7 +21,7 @@ from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partitio
 from lightning_paci.data_parallel import ReplicaMismatchError, average_gradients
 from lightning_paci.topology import Topology, resolve_sizes
 
-from helpers import fit
+from helpers import fit, run_forked_ranks
 from models import SequentialMLP, reference_accumulation, regression_loader
 
 
@@ -122,15 +121,7 @@ def _mismatch_worker(rank: int, path: str, errors: Any) -> None:
 
 @pytest.mark.timeout(60)
 def test_gradient_average_refuses_replicas_that_used_different_parameters(tmp_path: Path):
-    context = mp.get_context("fork")
-    errors = context.Queue()
-    processes = [context.Process(target=_mismatch_worker, args=(r, str(tmp_path / "rdv"), errors)) for r in (0, 1)]
-    for p in processes:
-        p.start()
-    for p in processes:
-        p.join(50)
-    assert errors.empty(), errors.get()
-    assert [p.exitcode for p in processes] == [0, 0]
+    run_forked_ranks(_mismatch_worker, 2, tmp_path / "rdv")
 
 
 def test_rank_layout_keeps_a_stages_replicas_on_consecutive_ranks():
