@@ -130,14 +130,17 @@ class DistComm:
         self._groups = groups
         self._stage = ranks.index(dist.get_rank()) if groups is not None else -1
         self._layout, self._replica = layout, replica
+        self._group_of: dict[tuple[int, int, int], dist.ProcessGroup | None] = {}  # (channel, src, dst) -> group
         self._device = device or torch.device("cpu")
         self._pending: deque[tuple[Any, list[torch.Tensor]]] = deque()
 
     def _group(self, channel: int, src: int, dst: int) -> dist.ProcessGroup | None:
-        if self._groups is None:
-            return None
-        kind = "T" if channel == 1 else ("F" if src < dst else "B")
-        return self._groups[communicator(self._layout, kind, src, dst, self._replica)]
+        key = (channel, src, dst)
+        if key not in self._group_of:  # once per neighbour and direction: sends and receives are per micro-batch
+            kind = "T" if channel == 1 else ("F" if src < dst else "B")
+            self._group_of[key] = None if self._groups is None else \
+                self._groups[communicator(self._layout, kind, src, dst, self._replica)]
+        return self._group_of[key]
 
     def send(self, payload: Any, stage: int, channel: int = 0) -> None:
         dst = self._ranks[stage]

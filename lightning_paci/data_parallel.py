@@ -38,17 +38,23 @@ class ReplicaMismatchError(RuntimeError):
     """The replicas of a stage disagree on which parameters received a gradient."""
 
 
+def _buckets(params: Sequence[nn.Parameter]) -> list[list[int]]:
+    """Indices of ``params`` grouped by dtype and device: one flat buffer, one all-reduce each."""
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.dtype, p.device), []).append(i)
+    return list(groups.values())
+
+
 def average_gradients(params: Sequence[nn.Parameter], replicas: int,
                       all_reduce: Callable[[torch.Tensor], None], *, names: Sequence[str] | None = None) -> None:
     """Average ``params``' gradients over ``replicas`` in place, through ``all_reduce`` (a sum over the replicas of
     a flat tensor, in place). Gradients are summed, then divided by ``replicas``, as one device's mean over the
     replicas' samples is (each replica's gradient already is the mean over its own samples)."""
-    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, p in enumerate(params):
-        groups.setdefault((p.dtype, p.device), []).append(i)
-    for (dtype, device), members in groups.items():
+    for members in _buckets(params):
         sizes = [params[i].numel() for i in members]
-        flat = torch.zeros(sum(sizes) + len(members), dtype=dtype, device=device)  # gradients, then the flags
+        first = params[members[0]]
+        flat = torch.zeros(sum(sizes) + len(members), dtype=first.dtype, device=first.device)  # grads, then flags
         views = flat[: sum(sizes)].split(sizes)
         flags = flat[sum(sizes):]
         for k, (i, view) in enumerate(zip(members, views)):
@@ -96,10 +102,8 @@ def average_parameters(params: Sequence[nn.Parameter], replicas: int,
     """Average ``params`` over ``replicas`` in place (one flat buffer per dtype and device, summed by
     ``all_reduce``, then divided), through ``.data``: no autograd version counter moves (see [Note: alias
     optimizer])."""
-    groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-    for p in params:
-        groups.setdefault((p.dtype, p.device), []).append(p)
-    for members in groups.values():
+    for bucket in _buckets(params):
+        members = [params[i] for i in bucket]
         flat = torch.cat([p.data.reshape(-1) for p in members])
         all_reduce(flat)
         for p, part in zip(members, flat.split([p.numel() for p in members])):

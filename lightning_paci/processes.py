@@ -194,11 +194,10 @@ class PipelineProcesses(ParallelStrategy):
         if topology.data > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
-            self.device_mesh = DeviceMesh(self.root_device.type, torch.tensor(topology.mesh_ranks()),
-                                          mesh_dim_names=("pp", "dp"))
+            mesh = topology.mesh_ranks()
+            self.device_mesh = DeviceMesh(self.root_device.type, torch.tensor(mesh), mesh_dim_names=("pp", "dp"))
             # our own collectives on groups of the same ranks with the strategy's timeout (the mesh's have torch's
             # default): every rank creates every group, stages' replicas first, then replicas' pipelines
-            mesh = topology.mesh_ranks()
             dp = [dist.new_group(ranks, backend=self._process_group_backend, timeout=self.config.timeout)
                   for ranks in mesh]
             pp = [dist.new_group(list(ranks), backend=self._process_group_backend, timeout=self.config.timeout)
