@@ -36,7 +36,7 @@ class LogRecord(NamedTuple):
     """One ``self.log`` call made by the user's step on the last stage, travelling upstream with the gradients."""
 
     name: str
-    value: float
+    value: float | torch.Tensor  # a 0-dim device tensor on an accelerator ([Note: no host sync per micro-batch])
     batch_size: int
     options: tuple[tuple[str, Any], ...]  # prog_bar, logger, on_step, on_epoch, ...
 
@@ -64,7 +64,11 @@ def recording_logs(module: LightningModule, records: list[LogRecord], size: int,
             # process group at compute(), and only the last stage's state is non-empty (sum/cat reductions)
             records.append(LogRecord(name, float("nan"), batch_size, options + ((METRIC_OPTION, path),)))
             return
-        value = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+        if isinstance(value, torch.Tensor):  # stays on an accelerator: see [Note: no host sync per micro-batch]
+            value = value.detach().float().mean()
+            value = value if value.device.type != "cpu" else float(value)
+        else:
+            value = float(value)
         records.append(LogRecord(name, value, batch_size, options))
 
     module.log = log  # type: ignore[method-assign]

@@ -139,6 +139,17 @@ class StageRecords:
             self.tied_fingerprints = deque(maxlen=self._retention) if tied_fingerprints else None
 
     # -- per micro-batch ---------------------------------------------------------------------------------------
+    def metered(self, microbatch: int, program: Any, data: Any, step_args: tuple[Any, ...], received: Any,
+                leaves: list[torch.Tensor]) -> Any:
+        """Run ``program.forward`` counting the micro-batch's activation bytes (``measure(activation_bytes=True)``);
+        return its output."""
+        meter = ActivationMeter(program.module.parameters())
+        with meter:
+            output = program.forward(data, *step_args, received=received)
+        self.activation_bytes[microbatch] = meter.total(leaves, output.outgoing)
+        self.peak_activation_bytes = max(self.peak_activation_bytes, sum(self.activation_bytes.values()))
+        return output
+
     def add_backward(self, record: BackwardRecord) -> None:
         self.version_gaps[record.microbatch] = record.version_gap
         self.backwards.append(record)
@@ -187,6 +198,10 @@ class StageRecords:
         """Add one action's span to the current phase (``category``: compute, optimizer, wait or comm)."""
         self.phase_time[self.phase][category] += interval.end - interval.start
         self.intervals.append(interval)
+
+    def add_time(self, category: str, seconds: float) -> None:
+        """Add time spent outside any action (a backward's deferred hooks) to the current phase's ``category``."""
+        self.phase_time[self.phase][category] += seconds
 
     def set_phase(self, phase: str) -> None:
         """Close the current phase's wall-clock span and open ``phase``'s."""

@@ -55,6 +55,8 @@ def run_lists(runtimes: Sequence[StageRuntime], lists: Sequence[Sequence[Action]
                     runtimes[peer].execute(action)
                     positions[peer] += 1
                 progress = True
+    for runtime in runtimes:
+        runtime.settle()
     if any(positions[i] < len(lists[i % n]) for i in range(len(runtimes))):
         validate(lists)  # raises with the grid
         raise AssertionError("reference executor stalled on a list the validator accepts")

@@ -83,6 +83,14 @@ class StageOptimizer:
         if optimizer.state:
             raise ValueError("The optimizer already has state; build it fresh in `configure_optimizers`.")
 
+    def nonfinite(self, extra: Sequence[torch.Tensor] = ()) -> list[nn.Parameter] | None:
+        """None when every gradient (the parameters' and ``extra``) is finite, checked with one host sync; otherwise
+        the parameters whose gradient holds a NaN or inf (empty when only ``extra`` does)."""
+        grads = self.gradients() + list(extra)
+        if not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            return None
+        return [p for _, p in self.pairs if p.grad is not None and not torch.isfinite(p.grad).all()]
+
     def gradients(self) -> list[torch.Tensor]:
         """The real parameters' accumulated gradients (those that have one)."""
         return [p.grad for _, p in self.pairs if p.grad is not None]

@@ -216,7 +216,7 @@ class PACIStrategy(CheckpointingProcesses):
                                       drain=must_drain(trainer, batch_idx), accumulation=self.accumulation,
                                       close_window=self._closes_windows and ends_epoch(trainer, batch_idx))
         # what `on_train_batch_end(outputs)` gets: the loss of mini-batch `paci_minibatch` (see PipelineStage.train)
-        return {"loss": torch.tensor(loss, device=self.root_device), "paci_minibatch": minibatch}
+        return {"loss": torch.as_tensor(loss, device=self.root_device), "paci_minibatch": minibatch}
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_paci.comm import FIRST_BYTES, DistComm, LocalComm, flatten
+from lightning_paci.schedules import layout_communicators
 
 from helpers import run_forked_ranks
 
@@ -65,6 +66,50 @@ def _assert_same(received: Any, sent: Any) -> None:
 @pytest.mark.timeout(60)
 def test_messages_arrive_whole_and_in_order(tmp_path: Path) -> None:
     run_forked_ranks(_worker, 2, tmp_path / "rdv")
+
+
+def _directed_worker(rank: int, path: str, errors: Any) -> None:
+    """Two stages on the "directed" layout: stage 1 posts its next activation receive ahead while stage 0 sends a
+    tied-weight message (channel 1) first and then a run of activations, small and large; stage 1 then sends the
+    gradients back, taken through receives posted ahead on stage 0."""
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=30))
+        groups = {key: dist.new_group(list(members)) for key, members in layout_communicators("directed", 2).items()}
+        comm = DistComm([0, 1], groups=groups)
+        messages = _messages() * 3  # more sends than spare buffers: reused buffers must not change a message
+        if rank == 0:
+            comm.send([torch.full((3,), 7.0)], 1, channel=1)
+            for message in messages:
+                comm.send(message, 1)
+            comm.flush()
+            for message in messages:
+                comm.post(1)
+                comm.post(1)  # a second post of the same link waits for the first to be taken: no-op
+                assert comm.posted == 1
+                _assert_same(comm.recv(1), message)
+        else:
+            comm.post(0)  # the activation link's next message, ahead of the tied one on its own link
+            _assert_same(comm.recv(0, channel=1), [torch.full((3,), 7.0)])
+            for i, message in enumerate(messages):
+                _assert_same(comm.recv(0), message)
+                if i + 1 < len(messages):
+                    comm.post(0)
+            assert comm.posted == 0
+            for message in messages:
+                comm.send(message, 0)
+            comm.flush()
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+@pytest.mark.timeout(60)
+def test_receives_posted_ahead_take_their_own_links_messages_in_order(tmp_path: Path) -> None:
+    run_forked_ranks(_directed_worker, 2, tmp_path / "rdv")
 
 
 def test_local_comm_copies_and_keeps_order() -> None:

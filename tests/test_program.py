@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import fit
+from helpers import KeepMetrics, fit
 from models import SequentialMLP, regression_loader
 
 pytestmark = pytest.mark.distributed
@@ -71,3 +71,55 @@ def test_backward_and_optimizer_hooks_run_per_stage_and_training_equals_one_devi
     torch.testing.assert_close(model.net[0].bias, first_bias, rtol=0, atol=0)  # frozen by the custom clipping
     for key, value in single.state_dict().items():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+class WindowProbe(SequentialMLP):
+    """Records, at each ``on_after_backward``, how many backwards of the current accumulation window the stage has
+    run and how many updates it made: the hook must see exactly the backward it follows."""
+
+    def __init__(self, directory) -> None:
+        super().__init__(lr=0.1)
+        self.directory = directory
+        self.seen: list[list[int]] = []
+
+    def on_after_backward(self):
+        runtime = self.trainer.strategy.runtime
+        self.seen.append([runtime.window_backwards, runtime.version])
+
+    def on_train_end(self):
+        (self.directory / f"seen{self.trainer.strategy.stage_index}.json").write_text(json.dumps(self.seen))
+
+
+@pytest.mark.parametrize("schedule", ["paci", "1f1b"])
+def test_after_backward_hooks_see_their_own_backward_although_they_run_after_its_send(tmp_path, schedule):
+    # [Note: after the send]: the hooks of a backward run once its gradient message is sent, still before the next
+    # backward and the next update: micro-batch k of a window is seen as backward k of that window
+    torch.manual_seed(71)
+    fit(WindowProbe(tmp_path), regression_loader(num_batches=3), devices=3, max_steps=3, schedule=schedule,
+        microbatches=4, partition="parameters")
+    for stage in range(3):
+        seen = json.loads((tmp_path / f"seen{stage}.json").read_text())
+        assert seen == [[k, update] for update in range(3) for k in range(1, 5)], (stage, seen)
+
+
+class DeviceLosses(L.Callback):
+    """Every stage keeps its losses in the device form ([Note: no host sync per micro-batch]), here on the CPU."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        trainer.strategy.runtime.device_losses = True
+
+
+def test_losses_kept_on_the_device_log_and_train_as_losses_read_at_once(tmp_path):
+    # the losses travel upstream as tensors inside the gradient messages and are combined per batch when the logs
+    # are replayed: the same weights and the same logged values as the host form
+    results = []
+    for name, callbacks in (("host", []), ("device", [DeviceLosses()])):
+        torch.manual_seed(72)
+        model = SequentialMLP()
+        fit(model, regression_loader(num_batches=4), devices=3, max_steps=4, microbatches=4, partition="parameters",
+            callbacks=[*callbacks, KeepMetrics(tmp_path / f"{name}.json")])
+        results.append((model, json.loads((tmp_path / f"{name}.json").read_text())))
+    (host, host_metrics), (device, device_metrics) = results
+    assert device_metrics == host_metrics and "train_loss" in host_metrics
+    for key, value in host.state_dict().items():
+        torch.testing.assert_close(device.state_dict()[key], value, rtol=0, atol=0)

@@ -93,6 +93,38 @@ def test_a_nonfinite_loss_fails_naming_the_stage_and_the_microbatch():
         run_lists(runtimes, build("1f1b", 2, 2, 2, 2).actions)
 
 
+def test_losses_kept_on_the_device_train_exactly_as_losses_read_at_once():
+    # [Note: no host sync per micro-batch], run on the CPU: the device form changes no number, only when it is read
+    runs = []
+    for keep in (None, True):
+        runtimes = _pipeline(3)
+        for runtime in runtimes:
+            runtime.device_losses = keep
+        _feed(runtimes, 3, 4)
+        run_lists(runtimes, build("paci", 3, 4, 4, 3).actions)
+        runs.append(runtimes)
+    for host, device in zip(*runs):
+        for a, b in zip(host.program.module.parameters(), device.program.module.parameters()):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+        assert sorted(device.records.losses) == sorted(host.records.losses) == list(range(12))
+        for key, value in host.records.losses.items():  # stage 0 and 1: the loss travelled upstream as a tensor
+            assert isinstance(value, float) and isinstance(device.records.losses[key], torch.Tensor)
+            assert float(device.records.losses[key]) == value
+    assert runs[1][-1].unchecked_losses == []  # checked at the last update
+
+
+def test_a_nonfinite_loss_kept_on_the_device_fails_before_the_update_that_would_use_it():
+    runtimes = _pipeline(2, poison=1)
+    for runtime in runtimes:
+        runtime.device_losses = True
+    _feed(runtimes, 2, 2)
+    runtimes[1].step_label = "Lightning batch 1"
+    with pytest.raises(StageFailure, match=r"stage 1: the loss of micro-batch 2 is nan at Lightning batch 1\. Pass "
+                                           r"`PACIStrategy\(nonfinite='skip'\)`"):
+        run_lists(runtimes, build("1f1b", 2, 2, 2, 2).actions)
+    assert runtimes[1].version == 1  # the first window's update only: none used the NaN loss
+
+
 def test_a_skipped_microbatch_sends_zero_gradients_and_no_loss():
     runtimes = _pipeline(2, skip_nonfinite=True, poison=1)
     _feed(runtimes, 2, 2)
