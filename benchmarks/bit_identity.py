@@ -44,7 +44,8 @@ def _reference(make: Any, loader: Any, schedule: str) -> dict[str, Any]:
     plan = plan_partition(model, num_stages=STAGES, partition="parameters")
     reference = ReferencePipeline(model, plan)
     batches = list(loader)
-    reference.run(build(schedule, STAGES, MICROBATCHES, ACCUMULATION, num_minibatches=len(batches)), batches)
+    reference.run(build(schedule, STAGES, MICROBATCHES, ACCUMULATION, num_minibatches=len(batches),
+                        tied=bool(plan.tied)), batches)
     losses = reference.runtimes[-1].records.losses
     return {"losses": torch.tensor([losses[k] for k in sorted(losses)], dtype=torch.float64),
             "weights": {k: v.detach().clone() for k, v in reference.state_dict().items()}}

@@ -7,6 +7,7 @@ measured intervals.
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 import time
@@ -24,44 +25,83 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_paci import PACIStrategy
 from lightning_paci.timeline import Interval
 
+SPIN_S = 0.0003  # the last stretch of an emulated kernel is spun, not slept (see sleep_until)
+
 
 def sleep_until(deadline: float) -> None:
     """Hold the host until ``deadline`` (``time.perf_counter`` seconds), as waiting on an accelerator kernel would.
 
     A deadline rather than a duration: the block's real work (and Python's) runs *inside* its emulated time, as a
-    GPU's host work overlaps its kernels. (Spinning the last 0.3 ms to remove time.sleep's ~0.17 ms late wake-up
-    was measured too: 0.971/0.972 vs 0.972/0.969 steady efficiency, no difference, so it is not done.)
+    GPU's host work overlaps its kernels. The last ``SPIN_S`` are spun: ``time.sleep`` wakes 0.10-0.20 ms late on
+    these shared cores (measured, issue 16), which a device does not (its kernel ends on time, and CUDA's default
+    host wait spins when there are fewer processes than cores); with 10/20 ms blocks two late wake-ups per
+    micro-batch and stage were ~1% of a stage's time, counted as our overhead.
     """
     remaining = deadline - time.perf_counter()
-    if remaining > 0:
-        time.sleep(remaining)
+    if remaining > SPIN_S:
+        time.sleep(remaining - SPIN_S)
+    while time.perf_counter() < deadline:
+        pass
 
 
-class _Sleep(torch.autograd.Function):
-    """The block's output; forward returns at ``start + forward_s`` (its real work runs inside that time), backward
-    takes ``backward_s`` from when it begins."""
+class BlockClock:
+    """One block call's emulated device times (seconds on ``time.perf_counter``)."""
+
+    def __init__(self, forward_s: float, backward_s: float) -> None:
+        self.start = time.perf_counter()
+        self.forward_s, self.backward_s = forward_s, backward_s
+        self.backward_start = 0.0
+        self.input_grad = False  # whether the block's input needs a gradient (BlockEnter's backward runs)
+
+
+class BlockEnter(torch.autograd.Function):
+    """A block's input. Backward: return once the block's emulated backward time has passed since it began, so the
+    block's real backward work (its other autograd nodes) runs inside that time, like its forward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, start: float, forward_s: float, backward_s: float) -> torch.Tensor:
-        sleep_until(start + forward_s)
-        ctx.backward_s = backward_s
-        return x.clone()
+    def forward(ctx: Any, x: torch.Tensor, clock: BlockClock) -> torch.Tensor:
+        ctx.clock = clock
+        clock.input_grad = x.requires_grad
+        return x.view_as(x)  # no copy: the block's activations stay what they would be without emulation
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        sleep_until(time.perf_counter() + ctx.backward_s)
-        return grad, None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        sleep_until(ctx.clock.backward_start + ctx.clock.backward_s)
+        return grad, None
+
+
+class BlockExit(torch.autograd.Function):
+    """A block's output. Forward: return once the emulated forward time has passed since the block began;
+    backward (the block's first node): note when the block's backward begins. A block whose input needs no gradient
+    (the first stage's, without an embedding) has no ``BlockEnter`` backward: its time is slept here."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, clock: BlockClock) -> torch.Tensor:
+        ctx.clock = clock
+        out = y.clone()
+        sleep_until(clock.start + clock.forward_s)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.clock.backward_start = time.perf_counter()
+        if not ctx.clock.input_grad:
+            sleep_until(ctx.clock.backward_start + ctx.clock.backward_s)
+        return grad, None
 
 
 class SleepBlock(nn.Module):
+    """``tanh(linear(x))`` taking ``forward_s`` of emulated device time and its backward ``backward_s``, its real
+    work included (the first version slept ``backward_s`` and then ran the block's real backward after it)."""
+
     def __init__(self, dim: int, forward_s: float, backward_s: float) -> None:
         super().__init__()
         self.linear = nn.Linear(dim, dim)
         self.forward_s, self.backward_s = forward_s, backward_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
-        return _Sleep.apply(torch.tanh(self.linear(x)), start, self.forward_s, self.backward_s)
+        clock = BlockClock(self.forward_s, self.backward_s)
+        return BlockExit.apply(torch.tanh(self.linear(BlockEnter.apply(x, clock))), clock)
 
 
 class _Scale(nn.Module):
@@ -147,6 +187,16 @@ def run_emulated(*, num_stages: int, schedule: str, num_microbatches: int, num_m
 def run_seconds(stages: list[list[Interval]]) -> float:
     """Wall clock of a run: first action to last action over all stages."""
     return max(iv.end for ivs in stages for iv in ivs) - min(iv.start for ivs in stages for iv in ivs)
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser, *, forward_ms: float = 10.0,
+                        backward_ms: float = 20.0) -> None:
+    """``--stages --microbatches --minibatches --forward-ms --backward-ms``: the emulated run's shape."""
+    parser.add_argument("--stages", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--minibatches", type=int, default=10)
+    parser.add_argument("--forward-ms", type=float, default=forward_ms)
+    parser.add_argument("--backward-ms", type=float, default=backward_ms)
 
 
 def steady_seconds(stages: list[list[Interval]], num_microbatches: int, num_minibatches: int) -> float:

@@ -55,7 +55,7 @@ from torch.utils.data import DataLoader
 
 from lightning_paci import PACIStrategy
 
-from emulated import OneThread, sleep_until
+from emulated import BlockClock, BlockEnter, BlockExit, OneThread
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import ByteBlocks, stdlib_corpus  # noqa: E402
@@ -63,45 +63,6 @@ from train_gpt import ByteBlocks, stdlib_corpus  # noqa: E402
 NUM_STAGES = 8
 GLOBAL_BATCH = 32
 CONTEXT = 64
-
-
-class _Clock:
-    """One block call's emulated device times (seconds on ``time.perf_counter``)."""
-
-    def __init__(self, forward_s: float) -> None:
-        self.start = time.perf_counter()
-        self.forward_s, self.backward_s = forward_s, 2 * forward_s
-        self.backward_start = 0.0
-
-
-class _Enter(torch.autograd.Function):
-    """Block input. Backward: return once the block's emulated backward time has passed since it began."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, clock: _Clock) -> torch.Tensor:
-        ctx.clock = clock
-        return x.view_as(x)  # no copy: the block's activations stay what they would be without emulation
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        sleep_until(ctx.clock.backward_start + ctx.clock.backward_s)
-        return grad, None
-
-
-class _Exit(torch.autograd.Function):
-    """Block output. Forward: return once the emulated forward time has passed since the block began; backward:
-    note when the block's backward begins."""
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, clock: _Clock) -> torch.Tensor:
-        ctx.clock = clock
-        sleep_until(clock.start + clock.forward_s)
-        return y.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.clock.backward_start = time.perf_counter()
-        return grad, None
 
 
 class Block(nn.Module):
@@ -118,12 +79,13 @@ class Block(nn.Module):
         self.fixed_s, self.seconds_per_sample = fixed_s, seconds_per_sample
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # x: (micro-batch, T, dim)
-        clock = _Clock(self.fixed_s + self.seconds_per_sample * x.shape[0])
-        x = _Enter.apply(x, clock)
+        forward_s = self.fixed_s + self.seconds_per_sample * x.shape[0]
+        clock = BlockClock(forward_s, 2 * forward_s)
+        x = BlockEnter.apply(x, clock)
         h = self.ln1(x)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         x = x + self.mlp(self.ln2(x))
-        return _Exit.apply(x, clock)
+        return BlockExit.apply(x, clock)
 
 
 class SleepyLM(L.LightningModule):
