@@ -246,7 +246,7 @@ class DistComm:
             first = torch.empty(FIRST_BYTES, dtype=torch.uint8, device=self._device)
             work = group.recv([first], peer, 0)
         work.wait()
-        raw = first.numpy() if self._host else first[:FIRST_BYTES].cpu().numpy()  # CUDA: the header's host copy
+        raw = first.numpy() if self._host else first.cpu().numpy()  # CUDA: the first part's host copy (the header)
         blob_bytes, data_bytes = struct.unpack_from("<QQ", raw)
         head = 16 + blob_bytes
         start = -(-head // _ALIGN) * _ALIGN
