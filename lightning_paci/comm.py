@@ -230,7 +230,10 @@ class DistComm:
         if self._can_post and stage not in self._posted:
             group, peer = self._route(0, stage, self._stage)
             buffer = torch.empty(FIRST_BYTES, dtype=torch.uint8, device=self._device)
-            self._posted[stage] = (group.recv([buffer], peer, 0), buffer)
+            try:
+                self._posted[stage] = (group.recv([buffer], peer, 0), buffer)
+            except (RuntimeError, ConnectionError) as err:  # a dead peer: told by the receive that takes it, which
+                self._posted[stage] = (err, buffer)  # the runtime reports naming the peer, the action and the step
 
     @property
     def posted(self) -> int:
@@ -242,6 +245,8 @@ class DistComm:
         ahead = self._posted.pop(stage, None) if channel == 0 else None
         if ahead is not None:
             work, first = ahead
+            if isinstance(work, BaseException):
+                raise work
         else:
             first = torch.empty(FIRST_BYTES, dtype=torch.uint8, device=self._device)
             work = group.recv([first], peer, 0)
