@@ -80,10 +80,14 @@ class BlockExit(torch.autograd.Function):
         ctx.clock = clock
         out = y.clone()
         sleep_until(clock.start + clock.forward_s)
+        # an empty saved tensor (0 bytes): a recomputation (non-reentrant torch.utils.checkpoint stops as soon as
+        # every saved tensor is back) then runs through the emulated forward time, as a real block's last kernel
+        ctx.save_for_backward(y.new_empty(0))
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.saved_tensors  # noqa: B018  (unpacking it is what runs a recomputation, see forward)
         ctx.clock.backward_start = time.perf_counter()
         if not ctx.clock.input_grad:
             sleep_until(ctx.clock.backward_start + ctx.clock.backward_s)
@@ -164,7 +168,7 @@ class DumpIntervals(Callback):
 def run_emulated(*, num_stages: int, schedule: str, num_microbatches: int, num_minibatches: int,
                  blocks_per_stage: int = 2, forward_ms: float = 10.0, backward_ms: float = 20.0,
                  callbacks: list[Callback] | None = None, logger: Any = False, dim: int = 32,
-                 microbatch_size: int = 2, input_scale: bool = False) -> list[list[Interval]]:
+                 microbatch_size: int = 2, input_scale: bool = False, recompute: str = "off") -> list[list[Interval]]:
     """Train ``num_minibatches`` batches through ``Trainer(strategy=PACIStrategy(...))`` (forked ranks) and return
     each stage's measured intervals."""
     torch.manual_seed(0)
@@ -173,7 +177,7 @@ def run_emulated(*, num_stages: int, schedule: str, num_microbatches: int, num_m
     with tempfile.TemporaryDirectory() as tmp:
         trainer = L.Trainer(
             strategy=PACIStrategy(schedule=schedule, microbatches=num_microbatches, start_method="fork",  # type: ignore[arg-type]
-                                  timeout=timedelta(seconds=120)),
+                                  timeout=timedelta(seconds=120), recompute=recompute),  # type: ignore[arg-type]
             accelerator="cpu", devices=num_stages, max_steps=num_minibatches, logger=logger, log_every_n_steps=1,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,

@@ -62,14 +62,25 @@ class RecipeLM(SleepyLM):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _name(config: tuple[str, str]) -> str:
-    schedule, compensation = config
-    return schedule if compensation == "none" or schedule != "paci" else f"{schedule}+{compensation}"
+def _config(parts: Any) -> tuple[str, str, str]:
+    """``schedule[:compensation[:recompute]]`` (as given or as saved) -> (schedule, compensation, recompute)."""
+    parts = list(parts)
+    return parts[0], parts[1] if len(parts) > 1 else "none", parts[2] if len(parts) > 2 else "off"
 
 
-def train_curve(job: tuple[tuple[str, str], int, argparse.Namespace]) -> dict[str, Any]:
+def _key(run: dict[str, Any]) -> tuple[str, str, str]:
+    return run["schedule"], run.get("compensation", "none"), run.get("recompute", "off")
+
+
+def _name(config: tuple[str, ...]) -> str:
+    schedule, compensation, recompute = _config(config)
+    name = schedule if compensation == "none" or schedule != "paci" else f"{schedule}+{compensation}"
+    return name if recompute == "off" else f"{name}+recompute"
+
+
+def train_curve(job: tuple[tuple[str, str, str], int, argparse.Namespace]) -> dict[str, Any]:
     """Validation loss after every ``val_every`` updates of one configuration and seed (one process, one thread)."""
-    (schedule, compensation), seed, args = job
+    (schedule, compensation, recompute), seed, args = job
     torch.set_num_threads(1)
     data = stdlib_corpus(args.corpus_bytes)
     split = int(len(data) * 0.95)
@@ -84,7 +95,7 @@ def train_curve(job: tuple[tuple[str, str], int, argparse.Namespace]) -> dict[st
     model = RecipeLM(recipe=args.recipe, optimizer=args.optimizer, max_steps=args.max_steps, lr=args.lr,
                      warmup=args.warmup, layers=args.layers, dim=args.dim)
     plan = plan_partition(model, NUM_STAGES, partition="parameters")
-    pipeline = ReferencePipeline(model, plan, compensation=compensation)
+    pipeline = ReferencePipeline(model, plan, compensation=compensation, recompute=recompute)
     snapshots: dict[int, dict[str, torch.Tensor]] = {}
     for stage, runtime in enumerate(pipeline.runtimes):
         def keep(version: int, stage: int = stage) -> None:
@@ -101,7 +112,8 @@ def train_curve(job: tuple[tuple[str, str], int, argparse.Namespace]) -> dict[st
             loss = sum(float(model._loss(b)) * b.shape[0] for b in val) / len(val.dataset)
         curve.append((version, loss))
     moved = [r.lookahead.peak_extra_bytes if r.lookahead is not None else 0 for r in pipeline.runtimes]
-    return {"schedule": schedule, "compensation": compensation, "seed": seed, "curve": curve, "seconds": seconds,
+    return {"schedule": schedule, "compensation": compensation, "recompute": recompute, "seed": seed, "curve": curve,
+            "seconds": seconds,
             "lookahead_bytes": moved,
             "state_bytes": [sum(t.numel() * t.element_size() for t in _state_tensors(r)) for r in pipeline.runtimes]}
 
@@ -127,7 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--configs", nargs="+", default=["paci:none", "paci:auto", "1f1b:none"],
-                        help="schedule:compensation pairs; 1f1b:none is the baseline")
+                        help="schedule:compensation[:recompute] (recompute: off or blocks); 1f1b:none is the baseline")
     parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--val-every", type=int, default=50)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -146,21 +158,21 @@ def main() -> None:
     parser.add_argument("--plot", metavar="PNG", help="loss vs updates (and vs time with --rates) of every config")
     parser.add_argument("--report", metavar="JSON", help="print the runs saved by an earlier --json (no training)")
     args = parser.parse_args()
-    configs = [tuple(c.split(":")) for c in args.configs]
+    configs = [_config(c.split(":")) for c in args.configs]
     if args.report:
         saved = json.loads(Path(args.report).read_text())
         for key, value in saved["args"].items():
             if key not in ("report", "json", "rates", "plot"):
                 setattr(args, key, value)
         runs = saved["runs"]
-        configs = [tuple(c) for c in saved.get("configs", [["paci", "none"], ["1f1b", "none"]])]
+        configs = [_config(c) for c in saved.get("configs", [["paci", "none"], ["1f1b", "none"]])]
     else:
         reusable: list[dict[str, Any]] = []
         if args.reuse:
             saved = json.loads(Path(args.reuse).read_text())
             if all(saved["args"].get(k, default) == getattr(args, k) for k, default in _SAME.items()):
                 reusable = saved["runs"]
-        have = {(r["schedule"], r.get("compensation", "none"), r["seed"]): r for r in reusable}
+        have = {(*_key(r), r["seed"]): r for r in reusable}
         jobs = [(c, seed, args) for seed in args.seeds for c in configs if (*c, seed) not in have]
         with get_context("fork").Pool(args.workers) as pool:
             runs = pool.map(train_curve, jobs)
@@ -172,8 +184,7 @@ def report(args: argparse.Namespace, configs: list[tuple[str, ...]], runs: list[
     """Mean validation curves of every configuration against 1f1b, and the summary figures of each."""
     mean = {}
     for config in configs:
-        curves = [r["curve"] for r in runs if (r["schedule"], r.get("compensation", "none")) == tuple(config)
-                  and r["seed"] in args.seeds]
+        curves = [r["curve"] for r in runs if _key(r) == tuple(config) and r["seed"] in args.seeds]
         mean[_name(config)] = [(points[0][0], sum(p[1] for p in points) / len(points)) for points in zip(*curves)]
     base = mean.pop("1f1b")
     others = list(mean)

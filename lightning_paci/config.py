@@ -8,6 +8,7 @@ from typing import Literal
 
 from lightning_paci.compensation import COMPENSATIONS
 from lightning_paci.partition import PartitionSpec
+from lightning_paci.recompute import RECOMPUTE_MODES
 from lightning_paci.schedules import SCHEDULE_NAMES
 from lightning_paci.topology import check_size_option
 
@@ -78,6 +79,11 @@ class PACIConfig:
         local_sgd_steps: with replicas, average the replicas' parameters every this many local steps of a stage
             (and at every drain) instead of their gradients before every step (LocalSGD, as Accelerate's): fewer
             collectives for a slow interconnect, at some loss per sample (benchmarks/RESULTS.md).
+        recompute: ``"off"`` (default) or ``"blocks"``: each of a stage's blocks keeps only its input between a
+            micro-batch's forward and its backward and runs its forward again inside the backward (activation
+            memory for compute; exact under 1f1b/gpipe, a second staleness under paci: [Note: recomputation under
+            PACI] in recompute.py). recompute_stages: only the first this many stages recompute (they hold the most
+            micro-batches in flight); None (default): every stage.
         process_group_backend: ``"nccl"`` on CUDA, ``"gloo"`` otherwise (default: chosen from the device).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"`` (CPU tests,
             notebooks) or ``"forkserver"``.
@@ -103,6 +109,8 @@ class PACIConfig:
     pipeline_parallel_size: int | Literal["auto"] = "auto"
     data_parallel_size: int | Literal["auto"] = "auto"
     local_sgd_steps: int | None = None
+    recompute: Literal["off", "blocks"] = "off"
+    recompute_stages: int | None = None
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES)
@@ -124,3 +132,9 @@ class PACIConfig:
         check_size_option("data_parallel_size", self.data_parallel_size)
         _positive_int("local_sgd_steps", self.local_sgd_steps, "Average the replicas' parameters every k local steps, "
                       "e.g. `local_sgd_steps=8`; None (default) averages gradients before every step.", optional=True)
+        _choice("recompute", self.recompute, RECOMPUTE_MODES)
+        _positive_int("recompute_stages", self.recompute_stages, "Recompute on the first k stages, e.g. "
+                      "`recompute_stages=2`; None (default) recomputes on every stage.", optional=True)
+        if self.recompute_stages is not None and self.recompute == "off":
+            raise ValueError(f"`recompute_stages={self.recompute_stages}` needs `recompute='blocks'`: it chooses which "
+                             f"stages recompute. Pass `PACIStrategy(recompute='blocks', recompute_stages=...)`.")

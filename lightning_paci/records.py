@@ -71,6 +71,16 @@ class ActivationMeter:
     memory" claim is about, since the weights and optimizer state are the same single copy under every schedule.
     """
 
+    _active: list[ActivationMeter] = []  # the meters counting now (innermost last)
+
+    @staticmethod
+    def keep(tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors a forward keeps alive for its backward outside autograd's saved tensors (a recomputed
+        block's input, recompute.py) in the meter that is counting, if any."""
+        if ActivationMeter._active:
+            for tensor in tensors:
+                ActivationMeter._active[-1]._add(tensor)
+
     def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
         self._exclude = {p.untyped_storage().data_ptr() for p in parameters}
         self._storages: dict[int, int] = {}  # storage pointer -> bytes
@@ -89,8 +99,10 @@ class ActivationMeter:
 
     def __enter__(self) -> None:
         self._hooks.__enter__()
+        ActivationMeter._active.append(self)
 
     def __exit__(self, *exc: Any) -> None:
+        ActivationMeter._active.pop()
         self._hooks.__exit__(*exc)
 
     def total(self, leaves: list[torch.Tensor], outgoing: Any) -> int:

@@ -21,6 +21,7 @@ from lightning_paci.data_parallel import ReplicaMismatchError
 from lightning_paci.microbatch import loss_scale_for, split_weighted
 from lightning_paci.partition import PartitionPlan, carve_stage
 from lightning_paci.program import LightningStageProgram
+from lightning_paci.recompute import BlockRecompute, recomputes
 from lightning_paci.runtime import StageRuntime
 from lightning_paci.schedules import OPT, RECV_KINDS, Action, ActionKind, Schedule, message_key, static_drift, validate
 from lightning_paci.stage_optimizer import StageOptimizer, optimizer_and_step_schedulers
@@ -67,7 +68,8 @@ class ReferencePipeline:
 
     ``optimizer_factory(module)`` returns ``(optimizer, schedulers)`` for a carved copy; by default it calls the
     module's own ``configure_optimizers`` (a single optimizer, optionally with step-interval schedulers).
-    ``compensation`` is ``PACIStrategy``'s option of that name (see compensation.py), with the same default.
+    ``compensation`` is ``PACIStrategy``'s option of that name (see compensation.py), with the same default;
+    ``recompute`` and ``recompute_stages`` too (recompute.py).
     """
 
     def __init__(
@@ -79,6 +81,8 @@ class ReferencePipeline:
         compensation: str = "auto",
         replicas: int = 1,
         local_sgd_steps: int | None = None,
+        recompute: str = "off",
+        recompute_stages: int | None = None,
     ) -> None:
         self.plan = plan
         self.replicas = replicas
@@ -92,6 +96,8 @@ class ReferencePipeline:
             for stage in range(plan.num_stages):
                 copy_ = copy.deepcopy(module)
                 carve = carve_stage(copy_, plan, stage)
+                if recomputes(recompute, recompute_stages, stage):
+                    BlockRecompute(copy_.get_submodule(plan.container), plan.blocks(stage))
                 optimizer, schedulers = factory(copy_)
                 tied_replica = carve.tied_params if stage == plan.num_stages - 1 else []
                 stage_optimizer = StageOptimizer(optimizer, list(copy_.parameters()), schedulers=schedulers,

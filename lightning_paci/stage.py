@@ -30,6 +30,7 @@ from lightning_paci.microbatch import loss_scale_for
 from lightning_paci.optimizer_layout import OptimizerLayout
 from lightning_paci.partition import PartitionPlan, StageCarve
 from lightning_paci.program import LightningHooks, LightningStageProgram
+from lightning_paci.recompute import BlockRecompute, recomputes
 from lightning_paci.runtime import StageRuntime
 from lightning_paci.stage_optimizer import StageOptimizer
 
@@ -71,6 +72,8 @@ class PipelineStage:
         self._broadcast = broadcast
         self._resumed_gradients: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.hooks: LightningHooks | None = None
+        self._recompute = BlockRecompute(module.get_submodule(plan.container), plan.blocks(carve.stage)) \
+            if recomputes(config.recompute, config.recompute_stages, carve.stage) else None
 
     @property
     def index(self) -> int:
@@ -182,4 +185,6 @@ class PipelineStage:
                 full = merge_parts(gathered, replicas)
             except (RuntimeError, ConnectionError) as err:
                 log.warning(f"lightning_paci: could not gather the full weights at teardown: {err}")
+        if self._recompute is not None:
+            self._recompute.remove()
         self.carve.restore(self.module, full)

@@ -109,6 +109,8 @@ class PACIStrategy(CheckpointingProcesses):
         pipeline_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_size: int | Literal["auto"] = "auto",
         local_sgd_steps: int | None = None,
+        recompute: Literal["off", "blocks"] = "off",
+        recompute_stages: int | None = None,
     ) -> None:
         config = PACIConfig(
             schedule=schedule, microbatches=microbatches, accumulation=accumulation, partition=partition,
@@ -116,7 +118,8 @@ class PACIStrategy(CheckpointingProcesses):
             failure_timeout=failure_timeout, nonfinite=nonfinite, checkpoint_layout=checkpoint_layout,
             max_stream_batches=max_stream_batches, freeze_gc=freeze_gc, start_method=start_method,
             compensation=compensation, pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size, local_sgd_steps=local_sgd_steps)
+            data_parallel_size=data_parallel_size, local_sgd_steps=local_sgd_steps, recompute=recompute,
+            recompute_stages=recompute_stages)
         super().__init__(config, accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)

@@ -42,6 +42,10 @@ class DriftMonitor(StageMonitor):
       backward. Measured without a copy of the weights (at most one tensor's transient copy, during the step).
       Exact when at most one step falls between forward and backward (``a >= N - 1``); otherwise the sum of the
       update norms, an upper bound, and ``paci/weight_drift_exact/stage_<s>`` is 0.
+      With ``PACIStrategy(recompute="blocks")`` the gap and drift mean something more: the backward recomputes the
+      stage's blocks at theta_B from their saved inputs (made at theta_F), so its activations inside the blocks
+      are theta_B's while the upstream gradient and the block inputs are theta_F's ([Note: recomputation under
+      PACI] in recompute.py); with stored activations the backward differentiates theta_F's forward exactly.
     * ``paci/tied_lag_max/stage_<N-1>``: with tied weights, how many updates behind the last stage's replica was.
     * ``paci/tied_lag_bound/stage_<N-1>``: the largest such lag the last stage's action list allows (read from the
       list: 1 for N = m = a = 8 under ``"paci"``, 4 for N = 8, m = a = 2; 0 under flush schedules with a = m).
