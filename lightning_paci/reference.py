@@ -21,7 +21,7 @@ from lightning_paci.data_parallel import ReplicaMismatchError
 from lightning_paci.microbatch import loss_scale_for, split_weighted
 from lightning_paci.partition import PartitionPlan, carve_stage
 from lightning_paci.program import LightningStageProgram
-from lightning_paci.recompute import BlockRecompute, recomputes
+from lightning_paci.recompute import RECOMPUTE_MODES, BlockRecompute, recomputes
 from lightning_paci.runtime import StageRuntime
 from lightning_paci.schedules import OPT, RECV_KINDS, Action, ActionKind, Schedule, message_key, static_drift, validate
 from lightning_paci.stage_optimizer import StageOptimizer, optimizer_and_step_schedulers
@@ -84,6 +84,8 @@ class ReferencePipeline:
         recompute: str = "off",
         recompute_stages: int | None = None,
     ) -> None:
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"`recompute` must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}.")
         self.plan = plan
         self.replicas = replicas
         # replica_modules[r][s], replica_runtimes[r][s]; ``modules``/``runtimes``: replica 0's

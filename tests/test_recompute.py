@@ -121,6 +121,9 @@ def test_bad_recompute_options_are_refused_naming_the_fix():
         PACIStrategy(recompute_stages=2)
     with pytest.raises(ValueError, match=r"`recompute_stages` must be"):
         PACIStrategy(recompute="blocks", recompute_stages=0)
+    model = DropoutMLP()
+    with pytest.raises(ValueError, match=r"`recompute` must be one of 'off', 'blocks', got 'block'"):
+        ReferencePipeline(model, plan_partition(model, 2, partition="parameters"), recompute="block")
 
 
 def test_a_tied_transformers_model_recomputes_in_processes_as_in_the_reference_executor():
