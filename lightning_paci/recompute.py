@@ -35,7 +35,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_paci.comm import flatten
 from lightning_paci.records import ActivationMeter
 
 __all__ = ["RECOMPUTE_MODES", "BlockRecompute", "recomputes"]
@@ -53,7 +52,7 @@ def _checkpointed(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation, padding micro-batches: nothing is kept anyway
             return original(*args, **kwargs)
-        ActivationMeter.keep(flatten((args, kwargs))[1])  # the block's input stays alive until its backward
+        ActivationMeter.keep((args, kwargs))  # the block's input stays alive until its backward
         return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     return forward

@@ -74,11 +74,12 @@ class ActivationMeter:
     _active: list[ActivationMeter] = []  # the meters counting now (innermost last)
 
     @staticmethod
-    def keep(tensors: Iterable[torch.Tensor]) -> None:
-        """Count tensors a forward keeps alive for its backward outside autograd's saved tensors (a recomputed
-        block's input, recompute.py) in the meter that is counting, if any."""
+    def keep(structure: Any) -> None:
+        """Count the tensors of ``structure`` that a forward keeps alive for its backward outside autograd's saved
+        tensors (a recomputed block's input, recompute.py) in the meter that is counting, if any; without one,
+        nothing is walked (this runs at every recomputed block's forward)."""
         if ActivationMeter._active:
-            for tensor in tensors:
+            for tensor in flatten(structure)[1]:
                 ActivationMeter._active[-1]._add(tensor)
 
     def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
