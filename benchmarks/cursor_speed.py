@@ -1,4 +1,4 @@
-"""How long each Lightning call of a stream spends choosing its actions (lightning_paci.cursor.StreamCursor).
+"""How long each Lightning call of a stream spends choosing its actions (lightning_paci.engine.cursor.StreamCursor).
 
     python benchmarks/cursor_speed.py [--stages 8 --microbatches 8 --accumulation 8 --calls 256 --untied]
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from lightning_paci import cursor as cursor_module
-from lightning_paci.cursor import StreamCursor
+from lightning_paci.engine import cursor as cursor_module
+from lightning_paci.engine.cursor import StreamCursor
 
 
 def _stream(name: str, args: argparse.Namespace, stage: int) -> tuple[float, float]:

@@ -31,7 +31,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_paci import PACIStrategy, data_parallel
-from lightning_paci.timeline import Interval
+from lightning_paci.simulation.timeline import Interval
 
 from emulated import EmulatedModel, OneThread, emulated_loader, steady_seconds
 

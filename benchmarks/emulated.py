@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_paci import PACIStrategy
-from lightning_paci.timeline import Interval
+from lightning_paci.simulation.timeline import Interval
 
 SPIN_S = 0.0003  # the last stretch of an emulated kernel is spun, not slept (see sleep_until)
 

@@ -28,7 +28,7 @@ import statistics
 import warnings
 from pathlib import Path
 
-from lightning_paci.timeline import Interval
+from lightning_paci.simulation.timeline import Interval
 
 from emulated import add_shape_arguments, run_emulated, steady_seconds
 from message_floor import floor_efficiency

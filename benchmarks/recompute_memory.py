@@ -28,7 +28,7 @@ import torch
 from time_to_accuracy import CONTEXT, GLOBAL_BATCH, SleepyLM
 
 from lightning_paci import ReferencePipeline, build, plan_partition
-from lightning_paci.records import ActivationMeter
+from lightning_paci.engine.records import ActivationMeter
 
 from emulated import run_emulated, steady_seconds
 

@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_paci.comm import DistComm
-from lightning_paci.microbatch import loss_scale_for, split_microbatches
+from lightning_paci.engine.comm import DistComm
+from lightning_paci.engine.microbatch import loss_scale_for, split_microbatches
+from lightning_paci.engine.runtime import StageRuntime
+from lightning_paci.integration.lightning_program import LightningStageProgram
+from lightning_paci.optim.stage_optimizer import StageOptimizer
 from lightning_paci.partition import carve_stage, plan_partition
-from lightning_paci.program import LightningStageProgram
-from lightning_paci.runtime import StageRuntime
 from lightning_paci.schedules import build
-from lightning_paci.stage_optimizer import StageOptimizer
 
 from emulated import EmulatedModel, emulated_loader, run_emulated, run_seconds
 

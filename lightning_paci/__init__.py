@@ -42,7 +42,7 @@ _HOME = {
     "TimelineMonitor": "callbacks",
     "PartitionPlan": "partition",
     "plan_partition": "partition",
-    "ReferencePipeline": "reference",
+    "ReferencePipeline": "integration.reference_pipeline",
     "Action": "schedules",
     "Schedule": "schedules",
     "ScheduleError": "schedules",
@@ -69,8 +69,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from lightning_paci.callbacks import BubbleMonitor, DriftMonitor, MemoryMonitor, TimelineMonitor
     from lightning_paci.config import PACIConfig
+    from lightning_paci.integration.reference_pipeline import ReferencePipeline
     from lightning_paci.partition import PartitionPlan, plan_partition
-    from lightning_paci.reference import ReferencePipeline
     from lightning_paci.schedules import Action, Schedule, ScheduleError, build, drift_bound, validate
     from lightning_paci.simulation import SimulationResult, simulate
     from lightning_paci.strategy import PACIStrategy

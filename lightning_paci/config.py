@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-from lightning_paci.compensation import COMPENSATIONS
+from lightning_paci.engine.recompute import RECOMPUTE_MODES
+from lightning_paci.engine.topology import check_size_option
+from lightning_paci.optim.lookahead import COMPENSATIONS
 from lightning_paci.partition import PartitionSpec
-from lightning_paci.recompute import RECOMPUTE_MODES
 from lightning_paci.schedules import SCHEDULE_NAMES
-from lightning_paci.topology import check_size_option
 
 __all__ = ["PACIConfig"]
 
@@ -59,13 +59,13 @@ class PACIConfig:
             ``(N-1) / (max_stream_batches * m)`` of the time: 0.3% for N = m = 8 at the default 256).
         checkpoint_layout: ``"consolidated"`` (default): one ordinary file, weights gathered on rank 0;
             ``"sharded"``: a directory with one file per stage plus ``meta.pt``, nothing gathered (for models too
-            large for one process); ``python -m lightning_paci.checkpoint DIR FILE`` consolidates it.
+            large for one process); ``python -m lightning_paci.integration.checkpoint DIR FILE`` consolidates it.
         freeze_gc: at the start of training, collect once and move every object then alive into the garbage
             collector's permanent generation (``gc.freeze()``; undone at teardown). A process that has imported
             torch, Lightning and transformers holds ~470k objects, and each full collection over them paused a
             stage for 1-1.5 s; in a pipeline every stage's pause stalls all the others (measured: 1.6-2.9 s steps
             instead of 0.8 s, several times per 200 steps). Objects created during training are still collected.
-        compensation: staleness compensation (see [Note: exact look-ahead] in compensation.py). ``"auto"``
+        compensation: staleness compensation (see [Note: exact look-ahead] in optim/lookahead.py). ``"auto"``
             (default): a micro-batch that will cross ``k`` local updates between its forward and its backward is
             forwarded with the weights moved ``k`` predicted steps of the optimizer itself ahead (SGD with momentum,
             Adam, AdamW; the window's gradient so far plus the momentum's rate for the rest), exactly undone after

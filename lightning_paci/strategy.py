@@ -31,19 +31,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_paci import lightning_api as api
-from lightning_paci.comm import DistComm
 from lightning_paci.config import PACIConfig
-from lightning_paci.data_parallel import join_replicas
-from lightning_paci.optimizer_layout import OptimizerLayout
-from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage, plan_partition
-from lightning_paci.program import LightningHooks
-from lightning_paci.runtime import StageRuntime
-from lightning_paci.stage import PipelineStage
-from lightning_paci.stage_optimizer import optimizer_and_step_schedulers
-from lightning_paci.strategy_checkpoints import CheckpointingProcesses
-from lightning_paci.supervision import mark_setup_error
-from lightning_paci.trainer_glue import (
+from lightning_paci.engine.comm import DistComm
+from lightning_paci.engine.data_parallel import join_replicas
+from lightning_paci.engine.runtime import StageRuntime
+from lightning_paci.engine.supervision import mark_setup_error
+from lightning_paci.integration import lightning_api as api
+from lightning_paci.integration.lightning_program import LightningHooks
+from lightning_paci.integration.optimizer_layout import OptimizerLayout
+from lightning_paci.integration.pipeline_stage import PipelineStage
+from lightning_paci.integration.strategy_checkpoints import CheckpointingProcesses
+from lightning_paci.integration.trainer_glue import (
     check_trainer,
     ends_epoch,
     measure_block_costs,
@@ -52,6 +50,8 @@ from lightning_paci.trainer_glue import (
     same_data_on_every_stage,
     seed_workers_alike,
 )
+from lightning_paci.optim.stage_optimizer import optimizer_and_step_schedulers
+from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage, plan_partition
 
 __all__ = ["PACIStrategy", "optimizer_and_step_schedulers"]
 

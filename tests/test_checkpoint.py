@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_paci import PACIStrategy
-from lightning_paci.checkpoint import atomic_save
+from lightning_paci.integration.checkpoint import atomic_save
 
 from helpers import DumpLastStageLosses
 from models import HFCausalLM, SequentialMLP, regression_loader, token_loader
@@ -85,7 +85,7 @@ def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     atomic_save({"version": 1, "weights": torch.ones(4)}, path)
     script = textwrap.dedent(f"""
         import io, time, torch
-        import lightning_paci.checkpoint as ckpt
+        import lightning_paci.integration.checkpoint as ckpt
         real_save = torch.save
 
         def slow_save(obj, fh):  # the real bytes, written in chunks slowly: the kill lands mid-write
@@ -132,7 +132,7 @@ def test_sharded_layout_writes_one_file_per_stage_resumes_and_consolidates(tmp_p
     shard = torch.load(directory / "stage_000.pt", weights_only=False)
     assert set(shard["state_dict"]) < set(model.state_dict())
     # the documented command consolidates it into a file the unchanged module loads
-    out = subprocess.run([sys.executable, "-m", "lightning_paci.checkpoint", str(directory),
+    out = subprocess.run([sys.executable, "-m", "lightning_paci.integration.checkpoint", str(directory),
                           str(tmp_path / "one.ckpt")],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -214,7 +214,7 @@ def test_consolidated_save_gathers_to_rank_zero_only(tmp_path):
 def test_storage_options_are_refused_with_the_default_checkpoint_io(tmp_path):
     from lightning.fabric.plugins import TorchCheckpointIO
 
-    from lightning_paci.checkpoint import PipelineCheckpoints
+    from lightning_paci.integration.checkpoint import PipelineCheckpoints
 
     checkpoints = PipelineCheckpoints("consolidated", 0, 2, TorchCheckpointIO())
     with pytest.raises(TypeError, match=r"storage_options=\{'a': 1\}.*custom `CheckpointIO`"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_paci.comm import FIRST_BYTES, DistComm, LocalComm, flatten
+from lightning_paci.engine.comm import FIRST_BYTES, DistComm, LocalComm, flatten
 from lightning_paci.schedules import layout_communicators
 
 from helpers import run_forked_ranks

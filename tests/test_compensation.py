@@ -1,4 +1,4 @@
-"""Staleness compensation (compensation.py): the look-ahead predicts the optimizer's own next update, undoes it bit
+"""Staleness compensation (optim/lookahead.py): the look-ahead predicts the optimizer's own next update, undoes it bit
 for bit, touches no autograd version counter, is chosen and refused at setup as documented, and the runtime's
 count of crossed updates is the list's."""
 
@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from lightning_paci import ReferencePipeline, plan_partition
-from lightning_paci.compensation import LookAhead, costly_regime, lookahead_for, lookahead_unsupported
-from lightning_paci.driver import _crossings
+from lightning_paci.engine.driver import _crossings
+from lightning_paci.optim.lookahead import LookAhead, costly_regime, lookahead_for, lookahead_unsupported
+from lightning_paci.optim.stage_optimizer import StageOptimizer
 from lightning_paci.schedules import OPT, B, F, build, static_drift
-from lightning_paci.stage_optimizer import StageOptimizer
 
 from helpers import RecordSetupWarnings, fit
 from models import SequentialMLP, regression_loader

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from lightning_paci import cursor as cursor_module
-from lightning_paci.cursor import StreamCursor
+from lightning_paci.engine import cursor as cursor_module
+from lightning_paci.engine.cursor import StreamCursor
 from lightning_paci.schedules import Action, assign_rounds, build
 
 NAMES = ("paci", "1f1b", "gpipe")

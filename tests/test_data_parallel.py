@@ -18,8 +18,8 @@ from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader
 
 from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
-from lightning_paci.data_parallel import ReplicaMismatchError, average_gradients
-from lightning_paci.topology import Topology, resolve_sizes
+from lightning_paci.engine.data_parallel import ReplicaMismatchError, average_gradients
+from lightning_paci.engine.topology import Topology, resolve_sizes
 
 from helpers import fit, run_forked_ranks
 from models import SequentialMLP, reference_accumulation, regression_loader
@@ -163,7 +163,7 @@ def test_more_stages_than_blocks_fails_at_setup():
 
 
 def test_replicas_draw_their_own_dropout_masks():
-    from lightning_paci.microbatch import microbatch_rng
+    from lightning_paci.engine.microbatch import microbatch_rng
 
     def draw(replica: int) -> torch.Tensor:
         with microbatch_rng(3, 1, 5, replica):

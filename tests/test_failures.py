@@ -18,7 +18,7 @@ from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_paci import PACIStrategy
-from lightning_paci.supervision import StageWatchdog
+from lightning_paci.engine.supervision import StageWatchdog
 
 from helpers import fit
 from models import LoopTransformer, SequentialMLP, regression_loader, token_loader
@@ -185,7 +185,7 @@ assert timedelta
 def test_a_setup_error_is_printed_in_full_by_rank_0_and_in_one_line_by_the_others(capsys, monkeypatch):
     import sys
 
-    from lightning_paci.supervision import mark_setup_error, print_setup_errors_once
+    from lightning_paci.engine.supervision import mark_setup_error, print_setup_errors_once
 
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     print_setup_errors_once(0)

@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_paci.comm import LocalComm
-from lightning_paci.cursor import StreamCursor
-from lightning_paci.logs import LogRecord, LogRelay
-from lightning_paci.records import BackwardRecord, RecentDict, StageRecords
-from lightning_paci.reference import run_lists
-from lightning_paci.runtime import ForwardOutput, StageRuntime
-from lightning_paci.stage_optimizer import StageOptimizer
+from lightning_paci.engine.comm import LocalComm
+from lightning_paci.engine.cursor import StreamCursor
+from lightning_paci.engine.records import BackwardRecord, RecentDict, StageRecords
+from lightning_paci.engine.reference import run_lists
+from lightning_paci.engine.runtime import ForwardOutput, StageRuntime
+from lightning_paci.integration.logs import LogRecord, LogRelay
+from lightning_paci.optim.stage_optimizer import StageOptimizer
 
 
 class _LinearStage:

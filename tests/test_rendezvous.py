@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_paci.driver import closing_actions
-from lightning_paci.evaluation import forward_only_actions
+from lightning_paci.engine.driver import closing_actions
+from lightning_paci.integration.evaluation import forward_only_actions
 from lightning_paci.schedules import (
     SCHEDULE_NAMES,
     ScheduleError,

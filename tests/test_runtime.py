@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_paci.comm import LocalComm
-from lightning_paci.reference import run_lists
-from lightning_paci.runtime import ForwardOutput, StageRuntime
+from lightning_paci.engine.comm import LocalComm
+from lightning_paci.engine.reference import run_lists
+from lightning_paci.engine.runtime import ForwardOutput, StageRuntime
+from lightning_paci.engine.supervision import StageFailure
+from lightning_paci.optim.stage_optimizer import StageOptimizer
 from lightning_paci.schedules import Action, build, static_drift
-from lightning_paci.stage_optimizer import StageOptimizer
-from lightning_paci.supervision import StageFailure
 
 
 class LinearStage:
@@ -147,7 +147,7 @@ def test_a_skipped_microbatch_sends_zero_gradients_and_no_loss():
 
 
 def test_each_forward_draws_from_its_own_stream_and_leaves_the_main_one_alone():
-    from lightning_paci.microbatch import microbatch_rng
+    from lightning_paci.engine.microbatch import microbatch_rng
 
     torch.manual_seed(3)
     before = torch.random.get_rng_state()

@@ -124,7 +124,7 @@ def test_measured_phases_agree_with_the_simulator_on_its_own_intervals(name):
         assert phases["drain_idle"] == pytest.approx(report.drain_idle)
 
 
-def test_engine_modules_import_neither_torch_nor_lightning():
+def test_pure_modules_import_neither_torch_nor_lightning():
     # the simulator, its command line and the schedules must stay usable (and fast to start) without torch:
     # import them under a bare package object so lightning_paci/__init__.py (which loads the strategy) is skipped
     from pathlib import Path
@@ -135,8 +135,8 @@ def test_engine_modules_import_neither_torch_nor_lightning():
         "pkg = types.ModuleType('lightning_paci')\n"
         f"pkg.__path__ = [{str(package_dir)!r}]\n"
         "sys.modules['lightning_paci'] = pkg\n"
-        "import lightning_paci.schedules, lightning_paci.simulation, lightning_paci.simulate, lightning_paci.timeline\n"
-        "import lightning_paci.cursor\n"
+        "import lightning_paci.schedules, lightning_paci.simulation, lightning_paci.simulate\n"
+        "import lightning_paci.simulation.timeline, lightning_paci.engine.cursor\n"
         "heavy = ('torch', 'lightning', 'pytorch_lightning', 'matplotlib', 'numpy')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
     )

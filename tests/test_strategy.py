@@ -380,7 +380,7 @@ def test_setup_logs_the_time_balanced_split(tmp_path, monkeypatch):
     # block times come from a clock the blocks themselves advance, so CPU load cannot change the decision
     from functools import partial
 
-    from lightning_paci import trainer_glue
+    from lightning_paci.integration import trainer_glue
     from lightning_paci.partition import profile_block_costs
 
     from test_partition import FakeClock, TickBlock

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from lightning_paci.timeline import Interval, save_timeline_png, to_chrome_trace, write_chrome_trace
+from lightning_paci.simulation.timeline import Interval, save_timeline_png, to_chrome_trace, write_chrome_trace
 
 INTERVALS = [Interval(0, "F", 0, 0.0, 1.0), Interval(0, "SEND", 0, 1.0, 1.1), Interval(1, "WAIT_F", 0, 0.0, 1.2),
              Interval(1, "F", 0, 1.2, 2.2), Interval(1, "B", 0, 2.2, 4.2), Interval(0, "OPT", None, 5.0, 5.5)]

@@ -34,6 +34,7 @@ from lightning_paci.schedules.actions import (
     MessageKey,
     Schedule,
     ScheduleError,
+    format_grid,
     message_key,
     parse_actions,
 )
@@ -53,7 +54,7 @@ from lightning_paci.schedules.rendezvous import (
     communicator,
     layout_communicators,
 )
-from lightning_paci.schedules.validate import format_grid, stage_lists_from_text, validate
+from lightning_paci.schedules.validate import stage_lists_from_text, validate
 
 __all__ = [
     "COMPUTE_KINDS",

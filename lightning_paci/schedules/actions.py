@@ -3,12 +3,14 @@
 Everything that reads or writes action lists (the builder, the validator, the runtime, the simulator, the
 monitors) shares these types, so they live apart from any one algorithm over them. The message identity of a
 send or receive (``message_key``) is here too: it is what pairs a ``SEND`` on one stage with a ``RECV`` on another,
-and both the validator and the executors must agree on it.
+and both the validator and the executors must agree on it. So is the step x stage grid (``format_grid``) that
+every error about a list draws, the validator's, the rendezvous model's and the simulator's alike.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -31,6 +33,7 @@ __all__ = [
     "MessageKey",
     "Schedule",
     "ScheduleError",
+    "format_grid",
     "message_key",
     "parse_actions",
 ]
@@ -180,3 +183,36 @@ def message_key(action: Action, num_stages: int) -> MessageKey | None:
     if kind is RECV_T:
         return ("T", last if s == 0 else 0, s, index)
     return None
+
+
+def format_grid(
+    actions: Sequence[Sequence[Action | None]],
+    *,
+    error_stage: int | None = None,
+    error_step: int | None = None,
+    window: int = 12,
+) -> str:
+    """Step x stage grid, one column per stage; the bad cell is marked ``<-- ERROR HERE``.
+
+    Long schedules are cut to ``window`` steps either side of the error.
+    """
+    num_steps = max((len(stage_actions) for stage_actions in actions), default=0)
+    lo, hi = 0, num_steps
+    if error_step is not None:
+        lo, hi = max(0, error_step - window), min(num_steps, error_step + window + 1)
+    width = max([8] + [len(str(a)) for stage_actions in actions for a in stage_actions[lo:hi] if a is not None]) + 2
+    lines = ["step  " + "".join(f"stage {s}".ljust(width) for s in range(len(actions)))]
+    if lo > 0:
+        lines.append("...")
+    for step in range(lo, hi):
+        cells = []
+        for stage_actions in actions:
+            action = stage_actions[step] if step < len(stage_actions) else None
+            cells.append(("." if action is None else str(action)).ljust(width))
+        marker = ""
+        if step == error_step:
+            marker = f"  <-- ERROR HERE (stage {error_stage})"
+        lines.append(f"{step:<6}" + "".join(cells).rstrip() + marker)
+    if hi < num_steps:
+        lines.append("...")
+    return "\n".join(lines)

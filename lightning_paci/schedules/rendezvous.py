@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Sequence
 
-from lightning_paci.schedules.actions import OPT, SEND_KINDS, Action, Schedule, ScheduleError, message_key
+from lightning_paci.schedules.actions import OPT, SEND_KINDS, Action, Schedule, ScheduleError, format_grid, message_key
 
 __all__ = ["LAYOUTS", "Communicator", "check_rendezvous", "communicator", "layout_communicators"]
 
@@ -126,8 +126,6 @@ def check_rendezvous(actions: Sequence[Sequence[Action | None]] | Schedule, *, l
     """Run the lists under the strict rendezvous model ([Note: rendezvous]) with ``layout``'s communicators and
     ``replicas`` data-parallel replicas; raise :class:`ScheduleError` naming the cycle if they can deadlock, or a
     communicator whose messages would be received in another order than they were sent (NCCL would pair them)."""
-    from lightning_paci.schedules.validate import format_grid  # the grid lives with the validator
-
     lists = actions.actions if isinstance(actions, Schedule) else actions
     communicator(layout, "F", 0, 1)  # the layout's name is checked before any work
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:

@@ -26,45 +26,13 @@ from lightning_paci.schedules.actions import (
     MessageKey,
     Schedule,
     ScheduleError,
+    format_grid,
     message_key,
     parse_actions,
 )
 from lightning_paci.schedules.rendezvous import check_rendezvous
 
-__all__ = ["format_grid", "stage_lists_from_text", "validate"]
-
-
-def format_grid(
-    actions: Sequence[Sequence[Action | None]],
-    *,
-    error_stage: int | None = None,
-    error_step: int | None = None,
-    window: int = 12,
-) -> str:
-    """Step x stage grid, one column per stage; the bad cell is marked ``<-- ERROR HERE``.
-
-    Long schedules are cut to ``window`` steps either side of the error.
-    """
-    num_steps = max((len(stage_actions) for stage_actions in actions), default=0)
-    lo, hi = 0, num_steps
-    if error_step is not None:
-        lo, hi = max(0, error_step - window), min(num_steps, error_step + window + 1)
-    width = max([8] + [len(str(a)) for stage_actions in actions for a in stage_actions[lo:hi] if a is not None]) + 2
-    lines = ["step  " + "".join(f"stage {s}".ljust(width) for s in range(len(actions)))]
-    if lo > 0:
-        lines.append("...")
-    for step in range(lo, hi):
-        cells = []
-        for stage_actions in actions:
-            action = stage_actions[step] if step < len(stage_actions) else None
-            cells.append(("." if action is None else str(action)).ljust(width))
-        marker = ""
-        if step == error_step:
-            marker = f"  <-- ERROR HERE (stage {error_stage})"
-        lines.append(f"{step:<6}" + "".join(cells).rstrip() + marker)
-    if hi < num_steps:
-        lines.append("...")
-    return "\n".join(lines)
+__all__ = ["stage_lists_from_text", "validate"]
 
 
 def _fail(actions: Sequence[Sequence[Action | None]], stage: int, step: int, message: str) -> ScheduleError:

@@ -2,10 +2,11 @@
 
 The runtime (runtime.py) runs actions and knows nothing about Lightning; a :class:`StageProgram` runs one
 micro-batch's forward through the stage's part of the model (for an unchanged LightningModule,
-:class:`lightning_paci.program.LightningStageProgram`) and returns a :class:`ForwardOutput`; :class:`BackwardHooks` are
-called around the stage's own backwards. Two details of a forward's result live here too: a padding micro-batch's
-forward (``padding_forward``), and how a loss is read without stopping the host ([Note: no host sync per
-micro-batch]).
+:class:`lightning_paci.integration.lightning_program.LightningStageProgram`) and returns a
+:class:`ForwardOutput`; :class:`BackwardHooks` are called around the stage's own backwards. A :class:`LogRecord`
+is one ``self.log`` call of the user's step, carried upstream with the gradients (recorded and replayed by
+integration/logs.py). Two details of a forward's result live here too: a padding micro-batch's forward
+(``padding_forward``), and how a loss is read without stopping the host ([Note: no host sync per micro-batch]).
 """
 
 from __future__ import annotations
@@ -13,15 +14,26 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 
-from lightning_paci.logs import LogRecord
-from lightning_paci.supervision import StageFailure
+from lightning_paci.engine.supervision import StageFailure
 
-__all__ = ["BackwardHooks", "ForwardOutput", "StageProgram", "check_losses", "loss_value", "padding_forward"]
+__all__ = ["LOSS_KEY", "BackwardHooks", "ForwardOutput", "LogRecord", "StageProgram", "check_losses", "loss_value",
+           "padding_forward"]
+
+LOSS_KEY = "__paci_loss__"  # the log record carrying the step's returned loss upstream
+
+
+class LogRecord(NamedTuple):
+    """One ``self.log`` call made by the user's step on the last stage, travelling upstream with the gradients."""
+
+    name: str
+    value: float | torch.Tensor  # a 0-dim device tensor on an accelerator ([Note: no host sync per micro-batch])
+    batch_size: int
+    options: tuple[tuple[str, Any], ...]  # prog_bar, logger, on_step, on_epoch, ...
 
 
 @dataclass
@@ -45,7 +57,7 @@ class BackwardHooks(Protocol):
     def after_backward(self) -> None: ...
 
     # ``self.log`` records made by hooks (this stage's and upstream stages'), travelling downstream with the
-    # activations to the last stage, which is global rank 0 (see [Note: the logging rank] in logs.py)
+    # activations to the last stage, which is global rank 0 (see [Note: the logging rank] in integration/logs.py)
     logs: list[LogRecord]
 
 

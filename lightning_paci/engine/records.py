@@ -20,8 +20,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
-from lightning_paci.comm import flatten
-from lightning_paci.timeline import Interval
+from lightning_paci.engine.comm import flatten
+from lightning_paci.simulation.timeline import Interval
 
 __all__ = ["PHASES", "ActivationMeter", "BackwardRecord", "RecentDict", "StageRecords"]
 

@@ -18,11 +18,11 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_paci import lightning_api as api
-from lightning_paci.logs import recording_logs
-from lightning_paci.microbatch import microbatch_size, split_microbatches
+from lightning_paci.engine.microbatch import microbatch_size, split_microbatches
+from lightning_paci.integration import lightning_api as api
+from lightning_paci.integration.lightning_program import extract_loss
+from lightning_paci.integration.logs import recording_logs
 from lightning_paci.partition import BlockCosts, profile_block_costs
-from lightning_paci.program import extract_loss
 
 __all__ = ["SUPPORTED_PRECISION", "check_trainer", "ends_epoch", "measure_block_costs", "must_drain",
            "patch_for_pipeline", "same_data_on_every_stage", "seed_workers_alike",
@@ -71,7 +71,7 @@ def same_data_on_every_stage(trainer: Trainer, broadcast: Callable[[Any, int], A
     rank 0's states of torch's, Python's ``random`` and NumPy's global generators, from which a ``RandomSampler``
     draws each epoch's order, a ``collate_fn`` its masks and the dataloader its workers' seeds (ranks started
     without a common seed would otherwise differ). The forwards never advance those states (see [Note: randomness
-    per micro-batch] in runtime.py), so the ranks stay in step; fingerprint.py checks that they did."""
+    per micro-batch] in engine/microbatch.py), so the ranks stay in step; fingerprint.py checks that they did."""
     if replicas == 1:
         api.keep_user_samplers(trainer)
     np_random = _numpy_random()

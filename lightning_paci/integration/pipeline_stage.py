@@ -17,22 +17,22 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_paci.checkpoint import PipelineCheckpoints, cpu_state, merge_parts
-from lightning_paci.comm import Comm
-from lightning_paci.compensation import costly_regime, lookahead_for
 from lightning_paci.config import PACIConfig
-from lightning_paci.data_parallel import GradientAverage
-from lightning_paci.driver import StreamDriver
-from lightning_paci.evaluation import PipelineEvaluator
-from lightning_paci.fingerprint import BatchFingerprint
-from lightning_paci.logs import LogRelay
-from lightning_paci.microbatch import loss_scale_for
-from lightning_paci.optimizer_layout import OptimizerLayout
+from lightning_paci.engine.comm import Comm
+from lightning_paci.engine.data_parallel import GradientAverage
+from lightning_paci.engine.driver import StreamDriver
+from lightning_paci.engine.microbatch import loss_scale_for
+from lightning_paci.engine.recompute import BlockRecompute, recomputes
+from lightning_paci.engine.runtime import StageRuntime
+from lightning_paci.integration.checkpoint import PipelineCheckpoints, cpu_state, merge_parts
+from lightning_paci.integration.evaluation import PipelineEvaluator
+from lightning_paci.integration.fingerprint import BatchFingerprint
+from lightning_paci.integration.lightning_program import LightningHooks, LightningStageProgram
+from lightning_paci.integration.logs import LogRelay
+from lightning_paci.integration.optimizer_layout import OptimizerLayout
+from lightning_paci.optim.lookahead import costly_regime, lookahead_for
+from lightning_paci.optim.stage_optimizer import StageOptimizer
 from lightning_paci.partition import PartitionPlan, StageCarve
-from lightning_paci.program import LightningHooks, LightningStageProgram
-from lightning_paci.recompute import BlockRecompute, recomputes
-from lightning_paci.runtime import StageRuntime
-from lightning_paci.stage_optimizer import StageOptimizer
 
 __all__ = ["PipelineStage"]
 

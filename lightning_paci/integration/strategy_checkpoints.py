@@ -9,10 +9,10 @@ from typing import Any
 from lightning.pytorch import Trainer
 from typing_extensions import override
 
-from lightning_paci import lightning_api as api
-from lightning_paci.checkpoint import PipelineCheckpoints, cpu_state
-from lightning_paci.processes import PipelineProcesses
-from lightning_paci.stage import PipelineStage
+from lightning_paci.integration import lightning_api as api
+from lightning_paci.integration.checkpoint import PipelineCheckpoints, cpu_state
+from lightning_paci.integration.pipeline_stage import PipelineStage
+from lightning_paci.integration.processes import PipelineProcesses
 
 __all__ = ["CheckpointingProcesses"]
 

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 
-from lightning_paci.logs import LogRecord, recording_logs
-from lightning_paci.microbatch import microbatch_size
+from lightning_paci.engine.microbatch import microbatch_size
+from lightning_paci.engine.program import ForwardOutput
+from lightning_paci.integration.logs import LogRecord, recording_logs
 from lightning_paci.partition import StageCarve, StageDone
 from lightning_paci.partition.crossing import CrossingCheck
-from lightning_paci.stage_program import ForwardOutput
 
 __all__ = ["LightningHooks", "LightningStageProgram", "extract_loss"]
 
@@ -36,7 +36,7 @@ def extract_loss(output: Any, step_name: str) -> torch.Tensor:
 
 
 class LightningStageProgram:
-    """:class:`~lightning_paci.stage_program.StageProgram` for an unchanged LightningModule carved to one stage."""
+    """:class:`~lightning_paci.engine.program.StageProgram` for an unchanged LightningModule carved to one stage."""
 
     def __init__(
         self,

@@ -19,7 +19,7 @@ What a backward then computes, by weight version:
   weights at activations that mix versions. The upstream gradient still comes from the loss of the version-``v``
   forward. Under 1f1b and gpipe ``d = 0``, so recomputation is exact (same weights bit for bit, tested); under
   PACI it is a second, different staleness, measured in benchmarks/RESULTS.md. With the look-ahead
-  (compensation.py) the forward ran at the predicted version ``v + d`` and the recomputation at the real one.
+  (optim/lookahead.py) the forward ran at the predicted version ``v + d`` and the recomputation at the real one.
 
 The random state of each block's forward is saved with its input and restored for the recomputation, so dropout
 draws the same masks (on top of [Note: randomness per micro-batch]); a user's own ``torch.utils.checkpoint`` inside
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_paci.records import ActivationMeter
+from lightning_paci.engine.records import ActivationMeter
 
 __all__ = ["RECOMPUTE_MODES", "BlockRecompute", "recomputes"]
 

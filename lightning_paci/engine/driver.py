@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning_paci.cursor import StreamCursor
-from lightning_paci.microbatch import loss_scale_for, split_weighted
-from lightning_paci.runtime import StageRuntime
+from lightning_paci.engine.cursor import StreamCursor
+from lightning_paci.engine.microbatch import loss_scale_for, split_weighted
+from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.schedules import OPT, RECV_T, SEND_T, Action
 
 __all__ = ["StreamDriver", "closing_actions"]

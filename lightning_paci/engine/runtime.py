@@ -1,10 +1,11 @@
 """Execute one stage's action list: forward, backward, local optimizer step, sends and receives, in list order.
 
 The runtime knows nothing about Lightning: what a forward *is* comes from a :class:`StageProgram` (for an unchanged
-LightningModule, :class:`lightning_paci.program.LightningStageProgram`), how bytes move from a :class:`Comm`, and
-how the stage updates its weights from a :class:`~lightning_paci.stage_optimizer.StageOptimizer`. Each action kind
-has one handler (``StageRuntime._handlers``); what a stage measures goes to its bounded
-:class:`~lightning_paci.records.StageRecords`.
+LightningModule, :class:`lightning_paci.integration.lightning_program.LightningStageProgram`), how bytes move from
+a :class:`Comm`, and how the stage updates its weights from a
+:class:`~lightning_paci.optim.stage_optimizer.StageOptimizer`. Each action kind has one handler
+(``StageRuntime._handlers``); what a stage measures goes to its bounded
+:class:`~lightning_paci.engine.records.StageRecords`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_paci.comm import Comm, ReceivesAhead, flatten
-from lightning_paci.compensation import LookAhead
-from lightning_paci.logs import LOSS_KEY, LogRecord
-from lightning_paci.microbatch import microbatch_rng, microbatch_size
-from lightning_paci.records import BackwardRecord, StageRecords
+from lightning_paci.engine.comm import Comm, ReceivesAhead, flatten
+from lightning_paci.engine.microbatch import microbatch_rng, microbatch_size
+from lightning_paci.engine.program import (
+    LOSS_KEY,
+    BackwardHooks,
+    ForwardOutput,
+    LogRecord,
+    StageProgram,
+    check_losses,
+    loss_value,
+    padding_forward,
+)
+from lightning_paci.engine.records import BackwardRecord, StageRecords
+from lightning_paci.engine.supervision import StageFailure
+from lightning_paci.optim.lookahead import LookAhead
+from lightning_paci.optim.stage_optimizer import StageOptimizer
 from lightning_paci.schedules import (
     OPT,
     RECV_B,
@@ -39,17 +51,7 @@ from lightning_paci.schedules import (
     F,
     message_key,
 )
-from lightning_paci.stage_optimizer import StageOptimizer
-from lightning_paci.stage_program import (
-    BackwardHooks,
-    ForwardOutput,
-    StageProgram,
-    check_losses,
-    loss_value,
-    padding_forward,
-)
-from lightning_paci.supervision import StageFailure
-from lightning_paci.timeline import Interval
+from lightning_paci.simulation.timeline import Interval
 
 __all__ = ["BackwardHooks", "ForwardOutput", "StageProgram", "StageRuntime"]
 
@@ -84,7 +86,7 @@ class StageRuntime:
         loss_scale: the last stage back-propagates ``loss * loss_scale`` (``1 / accumulation``).
         clock: time source of the records. tied: tied-weight parameters (see [Note: tied weights]).
         skip_nonfinite: drop a micro-batch whose loss is not finite instead of failing.
-        retention: per-micro-batch records kept (:class:`~lightning_paci.records.StageRecords`). hooks: called
+        retention: per-micro-batch records kept (:class:`~lightning_paci.engine.records.StageRecords`). hooks: called
             around each local backward (:class:`BackwardHooks`).
         seed: base of every forward's random stream (``torch.initial_seed()``; [Note: randomness per micro-batch]).
     """

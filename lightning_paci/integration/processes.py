@@ -24,11 +24,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_paci import lightning_api as api
 from lightning_paci.config import PACIConfig
+from lightning_paci.engine.supervision import StageWatchdog, connect_store, print_setup_errors_once
+from lightning_paci.engine.topology import Topology, check_topology, resolve_sizes
+from lightning_paci.integration import lightning_api as api
 from lightning_paci.schedules import Communicator, layout_communicators
-from lightning_paci.supervision import StageWatchdog, connect_store, print_setup_errors_once
-from lightning_paci.topology import Topology, check_topology, resolve_sizes
 
 __all__ = ["PipelineProcesses"]
 

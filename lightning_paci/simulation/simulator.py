@@ -45,7 +45,7 @@ from lightning_paci.schedules import (
     format_grid,
     message_key,
 )
-from lightning_paci.timeline import Interval, save_timeline_png
+from lightning_paci.simulation.timeline import Interval, save_timeline_png
 
 __all__ = ["SimulationResult", "StageReport", "format_table", "main", "measured_phases", "simulate"]
 

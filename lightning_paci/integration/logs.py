@@ -2,7 +2,7 @@
 
 The user's step runs to its ``self.log`` calls on the last stage only. Each call becomes a :class:`LogRecord`
 that travels upstream with the micro-batch's gradients (no collective per batch, see [Note: no flush per Lightning
-batch] in strategy.py). Once all micro-batches of a mini-batch have reached a rank, :class:`LogRelay` replays the
+batch] in engine/driver.py). Once all micro-batches of a mini-batch have reached a rank, :class:`LogRelay` replays the
 records there through the real ``LightningModule.log``, so every rank's ``trainer.callback_metrics`` see them.
 
 [Note: the logging rank]
@@ -16,29 +16,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
 
+from lightning_paci.engine.program import LOSS_KEY, LogRecord
+
 __all__ = ["LOSS_KEY", "METRIC_OPTION", "LogRecord", "LogRelay", "recording_logs", "replay_logs"]
 
-LOSS_KEY = "__paci_loss__"  # the log record carrying the step's returned loss upstream
 METRIC_OPTION = "__paci_metric__"  # a log record naming a torchmetrics Metric attribute instead of a value
 _LOG_OPTIONS = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph", "add_dataloader_idx",
                 "sync_dist", "rank_zero_only", "metric_attribute")
 # how Lightning combines values of one key; the micro-batches of a batch are combined the same way
 _REDUCTIONS: dict[Any, str] = {"mean": "mean", "avg": "mean", torch.mean: "mean", "sum": "sum", torch.sum: "sum",
                                "max": "max", torch.max: "max", "min": "min", torch.min: "min"}
-
-
-class LogRecord(NamedTuple):
-    """One ``self.log`` call made by the user's step on the last stage, travelling upstream with the gradients."""
-
-    name: str
-    value: float | torch.Tensor  # a 0-dim device tensor on an accelerator ([Note: no host sync per micro-batch])
-    batch_size: int
-    options: tuple[tuple[str, Any], ...]  # prog_bar, logger, on_step, on_epoch, ...
 
 
 @contextlib.contextmanager

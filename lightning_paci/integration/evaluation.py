@@ -2,10 +2,11 @@
 
 Evaluation is synchronous (the training stream is drained before it): each batch is split into micro-batches and
 every stage runs the list ``[RECV_F i] F i [SEND_F i]`` for each micro-batch, so stage ``s`` works on micro-batch
-``i`` while stage ``s+1`` works on ``i-1``. Running it through :class:`~lightning_paci.runtime.StageRuntime` means a
-lost neighbour fails with the same named error as in training (``stage 1: receiving from stage 0 failed at
-1RECV_F2 (...)``). The last stage's ``self.log`` records reach every rank with one broadcast per batch;
-predictions stay on the last stage, which is global rank 0 (see `PipelineProcesses.stage_index`).
+``i`` while stage ``s+1`` works on ``i-1``. Running it through
+:class:`~lightning_paci.engine.runtime.StageRuntime` means a lost neighbour fails with the same named error as in
+training (``stage 1: receiving from stage 0 failed at 1RECV_F2 (...)``). The last stage's ``self.log`` records
+reach every rank with one broadcast per batch; predictions stay on the last stage, which is global rank 0 (see
+`PipelineProcesses.stage_index`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from typing import Any
 
 from lightning.pytorch import LightningModule
 
-from lightning_paci.comm import Comm
-from lightning_paci.logs import LogRecord, replay_logs
-from lightning_paci.microbatch import merge_microbatch_outputs, microbatch_size, split_microbatches
+from lightning_paci.engine.comm import Comm
+from lightning_paci.engine.microbatch import merge_microbatch_outputs, microbatch_size, split_microbatches
+from lightning_paci.engine.runtime import StageRuntime
+from lightning_paci.integration.lightning_program import LightningStageProgram
+from lightning_paci.integration.logs import LogRecord, replay_logs
 from lightning_paci.partition import StageCarve
-from lightning_paci.program import LightningStageProgram
-from lightning_paci.runtime import StageRuntime
 from lightning_paci.schedules import RECV_F, SEND_F, Action, F
 
 __all__ = ["PipelineEvaluator", "forward_only_actions"]

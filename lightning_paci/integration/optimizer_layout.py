@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_paci import lightning_api as api
+from lightning_paci.integration import lightning_api as api
 
 __all__ = ["OptimizerLayout"]
 
