@@ -186,7 +186,8 @@ class PACIStrategy(CheckpointingProcesses):
                 num_microbatches=self.num_microbatches,
                 broadcast=self._pipeline_broadcast,
                 comm=lambda: DistComm([self.rank_of(s) for s in range(self.num_stages)], groups=self._p2p_groups,
-                                      replica=self.replica_index, device=self.root_device),
+                                      replica=self.replica_index, device=self.transport_device,
+                                      deliver=self.root_device),
                 eval_context=self.precision_plugin.val_step_context)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:

@@ -1,5 +1,6 @@
-"""The strict rendezvous model of NCCL messaging ([Note: rendezvous]): it finds 0.1's deadlock and proves the
-communicator layout the runtime uses free of it for every list the builder makes (no process group needed)."""
+"""The strict rendezvous model of NCCL messaging ([Note: rendezvous]): it finds 0.1's deadlock and the batch-0 hang
+of lazily created communicators ([Note: communicator creation]), and proves the communicator layout and setup the
+runtime uses free of both for every list the builder makes (no process group needed)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,33 @@ def test_gpipe_alone_survives_the_shared_communicator():
     check_rendezvous(build("gpipe", 4, 8, 8, 2), layout="shared")
 
 
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("num_stages", [2, 4, 8])
+def test_lazily_created_communicators_deadlock_at_batch_0_with_receives_posted_ahead(name, num_stages):
+    # NCCL left to itself ([Note: communicator creation]): stage 0 posts its first RECV_B on B(1->0) and waits
+    # there for stage 1, which posted its first RECV_F on F(0->1) and waits for stage 0
+    schedule = build(name, num_stages, 8, 4, 3)
+    check_rendezvous(schedule, connect="eager")  # gloo's groups, connected when created: no deadlock
+    check_rendezvous(schedule, connect="lazy", posted_ahead=False)  # the lists alone meet in order
+    with pytest.raises(ScheduleError, match="deadlock under strict rendezvous with the 'directed' communicator "
+                                            "layout and 'lazy' communicator creation") as info:
+        check_rendezvous(schedule, connect="lazy")
+    text = str(info.value)
+    assert "stage 0 waits for the creation of communicator ('p2p', 0, 'B', 1, 0)" in text
+    assert "stage 1 waits for the creation of communicator ('p2p', 0, 'F', 0, 1)" in text
+    check_rendezvous(schedule, connect="warm")  # the runtime: all connected at setup, in the layout's order
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_lazily_created_tied_communicators_deadlock_even_without_posting(name):
+    # stage 0's first SEND_T creates T(0->3) and waits for stage 3, which waits for an activation stage 0 has not
+    # sent yet
+    schedule = build(name, 4, 8, 8, 3, tied=True)
+    with pytest.raises(ScheduleError, match=r"stage 0 waits for the creation of communicator \('p2p', 0, 'T', 0, 3\)"):
+        check_rendezvous(schedule, connect="lazy", posted_ahead=False)
+    check_rendezvous(schedule, connect="warm")
+
+
 def test_every_built_list_set_is_deadlock_free_under_the_directed_layout():
     """The whole grid of the issue: paci, 1f1b, gpipe; N <= 8, m <= 16, a <= 16; tied weights when N > 1; one and
     two data-parallel replicas (the gradient all-reduce before every OPT); plus the epoch-end closing step."""
@@ -55,7 +83,9 @@ def test_every_built_list_set_is_deadlock_free_under_the_directed_layout():
     for name, n, m, a in itertools.product(SCHEDULE_NAMES, range(1, 9), range(1, 17), range(1, 17)):
         schedule = build(name, n, m, a, 2, tied=n > 1)
         lists = [list(actions) + closing_actions(s, n, tied=n > 1) for s, actions in enumerate(schedule.actions)]
-        check_rendezvous(lists, layout="directed", replicas=2 if (m + a) % 2 else 1)
+        # as the runtime runs them: communicators connected at setup, receives posted ahead
+        check_rendezvous(lists, layout="directed", replicas=2 if (m + a) % 2 else 1, connect="warm",
+                         posted_ahead=True)
         checked += 1
     assert checked == 3 * 8 * 16 * 16
 
@@ -66,6 +96,13 @@ def test_streams_after_a_drain_and_replicas_are_deadlock_free(replicas, offset):
     for name in SCHEDULE_NAMES:
         schedule = build(name, 4, 6, 7, 3, backward_offset=offset, tied=True)
         validate(schedule, rendezvous="directed", replicas=replicas)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_lists_cut_into_the_runtimes_calls_are_deadlock_free(replicas):
+    # a Schedule is posted ahead per call (its rounds), as ReceivesAhead does within each Lightning call
+    for name, n, m, a in itertools.product(SCHEDULE_NAMES, (2, 3, 8), (1, 4, 8), (1, 3, 8)):
+        check_rendezvous(build(name, n, m, a, 4, tied=True), replicas=replicas)
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 8])
@@ -110,6 +147,8 @@ def test_bad_layout_and_replicas_are_refused():
         check_rendezvous(build("paci", 2, 2, 2, 1), layout="ring")
     with pytest.raises(ValueError, match="`replicas` must be an int >= 1, got 0"):
         check_rendezvous(build("paci", 2, 2, 2, 1), replicas=0)
+    with pytest.raises(ValueError, match="`connect` must be one of 'eager', 'lazy', 'warm', got 'late'"):
+        check_rendezvous(build("paci", 2, 2, 2, 1), connect="late")
 
 
 class _WriteGroups(Callback):

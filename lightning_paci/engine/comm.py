@@ -137,10 +137,13 @@ class DistComm:
     ``groups`` maps each communicator of ``layout`` (``schedules.layout_communicators``) to its process group: with
     the ``"directed"`` layout activations and gradients of each neighbour pair travel on their own communicators,
     which the strict rendezvous model proves deadlock-free under NCCL ([Note: rendezvous]). Without ``groups``
-    every message uses the default group (buffered gloo only: tests and benchmarks of the transport itself)."""
+    every message uses the default group (buffered gloo only: tests and benchmarks of the transport itself).
+    ``device`` is where the wire's bytes live (the host under gloo); ``deliver``, where received tensors go when
+    that is another device (GPUs over gloo: every message staged through host memory)."""
 
     def __init__(self, ranks: list[int], *, groups: Mapping[Communicator, dist.ProcessGroup] | None = None,
-                 layout: str = "directed", replica: int = 0, device: torch.device | None = None) -> None:
+                 layout: str = "directed", replica: int = 0, device: torch.device | None = None,
+                 deliver: torch.device | None = None) -> None:
         self._ranks = ranks
         self._groups = groups
         self._stage = ranks.index(dist.get_rank()) if groups is not None else -1
@@ -148,6 +151,8 @@ class DistComm:
         self._routes: dict[tuple[int, int, int], tuple[dist.ProcessGroup, int]] = {}  # (channel, src, dst) ->
         self._device = device or torch.device("cpu")
         self._host = self._device.type == "cpu"  # messages are built and read through NumPy views (see send)
+        # received tensors move there (gloo with GPUs: bytes staged through the host, engine/communicators.py)
+        self._deliver = deliver if deliver is not None and deliver != self._device else None
         self._pending: deque[tuple[Any, torch.Tensor, bool]] = deque()  # sends in flight: work, buffer, reusable
         self._spare: list[torch.Tensor] = []  # FIRST_BYTES host buffers whose sends completed, reused
         # [Note: receives posted ahead]: stage -> (work, buffer) of the posted receive of its next channel-0 message
@@ -274,6 +279,8 @@ class DistComm:
                 chunk = whole[a:b]
                 tensor = chunk.to(torch.bool) if meta.dtype == torch.bool else chunk.view(meta.dtype)
                 tensor = tensor.reshape(meta.shape)
+            if self._deliver is not None:
+                tensor = tensor.to(self._deliver)
             if meta.requires_grad:
                 tensor.requires_grad_(True)
             tensors.append(tensor)

@@ -25,10 +25,11 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_paci.config import PACIConfig
+from lightning_paci.engine.communicators import create_communicators, transport_device, warm_communicators
 from lightning_paci.engine.supervision import StageWatchdog, connect_store, print_setup_errors_once
 from lightning_paci.engine.topology import Topology, check_topology, resolve_sizes
 from lightning_paci.integration import lightning_api as api
-from lightning_paci.schedules import Communicator, layout_communicators
+from lightning_paci.schedules import Communicator
 
 __all__ = ["PipelineProcesses"]
 
@@ -49,6 +50,7 @@ class PipelineProcesses(ParallelStrategy):
         self._process_group_backend = config.process_group_backend
         self._num_nodes = 1
         self._p2p_groups: dict[Communicator, dist.ProcessGroup] = {}
+        self.p2p_connected = 0  # this rank's point-to-point communicators, connected at setup
         self.device_mesh: Any = None  # torch DeviceMesh ("pp", "dp"), built in setup_environment
         self.dp_group: Any = None  # this rank's stage replicas / replica's pipeline, with config.timeout
         self.pp_group: Any = None
@@ -116,6 +118,11 @@ class PipelineProcesses(ParallelStrategy):
         if self.data_parallel_size == 1:
             return f"stage {watch_id}"
         return f"stage {self.topology.stage_of(watch_id)} (replica {self.topology.replica_of(watch_id)})"
+
+    @property
+    def transport_device(self) -> torch.device:
+        """Where the pipeline's message bytes live: the device under NCCL, the host under gloo (staged)."""
+        return transport_device(self._process_group_backend or "gloo", self.root_device)
 
     def rank_of(self, stage: int, replica: int | None = None) -> int:
         """The global rank that runs ``stage`` of ``replica`` (default: this process's replica)."""
@@ -185,12 +192,11 @@ class PipelineProcesses(ParallelStrategy):
         api.init_dist_connection(environment, self._process_group_backend, **kwargs)
         # pipeline messages on their own communicators, apart from Lightning's collectives: one per neighbour pair
         # and direction, and per direction of the tied-weight exchange -- the layout the strict rendezvous model
-        # proves deadlock-free under NCCL ([Note: rendezvous]); every rank creates every group, in one order
-        self._p2p_groups = {
-            comm: dist.new_group([topology.rank_of(s, comm[1]) for s in members], backend=self._process_group_backend,
-                                 timeout=self.config.timeout)
-            for comm, members in layout_communicators("directed", topology.pipeline, topology.data).items()
-        }
+        # proves deadlock-free under NCCL ([Note: rendezvous]); every rank creates every group, in one order, and
+        # connects its own ones in that order before any list runs ([Note: communicator creation])
+        self._p2p_groups = create_communicators(topology.pipeline, topology.data, topology.rank_of,
+                                                backend=self._process_group_backend, timeout=self.config.timeout)
+        self.p2p_connected = warm_communicators(self._p2p_groups, topology.rank_of, device=self.transport_device)
         if topology.data > 1:
             from torch.distributed.device_mesh import DeviceMesh
 

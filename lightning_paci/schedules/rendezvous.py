@@ -33,6 +33,20 @@ reductions, LocalSGD's and the drains' averages and broadcasts) are issued by ev
 points of identical lists, so they pair up as long as the replicas stay in lockstep (``nonfinite="skip"`` would
 break that and is refused with replicas).
 
+[Note: communicator creation]
+NCCL creates a group's point-to-point communicator lazily, at a rank's first operation on it, and that first
+operation blocks the *host* until the peer makes its first operation on the same group; gloo connects a group when
+it is created, so no CPU run can show what this does. The model has it as a ``connect`` of the communicator's ranks
+(a collective that holds each rank's host until all have reached it): ``connect="lazy"`` puts one before each
+rank's first operation on a communicator. Left to itself that deadlocks every list at batch 0 once receives are
+posted ahead -- stage 0 posts its first gradient receive on B(1->0) and waits there for stage 1, which posted its
+first activation receive on F(0->1) and waits for stage 0 -- and, with tied weights, even without posting (stage
+0's first ``SEND_T`` waits for the last stage, which waits for an activation stage 0 has not sent). So the runtime
+creates them all at setup, before any list runs: every rank makes one small exchange on each of its
+communicators in ``layout_communicators`` order (``engine.comm.warm_communicators``), a single global order in
+which the lowest pending communicator always has all its ranks waiting on it. ``connect="warm"`` (the default)
+models exactly that: the connects first, in that order, then the lists with nothing lazy left.
+
 The simulation is exact for these rules (every rank's order is fixed, every operation has one partner, so whether
 the run completes does not depend on which rank moves first) and linear in the number of actions.
 """
@@ -43,6 +57,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 
 from lightning_paci.schedules.actions import OPT, SEND_KINDS, Action, Schedule, ScheduleError, format_grid, message_key
+from lightning_paci.schedules.analysis import assign_rounds
 
 __all__ = ["LAYOUTS", "Communicator", "check_rendezvous", "communicator", "layout_communicators"]
 
@@ -77,66 +92,158 @@ def layout_communicators(layout: str, num_stages: int, replicas: int = 1) -> dic
     return found
 
 
+CONNECTS = ("eager", "lazy", "warm")
+
+
 class _Op:
-    __slots__ = ("rank", "comm", "key", "sends", "partners", "step")
+    __slots__ = ("rank", "comm", "key", "sends", "partners", "step", "done")
 
     def __init__(self, rank: int, comm: Communicator, key: Hashable, sends: bool, partners: tuple[int, ...],
                  step: int) -> None:
         self.rank, self.comm, self.key, self.sends, self.partners, self.step = rank, comm, key, sends, partners, step
+        self.done = False
+
+    @property
+    def collective(self) -> bool:
+        return self.key[0] in ("reduce", "connect")
 
     def __str__(self) -> str:
         if self.key[0] == "reduce":
             return f"the all-reduce before update {self.key[2]} of stage {self.key[1]}"
+        if self.key[0] == "connect":
+            return f"the creation of communicator {self.key[1]} (NCCL: its ranks' first operations meet)"
         channel, src, dst, index = self.key
         return f"{'SEND' if self.sends else 'RECV'}_{channel}{index} ({src}->{dst})"
 
 
-def _ops_of(lists: Sequence[Sequence[Action | None]], layout: str, replicas: int) -> list[list[_Op]]:
-    """Every rank's list as its communication operations, in order (compute actions wait only for what the
-    stream waits for, so they are left out)."""
-    n = len(lists)
+# one item of a rank's program: an operation and what the host does with it
+_ISSUE, _ISSUE_WAIT, _WAIT = 0, 1, 2  # post and go on; post and wait for it; wait for one posted earlier
+_Item = tuple[_Op, int]
+_Call = list[tuple[int, Action | None]]  # (step in the stage's list, action)
+
+
+def _calls_of(actions: Sequence[Sequence[Action | None]] | Schedule, posted_ahead: bool) -> list[list[_Call]]:
+    """Each stage's list cut into the runtime's calls: with receives posted ahead, a Schedule's rounds
+    (``assign_rounds``: a Lightning call runs one round); otherwise, and for plain lists, one call per stage (for
+    posting, the earliest a receive can be posted)."""
+    if not (posted_ahead and isinstance(actions, Schedule)):
+        lists = actions.actions if isinstance(actions, Schedule) else actions
+        return [[list(enumerate(stage_actions))] for stage_actions in lists]
+    calls: list[list[_Call]] = []
+    for stage_actions, rounds in zip(actions.actions, assign_rounds(actions)):
+        mine: list[_Call] = []
+        for step, (action, round_) in enumerate(zip(stage_actions, rounds)):
+            if len(mine) <= round_:
+                mine.extend([] for _ in range(round_ + 1 - len(mine)))
+            mine[round_].append((step, action))
+        calls.append([call for call in mine if call])
+    return calls
+
+
+def _programs(calls: Sequence[Sequence[_Call]], layout: str, replicas: int, connect: str,
+              posted_ahead: bool) -> list[list[_Item]]:
+    """Every rank's communication as the host issues it: sends, receives (with ``posted_ahead``, each call's first
+    activation and gradient receive posted at the call's start and each next one when the previous was taken, as
+    ``comm.ReceivesAhead`` does), the replicas' reductions, and under NCCL's rule the creation of each communicator
+    (``connect``: ``"lazy"`` before a rank's first operation on it, ``"warm"`` all of them first, in the layout's
+    order, as the runtime's setup does; ``"eager"``, gloo's groups, connected when created). Compute actions wait
+    only for what the stream waits for, so they are left out."""
+    n = len(calls)
     comms: dict[tuple[str, int, int, int], Communicator] = {}
-    ranks: list[list[_Op]] = []
+    members = {comm: tuple(replica_members) for comm, replica_members in _model_members(layout, n, replicas).items()}
+    programs: list[list[_Item]] = []
     for replica in range(replicas):
-        for stage, actions in enumerate(lists):
+        for stage, stage_calls in enumerate(calls):
             rank = replica * n + stage
-            ops: list[_Op] = []
+            program: list[_Item] = []
+            connected: set[Communicator] = set()
+
+            def connect_item(comm: Communicator, step: int = -1) -> None:
+                connected.add(comm)
+                program.append((_Op(rank, ("connect", comm), ("connect", comm), False, members[comm], step),
+                                _ISSUE_WAIT))
+
+            if connect == "warm":
+                for comm, ranks in members.items():
+                    if rank in ranks:
+                        connect_item(comm)
+
+            def post(op: _Op, mode: int) -> None:
+                if connect == "lazy" and op.comm not in connected and op.comm[0] == "p2p":
+                    connect_item(op.comm, op.step)
+                program.append((op, mode))
+
             updates = 0
-            for step, action in enumerate(actions):
-                if action is None:
-                    continue
-                key = message_key(action, n)
-                if key is not None:
+            for call in stage_calls:
+                ops: list[_Op | None] = []
+                for step, action in call:
+                    key = message_key(action, n) if action is not None else None
+                    if key is None:
+                        ops.append(None)
+                        continue
                     channel, src, dst, _ = key
                     comm = comms.get((channel, src, dst, replica))
                     if comm is None:
                         comm = comms[(channel, src, dst, replica)] = communicator(layout, channel, src, dst, replica)
-                    sends = action.kind in SEND_KINDS
+                    sends = action.kind in SEND_KINDS  # type: ignore[union-attr]
                     ops.append(_Op(rank, comm, key, sends, (replica * n + (dst if sends else src),), step))
-                elif action.kind is OPT and replicas > 1:
-                    updates += 1
-                    members = tuple(r * n + stage for r in range(replicas))
-                    ops.append(_Op(rank, ("reduce", stage), ("reduce", stage, updates), False, members, step))
-            ranks.append(ops)
-    return ranks
+                ahead: dict[str, deque[_Op]] = {"F": deque(), "B": deque()}
+                if posted_ahead:
+                    for op in ops:
+                        if op is not None and not op.sends and op.key[0] in ahead:
+                            ahead[op.key[0]].append(op)
+                    for queue in ahead.values():
+                        if queue:
+                            post(queue[0], _ISSUE)
+                for (step, action), op in zip(call, ops):
+                    if op is not None:
+                        if op.key[0] in ahead and ahead[op.key[0]] and ahead[op.key[0]][0] is op:
+                            program.append((op, _WAIT))
+                            ahead[op.key[0]].popleft()
+                            if ahead[op.key[0]]:
+                                post(ahead[op.key[0]][0], _ISSUE)
+                        else:
+                            post(op, _ISSUE if op.sends else _ISSUE_WAIT)
+                    elif action is not None and action.kind is OPT and replicas > 1:
+                        updates += 1
+                        group = tuple(r * n + stage for r in range(replicas))
+                        program.append((_Op(rank, ("reduce", stage), ("reduce", stage, updates), False, group,
+                                            step), _ISSUE_WAIT))
+            programs.append(program)
+    return programs
+
+
+def _model_members(layout: str, num_stages: int, replicas: int) -> dict[Communicator, tuple[int, ...]]:
+    """``layout_communicators`` with the model's rank numbers (``replica * num_stages + stage``)."""
+    return {comm: tuple(comm[1] * num_stages + s for s in stages)
+            for comm, stages in layout_communicators(layout, num_stages, replicas).items()}
 
 
 def check_rendezvous(actions: Sequence[Sequence[Action | None]] | Schedule, *, layout: str = "directed",
-                     replicas: int = 1) -> None:
+                     replicas: int = 1, connect: str = "warm", posted_ahead: bool | None = None) -> None:
     """Run the lists under the strict rendezvous model ([Note: rendezvous]) with ``layout``'s communicators and
     ``replicas`` data-parallel replicas; raise :class:`ScheduleError` naming the cycle if they can deadlock, or a
-    communicator whose messages would be received in another order than they were sent (NCCL would pair them)."""
+    communicator whose messages would be received in another order than they were sent (NCCL would pair them).
+
+    ``connect`` says when a communicator's ranks first meet ([Note: communicator creation]): ``"warm"`` (the
+    runtime: all of them at setup, in the layout's order), ``"lazy"`` (NCCL left to itself: at each rank's first
+    operation on it) or ``"eager"`` (gloo: when the group is created). ``posted_ahead`` (default: what the runtime
+    does, i.e. with the ``"directed"`` layout only) models the receives posted ahead of their actions, per call
+    (a Schedule's rounds; a plain list set is one call)."""
     lists = actions.actions if isinstance(actions, Schedule) else actions
     communicator(layout, "F", 0, 1)  # the layout's name is checked before any work
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"`replicas` must be an int >= 1, got {replicas!r}.")
+    if connect not in CONNECTS:
+        raise ValueError(f"`connect` must be one of {', '.join(map(repr, CONNECTS))}, got {connect!r}.")
     n = len(lists)
-    ops = _ops_of(lists, layout, replicas)
-    position = [0] * len(ops)
+    ahead = layout == "directed" if posted_ahead is None else posted_ahead
+    programs = _programs(_calls_of(actions, ahead), layout, replicas, connect, ahead)
+    position = [0] * len(programs)
     queues: dict[tuple[int, Communicator], deque[_Op]] = {}
-    stream_waits: list[_Op | None] = [None] * len(ops)  # the receive or reduction a rank's stream waits for
-    outstanding = [0] * len(ops)  # queued operations not completed yet
-    runnable = deque(range(len(ops)))
+    stream_waits: list[_Op | None] = [None] * len(programs)  # the operation a rank's host or stream waits for
+    outstanding = [0] * len(programs)  # queued operations not completed yet
+    runnable = deque(range(len(programs)))
     candidates: deque[tuple[int, Communicator]] = deque()
 
     def head(rank: int, comm: Communicator) -> _Op | None:
@@ -147,6 +254,7 @@ def check_rendezvous(actions: Sequence[Sequence[Action | None]] | Schedule, *, l
         for op in group:
             queues[(op.rank, op.comm)].popleft()
             outstanding[op.rank] -= 1
+            op.done = True
             candidates.append((op.rank, op.comm))
             if stream_waits[op.rank] is op:
                 stream_waits[op.rank] = None
@@ -155,23 +263,27 @@ def check_rendezvous(actions: Sequence[Sequence[Action | None]] | Schedule, *, l
     while runnable or candidates:
         while runnable:
             rank = runnable.popleft()
-            mine = ops[rank]
-            while stream_waits[rank] is None and position[rank] < len(mine):
-                op = mine[position[rank]]
+            program = programs[rank]
+            while stream_waits[rank] is None and position[rank] < len(program):
+                op, mode = program[position[rank]]
                 position[rank] += 1
+                if mode == _WAIT:
+                    if not op.done:
+                        stream_waits[rank] = op
+                    continue
                 queue = queues.setdefault((rank, op.comm), deque())
                 queue.append(op)
                 outstanding[rank] += 1
                 if len(queue) == 1:
                     candidates.append((rank, op.comm))
-                if not op.sends:
+                if mode == _ISSUE_WAIT:
                     stream_waits[rank] = op
         while candidates:
             rank, comm = candidates.popleft()
             op = head(rank, comm)
             if op is None:
                 continue
-            if op.key[0] == "reduce":
+            if op.collective:
                 heads = [head(member, comm) for member in op.partners]
                 if all(h is not None and h.key == op.key for h in heads):
                     complete(heads)  # type: ignore[arg-type]
@@ -188,7 +300,7 @@ def check_rendezvous(actions: Sequence[Sequence[Action | None]] | Schedule, *, l
                     f"{other.rank % n} has {other}: NCCL would pair them, the messages are in different orders.\n"
                     + format_grid(lists, error_stage=stage, error_step=op.step))
             complete([op, other])
-    stuck = [r for r in range(len(ops)) if position[r] < len(ops[r]) or outstanding[r]]
+    stuck = [r for r in range(len(programs)) if position[r] < len(programs[r]) or outstanding[r]]
     if stuck:
         lines = []
         for rank in stuck:
@@ -199,8 +311,13 @@ def check_rendezvous(actions: Sequence[Sequence[Action | None]] | Schedule, *, l
             lines.append(f"{where} waits for {waits if waits is not None else 'its sends'}; first in its "
                          f"communicators: {', '.join(queued) or 'nothing'}")
         first = stuck[0]
-        step = stream_waits[first].step if stream_waits[first] is not None else len(lists[first % n]) - 1
+        waits = stream_waits[first]
+        step = waits.step if waits is not None and waits.step >= 0 else _first_step(lists[first % n])
         raise ScheduleError(
             f"Stage {first % n}, step {step}: deadlock under strict rendezvous with the {layout!r} communicator "
-            f"layout ([Note: rendezvous]):\n  " + "\n  ".join(lines) + "\n"
+            f"layout and {connect!r} communicator creation ([Note: rendezvous]):\n  " + "\n  ".join(lines) + "\n"
             + format_grid(lists, error_stage=first % n, error_step=step))
+
+
+def _first_step(actions: Sequence[Action | None]) -> int:
+    return next((i for i, a in enumerate(actions) if a is not None), 0)

@@ -1,0 +1,143 @@
+"""The pipeline's communicators under NCCL's creation rule, on gloo.
+
+NCCL creates a group's point-to-point communicator at a rank's first operation on it and holds the host there
+until the peer's first operation on the same group ([Note: communicator creation]); gloo connects at group
+creation, so a CPU run never shows it. ``_NcclLikeFirstOps`` gives gloo that rule: the first send or receive of a
+rank on a two-rank group blocks until the peer's first operation on that group has started. Under it, training and
+evaluation through the Trainer complete because the setup connects every communicator in one global order
+(without that warm-up the receives posted ahead hang at batch 0, as the rendezvous model's lazy mode shows).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from lightning_paci.engine.comm import DistComm
+from lightning_paci.engine.communicators import create_communicators, warm_communicators
+from lightning_paci.schedules import layout_communicators
+
+from helpers import fit, run_forked_ranks
+from models import HFCausalLM, SequentialMLP, regression_loader, token_loader
+
+pytestmark = pytest.mark.distributed
+
+
+class _NcclLikeFirstOps:
+    """Patch ``ProcessGroup.send``/``recv`` (inherited by forked ranks): a rank's first operation on a two-rank
+    group writes a marker file and waits for the peer's marker, as NCCL's lazy communicator creation waits for the
+    peer. A wait longer than ``patience`` raises, naming the group, so a regression fails instead of hanging."""
+
+    def __init__(self, directory: Path, patience: float = 20.0) -> None:
+        self.directory, self.patience = directory, patience
+        self.met: set[str] = set()  # groups this process's rank has met its peer on (a forked rank: its own copy)
+        # the class's own entries (pybind11 method descriptors), put back as they were
+        self.original = (dist.ProcessGroup.__dict__["send"], dist.ProcessGroup.__dict__["recv"])
+
+    def __enter__(self) -> _NcclLikeFirstOps:
+        dist.ProcessGroup.send = self._first_op_meets(dist.ProcessGroup.send)  # type: ignore[method-assign]
+        dist.ProcessGroup.recv = self._first_op_meets(dist.ProcessGroup.recv)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.ProcessGroup.send, dist.ProcessGroup.recv = self.original  # type: ignore[method-assign]
+
+    def _first_op_meets(self, op: Any) -> Any:
+        directory, patience, met = self.directory, self.patience, self.met
+
+        def wrapped(group: dist.ProcessGroup, tensors: list[torch.Tensor], peer: int, tag: int = 0) -> Any:
+            name = group.group_name
+            if group.size() == 2 and name not in met:
+                me = dist.get_rank()
+                (directory / f"{name}.{me}").touch()
+                others = [r for r in dist.get_process_group_ranks(group) if r != me]
+                deadline = time.monotonic() + patience
+                while not (directory / f"{name}.{others[0]}").exists():
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"rank {me}: first operation on group {name} waited {patience} s for "
+                                           f"rank {others[0]}'s first operation (NCCL communicator creation)")
+                    time.sleep(0.002)
+                met.add(name)
+            return op(group, tensors, peer, tag)
+
+        return wrapped
+
+
+class _Connected(Callback):
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        record = {"connected": trainer.strategy.p2p_connected, "stage": trainer.strategy.stage_index}
+        (self.directory / f"connected{dist.get_rank()}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("schedule", ["paci", "1f1b"])
+def test_training_and_evaluation_complete_under_ncclike_communicator_creation(tmp_path, schedule):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    torch.manual_seed(0)
+    with _NcclLikeFirstOps(markers):
+        fit(SequentialMLP(), regression_loader(num_batches=4), devices=4, max_steps=4, microbatches=4,
+            accumulation=2, schedule=schedule, callbacks=[_Connected(tmp_path)],
+            val_dataloaders=regression_loader(num_batches=2), trainer_kwargs={"limit_val_batches": 2,
+                                                                            "val_check_interval": 2})
+    # every rank connected its 4 communicators at setup (both directions to each neighbour; stages 0 and 3 both
+    # directions of the tied exchange, created whether or not the model ties weights): each group met once
+    counts = {json.loads(p.read_text())["stage"]: json.loads(p.read_text())["connected"]
+              for p in tmp_path.glob("connected*.json")}
+    assert counts == {0: 4, 1: 4, 2: 4, 3: 4}
+    assert len(list(markers.iterdir())) == 2 * len(layout_communicators("directed", 4)) == 16
+
+
+def test_tied_weights_complete_under_ncclike_communicator_creation(tmp_path):
+    # tied lists send the tied weight's gradient from the last stage to stage 0: without the warm-up, stage 0's
+    # first SEND_T waits for the last stage, which waits for an activation stage 0 has not sent
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    torch.manual_seed(0)
+    with _NcclLikeFirstOps(markers):
+        fit(HFCausalLM("gpt2", layers=3, tied=True), token_loader(num_batches=3, batch_size=4, vocab=64), devices=3,
+            max_steps=3, microbatches=3, accumulation=1, partition="parameters", callbacks=[_Connected(tmp_path)])
+    counts = {json.loads(p.read_text())["stage"]: json.loads(p.read_text())["connected"]
+              for p in tmp_path.glob("connected*.json")}
+    assert counts == {0: 4, 1: 4, 2: 4}  # stages 0 and 2 also hold both directions of the tied exchange
+
+
+def _staging_worker(rank: int, path: str, errors: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=30))
+        groups = create_communicators(2, 1, lambda s, r: s, backend="gloo", timeout=timedelta(seconds=30))
+        assert warm_communicators(groups, lambda s, r: s, device=torch.device("cpu")) == 4
+        # ``deliver``: received tensors go to the compute device (here "meta", the only other device a CPU
+        # machine has), the wire stays on the host
+        comm = DistComm([0, 1], groups=groups, device=torch.device("cpu"), deliver=torch.device("meta"))
+        if rank == 0:
+            comm.send({"x": torch.arange(6.0).reshape(2, 3), "n": 3}, 1)
+            comm.flush()
+        else:
+            got = comm.recv(0)
+            assert got["n"] == 3 and got["x"].device.type == "meta" and got["x"].shape == (2, 3)
+        dist.barrier()
+    except BaseException:
+        errors.put(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_received_tensors_are_delivered_to_the_compute_device(tmp_path):
+    run_forked_ranks(_staging_worker, 2, tmp_path / "rendezvous")
