@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from lightning_paci.config import PACIConfig
 from lightning_paci.engine.comm import DistComm
+from lightning_paci.engine.communicators import transport_device
 from lightning_paci.engine.data_parallel import join_replicas
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.engine.supervision import mark_setup_error
@@ -186,8 +187,8 @@ class PACIStrategy(CheckpointingProcesses):
                 num_microbatches=self.num_microbatches,
                 broadcast=self._pipeline_broadcast,
                 comm=lambda: DistComm([self.rank_of(s) for s in range(self.num_stages)], groups=self._p2p_groups,
-                                      replica=self.replica_index, device=self.transport_device,
-                                      deliver=self.root_device),
+                                      replica=self.replica_index, deliver=self.root_device,
+                                      device=transport_device(self._process_group_backend, self.root_device)),
                 eval_context=self.precision_plugin.val_step_context)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:

@@ -153,7 +153,7 @@ class HFCausalLM(LightningModule):
     """A transformers causal LM wrapped the ordinary way; ``training_step`` returns ``self.model(...).loss``."""
 
     def __init__(self, kind: str = "gpt2", *, layers: int = 4, tied: bool = False, lr: float = 3e-3,
-                 vocab: int = 64) -> None:
+                 vocab: int = 64, use_cache: bool | None = None) -> None:
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -166,6 +166,8 @@ class HFCausalLM(LightningModule):
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                  tie_word_embeddings=tied)
             self.model = LlamaForCausalLM(config)
+        if use_cache is not None:  # None: the config's default (True), as a user's model has it
+            self.model.config.use_cache = use_cache
         self.lr = lr
 
     def training_step(self, batch, batch_idx):

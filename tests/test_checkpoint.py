@@ -242,3 +242,46 @@ def test_a_custom_checkpoint_io_writes_the_consolidated_file(tmp_path):
     # rank 0 wrote the checkpoint once (the fork launcher also hands rank 0's weights back through the same IO)
     assert [c for c in calls if c.startswith(str(tmp_path))] == [f"{tmp_path / 'last.ckpt'} None"]
     assert sorted(torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]) == sorted(model.state_dict())
+
+
+class _FusedAdamW(SequentialMLP):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+
+def test_fused_adamw_resumes_exactly(tmp_path):
+    loader = regression_loader(num_batches=4)
+    torch.manual_seed(31)
+    model = _FusedAdamW(depth=6)
+    first = copy.deepcopy(model)
+    _trainer(tmp_path / "full", 3, 2, "paci").fit(model, loader)
+    _trainer(tmp_path / "part", 3, 1, "paci").fit(first, loader)
+    resumed = copy.deepcopy(first)
+    _trainer(tmp_path / "part", 3, 2, "paci").fit(resumed, loader, ckpt_path=str(tmp_path / "part" / "epoch=0.ckpt"))
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("options", [{"fused": True}, {"capturable": True}, {}], ids=["fused", "capturable", "plain"])
+def test_optimizer_state_is_placed_as_load_state_dict_places_it(options):
+    # a saved `step` of another dtype (a non-fused run's float64, say) and a float64 moment on float32 parameters:
+    # torch's own load_state_dict casts `step` to float32 for fused/capturable optimizers only, and every other
+    # tensor to the parameter's dtype; the pipeline's name-keyed restore must give the same tensors
+    from lightning_paci.integration.checkpoint import load_stage_optimizer_state
+    from lightning_paci.optim.stage_optimizer import StageOptimizer
+
+    module = torch.nn.Linear(3, 2)
+    saved = {name: {"state": {"step": torch.tensor(5.0, dtype=torch.float64),
+                              "exp_avg": torch.ones_like(p, dtype=torch.float64),
+                              "exp_avg_sq": torch.ones_like(p, dtype=torch.float64)},
+                    "group": {"lr": 1e-2}} for name, p in module.named_parameters()}
+    stage = StageOptimizer(torch.optim.AdamW(module.parameters(), lr=1e-2, **options), list(module.parameters()))
+    load_stage_optimizer_state(stage, module, saved)
+    expected = torch.optim.AdamW(module.parameters(), lr=1e-2, **options)
+    expected.load_state_dict({"state": {i: saved[n]["state"] for i, (n, _) in enumerate(module.named_parameters())},
+                              "param_groups": [{**expected.state_dict()["param_groups"][0]}]})
+    for (alias, _), param in zip(stage.pairs, module.parameters()):
+        for key, value in expected.state[param].items():
+            got = stage.optimizer.state[alias][key]
+            assert (got.dtype, got.device) == (value.dtype, value.device), (options, key)
+            torch.testing.assert_close(got, value, rtol=0, atol=0)

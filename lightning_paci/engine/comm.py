@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_paci.engine.pickle_guard import guarded_dumps
 from lightning_paci.schedules.actions import RECV_B, RECV_F, Action
 from lightning_paci.schedules.rendezvous import Communicator, communicator
 
@@ -158,6 +159,7 @@ class DistComm:
         # [Note: receives posted ahead]: stage -> (work, buffer) of the posted receive of its next channel-0 message
         self._posted: dict[int, tuple[Any, torch.Tensor]] = {}
         self._can_post = groups is not None and layout == "directed"
+        self.sent_messages = self.sent_bytes = 0  # framed bytes (header + payload) of every message sent
 
     def _route(self, channel: int, src: int, dst: int) -> tuple[dist.ProcessGroup, int]:
         """The process group of a message and the peer's rank in it, looked up once per neighbour and direction
@@ -180,11 +182,13 @@ class DistComm:
         distinct torch call then costs tens of microseconds on the critical path)."""
         group, peer = self._route(channel, self._stage, stage)
         skeleton, tensors, metas = _describe(payload)
-        blob = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = guarded_dumps(skeleton, what=f"stage {self._stage}: the message to stage {stage}")
         data_bytes = metas[-1].offset + metas[-1].nbytes if metas else 0
         head = 16 + len(blob)
         start = -(-head // _ALIGN) * _ALIGN  # tensor bytes start aligned after the header
         total = start + data_bytes
+        self.sent_messages += 1
+        self.sent_bytes += total
         if self._host and total <= FIRST_BYTES and all(t.device.type == "cpu" for t in tensors):
             buffer = self._spare.pop() if self._spare else torch.empty(FIRST_BYTES, dtype=torch.uint8)
             raw = buffer.numpy()
@@ -356,6 +360,7 @@ class LocalComm:
 
     def send(self, payload: Any, stage: int, channel: int = 0) -> None:
         skeleton, tensors = flatten(payload)
+        guarded_dumps(skeleton, what=f"stage {self._stage}: the message to stage {stage}")  # as DistComm refuses
         self._boxes[(self._stage, stage, channel)].append((skeleton, [t.detach().clone() for t in tensors]))
 
     def recv(self, stage: int, channel: int = 0) -> Any:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch import nn
 
+from lightning_paci.engine.pickle_guard import check_no_tensors
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 
 __all__ = ["PipelineCheckpoints", "Resumed", "atomic_save", "consolidate_checkpoint", "cpu_state", "gather_to_first",
@@ -97,17 +98,27 @@ def load_stage_optimizer_state(optimizer: StageOptimizer, module: nn.Module, par
     group_of = {id(alias): group for group in optimizer.optimizer.param_groups for alias in group["params"]}
     for alias, real in optimizer.pairs:
         entry = params[names[id(real)]]
-        optimizer.optimizer.state[alias] = {
-            k: (v.to(real.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-            for k, v in entry["state"].items()
-        }
-        group_of[id(alias)].update({k: v for k, v in entry["group"].items() if k != "params"})
+        group = group_of[id(alias)]
+        group.update({k: v for k, v in entry["group"].items() if k != "params"})
+        optimizer.optimizer.state[alias] = {k: _placed(k, v, real, group) for k, v in entry["state"].items()}
     gradients = []
     for param in [real for _, real in optimizer.pairs] + list(replicas):
         grad = params.get(names[id(param)], {}).get("grad")
         if grad is not None:
             gradients.append((param, grad.to(device=param.device, dtype=param.dtype)))
     return gradients
+
+
+def _placed(key: str, value: Any, param: nn.Parameter, group: Mapping[str, Any]) -> Any:
+    """A saved optimizer-state value placed as ``torch.optim.Optimizer.load_state_dict`` places it: ``step`` stays
+    as saved, except for fused or capturable optimizers, whose kernels read it as float32 on the parameter's device;
+    every other tensor goes to the parameter's device (and, for a floating parameter, its dtype)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step":
+        return value.to(dtype=torch.float32, device=param.device) if group.get("fused") or group.get("capturable") \
+            else value
+    return value.to(dtype=param.dtype, device=param.device) if param.is_floating_point() else value.to(param.device)
 
 
 # -- per-stage sharded layout ----------------------------------------------------------------------------------
@@ -170,6 +181,7 @@ def gather_to_first(local: dict[str, Any], replicas: int = 1) -> dict[str, Any] 
         return local
     first = dist.get_rank() == 0
     parts: list[Any] | None = [None] * dist.get_world_size() if first else None
+    check_no_tensors(local, what="a checkpoint's gather to rank 0", host_tensors=True)
     dist.gather_object(local, parts, dst=0)
     return merge_parts(parts, replicas) if parts is not None else None
 

@@ -21,7 +21,7 @@ from lightning_paci.engine.comm import Comm
 from lightning_paci.engine.microbatch import merge_microbatch_outputs, microbatch_size, split_microbatches
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.integration.lightning_program import LightningStageProgram
-from lightning_paci.integration.logs import LogRecord, replay_logs
+from lightning_paci.integration.logs import LogRecord, host_records, replay_logs
 from lightning_paci.partition import StageCarve
 from lightning_paci.schedules import RECV_F, SEND_F, Action, F
 
@@ -89,5 +89,5 @@ class PipelineEvaluator:
         if step_name == "predict_step":  # the last stage is global rank 0, where Lightning collects predictions
             return output
         self.comm.flush()
-        replay_logs(self.module, self.broadcast(records, num_stages - 1))
+        replay_logs(self.module, self.broadcast(host_records(records), num_stages - 1))  # one read per batch
         return output

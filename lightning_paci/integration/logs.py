@@ -23,7 +23,7 @@ from lightning.pytorch import LightningModule
 
 from lightning_paci.engine.program import LOSS_KEY, LogRecord
 
-__all__ = ["LOSS_KEY", "METRIC_OPTION", "LogRecord", "LogRelay", "recording_logs", "replay_logs"]
+__all__ = ["LOSS_KEY", "METRIC_OPTION", "LogRecord", "LogRelay", "host_records", "recording_logs", "replay_logs"]
 
 METRIC_OPTION = "__paci_metric__"  # a log record naming a torchmetrics Metric attribute instead of a value
 _LOG_OPTIONS = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph", "add_dataloader_idx",
@@ -68,6 +68,12 @@ def recording_logs(module: LightningModule, records: list[LogRecord], size: int,
         yield
     finally:
         del module.log
+
+
+def host_records(records: list[LogRecord]) -> list[LogRecord]:
+    """The records with every value a host number: what an object collective may carry (a device tensor pickled
+    comes back on the device it left from, on every rank: see engine/pickle_guard.py). One host read per value."""
+    return [r._replace(value=float(r.value)) if isinstance(r.value, torch.Tensor) else r for r in records]
 
 
 def replay_logs(module: LightningModule, records: list[LogRecord]) -> float | None:

@@ -22,6 +22,7 @@ from lightning_paci.engine.comm import Comm
 from lightning_paci.engine.data_parallel import GradientAverage
 from lightning_paci.engine.driver import StreamDriver
 from lightning_paci.engine.microbatch import loss_scale_for
+from lightning_paci.engine.pickle_guard import check_no_tensors
 from lightning_paci.engine.recompute import BlockRecompute, recomputes
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.integration.checkpoint import PipelineCheckpoints, cpu_state, merge_parts
@@ -181,7 +182,9 @@ class PipelineStage:
         if gather:
             try:
                 gathered: list[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(gathered, cpu_state(self.module, self.carve.foreign_buffers))
+                state = cpu_state(self.module, self.carve.foreign_buffers)
+                check_no_tensors(state, what="the teardown's gather of the stages' weights", host_tensors=True)
+                dist.all_gather_object(gathered, state)
                 full = merge_parts(gathered, replicas)
             except (RuntimeError, ConnectionError) as err:
                 log.warning(f"lightning_paci: could not gather the full weights at teardown: {err}")

@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_paci.config import PACIConfig
 from lightning_paci.engine.communicators import create_communicators, transport_device, warm_communicators
+from lightning_paci.engine.pickle_guard import check_no_tensors
 from lightning_paci.engine.supervision import StageWatchdog, connect_store, print_setup_errors_once
 from lightning_paci.engine.topology import Topology, check_topology, resolve_sizes
 from lightning_paci.integration import lightning_api as api
@@ -119,11 +120,6 @@ class PipelineProcesses(ParallelStrategy):
             return f"stage {watch_id}"
         return f"stage {self.topology.stage_of(watch_id)} (replica {self.topology.replica_of(watch_id)})"
 
-    @property
-    def transport_device(self) -> torch.device:
-        """Where the pipeline's message bytes live: the device under NCCL, the host under gloo (staged)."""
-        return transport_device(self._process_group_backend or "gloo", self.root_device)
-
     def rank_of(self, stage: int, replica: int | None = None) -> int:
         """The global rank that runs ``stage`` of ``replica`` (default: this process's replica)."""
         return self.topology.rank_of(stage, self.replica_index if replica is None else replica)
@@ -196,7 +192,8 @@ class PipelineProcesses(ParallelStrategy):
         # connects its own ones in that order before any list runs ([Note: communicator creation])
         self._p2p_groups = create_communicators(topology.pipeline, topology.data, topology.rank_of,
                                                 backend=self._process_group_backend, timeout=self.config.timeout)
-        self.p2p_connected = warm_communicators(self._p2p_groups, topology.rank_of, device=self.transport_device)
+        self.p2p_connected = warm_communicators(self._p2p_groups, topology.rank_of,
+                                                device=transport_device(self._process_group_backend, self.root_device))
         if topology.data > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
@@ -233,6 +230,7 @@ class PipelineProcesses(ParallelStrategy):
 
     def _pipeline_broadcast(self, obj: Any, stage: int) -> Any:
         """Broadcast from ``stage`` of this process's replica to the other stages of that replica."""
+        check_no_tensors(obj, what=f"a broadcast from stage {stage}")
         if self.data_parallel_size == 1:
             return self.broadcast(obj, src=self.rank_of(stage))
         holder = [obj]
@@ -249,6 +247,8 @@ class PipelineProcesses(ParallelStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not api.distributed_is_initialized():
             return obj
+        # pickled: a device tensor would come back on the device it left from, on every rank
+        check_no_tensors(obj, what="`strategy.broadcast(obj)`", host_tensors=True)
         holder = [obj]
         dist.broadcast_object_list(holder, src=src)
         return holder[0]

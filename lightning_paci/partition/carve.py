@@ -12,11 +12,11 @@ Two forward pre-hooks mark the boundaries:
   first block would get and ends the forward by raising ``StageDone``.
 
 What crosses a boundary is therefore exactly what the next block is called with: hidden states, attention masks,
-rotary position embeddings, ``None`` caches, ints. Modules with parameters registered before the container (an
-embedding) live on stage 0, those registered after it (final norm, LM head) on the last stage; parameter-free
-modules stay everywhere. On other stages every removed module is a placeholder that returns zeros of the real
-output's form (a block whose output has its input's form passes the input through), which the ingress hook then
-replaces::
+rotary position embeddings, ints -- but never a key/value cache ([Note: no cache across stages]). Modules with
+parameters registered before the container (an embedding) live on stage 0, those registered after it (final norm,
+LM head) on the last stage; parameter-free modules stay everywhere. On other stages every removed module is a
+placeholder that returns zeros of the real output's form (a block whose output has its input's form passes the
+input through), which the ingress hook then replaces::
 
     stage 0:  embed -> [b0 b1] -> (egress: capture args of b2, stop)
     stage 1:  (placeholder) -> [pass pass] -> (ingress: args of b2) b2 b3 -> norm -> head -> loss
@@ -24,6 +24,7 @@ replaces::
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,47 @@ class BoundaryState:
 
     incoming: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # (args, kwargs) for the first local block
     outgoing: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # captured (args, kwargs) for the next stage
+
+
+def _without_caches(args: tuple[Any, ...], kwargs: dict[str, Any],
+                    stage: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """[Note: no cache across stages]
+    A transformers model left with ``use_cache=True`` (its config's default) makes a ``Cache`` in its ``forward``
+    and hands it to every block, which appends its keys and values. At a stage boundary that object would be the
+    next block's argument like any other and cross to the next stage whole, inside the message header, with the
+    keys and values of every upstream layer (and keep them alive per micro-batch in flight). Training and
+    evaluation never read a cache they did not fill in the same forward, so the boundary passes ``None`` in its
+    place: the next stage's blocks run as under ``use_cache=False`` (same losses, same bytes per message), and the
+    model's returned cache holds nothing of the other stages. A cache that held positions *before* this forward
+    (a prefix passed in by the step) cannot be split over stages: stage 0 refuses it."""
+    cache_type = _cache_type()
+    if cache_type is None:
+        return args, kwargs
+
+    def drop(value: Any) -> Any:
+        if not isinstance(value, cache_type):
+            return value
+        if stage > 0:  # a later stage's cache is its own model's, partly filled: nothing to read there
+            return None
+        # stage 0 ran block 0, so layer 0 of its cache holds every position it knows; the hidden states (the first
+        # tensor of two or more dimensions, (batch, positions, ...)) hold this forward's
+        held = value.get_seq_length(0)
+        tokens = next((t.shape[-2] for t in flatten((args, kwargs))[1] if t.dim() >= 2), None)
+        if tokens is not None and held > tokens:
+            raise ValueError(
+                f"stage {stage}: a transformers {type(value).__name__} with {held} positions reaches the stage "
+                f"boundary, more than this forward's {tokens}: a cache of earlier positions cannot be split over "
+                f"pipeline stages. Train without `past_key_values` (a prefix in the step), or on one device."
+            )
+        return None
+
+    return tuple(drop(a) for a in args), {k: drop(v) for k, v in kwargs.items()}
+
+
+def _cache_type() -> type | None:
+    """transformers' ``Cache`` base class if transformers is loaded (a model built with it imports it first)."""
+    module = sys.modules.get("transformers.cache_utils")
+    return getattr(module, "Cache", None) if module is not None else None
 
 
 @dataclass
@@ -193,7 +235,7 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
         handles.append(container[blocks.start].register_forward_pre_hook(ingress, with_kwargs=True))
     if stage < last:
         def egress(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            boundary.outgoing = (tuple(args), dict(kwargs))
+            boundary.outgoing = _without_caches(tuple(args), dict(kwargs), stage)
             raise StageDone
 
         handles.append(container[blocks.stop].register_forward_pre_hook(egress, with_kwargs=True))
