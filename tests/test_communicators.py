@@ -2,16 +2,16 @@
 
 NCCL creates a group's point-to-point communicator at a rank's first operation on it and holds the host there
 until the peer's first operation on the same group ([Note: communicator creation]); gloo connects at group
-creation, so a CPU run never shows it. ``_NcclLikeFirstOps`` gives gloo that rule: the first send or receive of a
-rank on a two-rank group blocks until the peer's first operation on that group has started. Under it, training and
-evaluation through the Trainer complete because the setup connects every communicator in one global order
-(without that warm-up the receives posted ahead hang at batch 0, as the rendezvous model's lazy mode shows).
+creation, so a CPU run never shows it. ``NcclLikeFirstOps`` gives gloo that rule: the first send or receive of a
+rank on a two-rank group blocks until the peer's first operation on that group has started (``helpers.
+NcclLikeFirstOps``). Under it, training and evaluation through the Trainer complete because the setup connects
+every communicator in one global order (without that warm-up the receives posted ahead hang at batch 0, as the
+rendezvous model's lazy mode shows); tests/test_no_cache.py runs a tied GPT-2 and a Llama under it too.
 """
 
 from __future__ import annotations
 
 import json
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -27,50 +27,10 @@ from lightning_paci.engine.comm import DistComm
 from lightning_paci.engine.communicators import create_communicators, warm_communicators
 from lightning_paci.schedules import layout_communicators
 
-from helpers import fit, run_forked_ranks
-from models import HFCausalLM, SequentialMLP, regression_loader, token_loader
+from helpers import NcclLikeFirstOps, fit, run_forked_ranks
+from models import SequentialMLP, regression_loader
 
 pytestmark = pytest.mark.distributed
-
-
-class _NcclLikeFirstOps:
-    """Patch ``ProcessGroup.send``/``recv`` (inherited by forked ranks): a rank's first operation on a two-rank
-    group writes a marker file and waits for the peer's marker, as NCCL's lazy communicator creation waits for the
-    peer. A wait longer than ``patience`` raises, naming the group, so a regression fails instead of hanging."""
-
-    def __init__(self, directory: Path, patience: float = 20.0) -> None:
-        self.directory, self.patience = directory, patience
-        self.met: set[str] = set()  # groups this process's rank has met its peer on (a forked rank: its own copy)
-        # the class's own entries (pybind11 method descriptors), put back as they were
-        self.original = (dist.ProcessGroup.__dict__["send"], dist.ProcessGroup.__dict__["recv"])
-
-    def __enter__(self) -> _NcclLikeFirstOps:
-        dist.ProcessGroup.send = self._first_op_meets(dist.ProcessGroup.send)  # type: ignore[method-assign]
-        dist.ProcessGroup.recv = self._first_op_meets(dist.ProcessGroup.recv)  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        dist.ProcessGroup.send, dist.ProcessGroup.recv = self.original  # type: ignore[method-assign]
-
-    def _first_op_meets(self, op: Any) -> Any:
-        directory, patience, met = self.directory, self.patience, self.met
-
-        def wrapped(group: dist.ProcessGroup, tensors: list[torch.Tensor], peer: int, tag: int = 0) -> Any:
-            name = group.group_name
-            if group.size() == 2 and name not in met:
-                me = dist.get_rank()
-                (directory / f"{name}.{me}").touch()
-                others = [r for r in dist.get_process_group_ranks(group) if r != me]
-                deadline = time.monotonic() + patience
-                while not (directory / f"{name}.{others[0]}").exists():
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"rank {me}: first operation on group {name} waited {patience} s for "
-                                           f"rank {others[0]}'s first operation (NCCL communicator creation)")
-                    time.sleep(0.002)
-                met.add(name)
-            return op(group, tensors, peer, tag)
-
-        return wrapped
 
 
 class _Connected(Callback):
@@ -82,14 +42,13 @@ class _Connected(Callback):
         (self.directory / f"connected{dist.get_rank()}.json").write_text(json.dumps(record))
 
 
-@pytest.mark.parametrize("schedule", ["paci", "1f1b"])
-def test_training_and_evaluation_complete_under_ncclike_communicator_creation(tmp_path, schedule):
+def test_training_and_evaluation_complete_under_ncclike_communicator_creation(tmp_path):
     markers = tmp_path / "markers"
     markers.mkdir()
     torch.manual_seed(0)
-    with _NcclLikeFirstOps(markers):
+    with NcclLikeFirstOps(markers):
         fit(SequentialMLP(), regression_loader(num_batches=4), devices=4, max_steps=4, microbatches=4,
-            accumulation=2, schedule=schedule, callbacks=[_Connected(tmp_path)],
+            accumulation=2, callbacks=[_Connected(tmp_path)],
             val_dataloaders=regression_loader(num_batches=2), trainer_kwargs={"limit_val_batches": 2,
                                                                             "val_check_interval": 2})
     # every rank connected its 4 communicators at setup (both directions to each neighbour; stages 0 and 3 both
@@ -98,20 +57,6 @@ def test_training_and_evaluation_complete_under_ncclike_communicator_creation(tm
               for p in tmp_path.glob("connected*.json")}
     assert counts == {0: 4, 1: 4, 2: 4, 3: 4}
     assert len(list(markers.iterdir())) == 2 * len(layout_communicators("directed", 4)) == 16
-
-
-def test_tied_weights_complete_under_ncclike_communicator_creation(tmp_path):
-    # tied lists send the tied weight's gradient from the last stage to stage 0: without the warm-up, stage 0's
-    # first SEND_T waits for the last stage, which waits for an activation stage 0 has not sent
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    torch.manual_seed(0)
-    with _NcclLikeFirstOps(markers):
-        fit(HFCausalLM("gpt2", layers=3, tied=True), token_loader(num_batches=3, batch_size=4, vocab=64), devices=3,
-            max_steps=3, microbatches=3, accumulation=1, partition="parameters", callbacks=[_Connected(tmp_path)])
-    counts = {json.loads(p.read_text())["stage"]: json.loads(p.read_text())["connected"]
-              for p in tmp_path.glob("connected*.json")}
-    assert counts == {0: 4, 1: 4, 2: 4}  # stages 0 and 2 also hold both directions of the tied exchange
 
 
 def _staging_worker(rank: int, path: str, errors: Any) -> None:

@@ -1,6 +1,7 @@
 """[Note: no cache across stages]: a transformers model left with ``use_cache=True`` (the config's default) trains
 and evaluates with the same bytes per message and the same losses as with ``use_cache=False``: its ``Cache`` never
-crosses a stage boundary."""
+crosses a stage boundary. The runs go under NCCL's communicator-creation rule (``helpers.NcclLikeFirstOps``); the
+GPT-2 ties its embedding and LM head, so the tied-weight exchange is under it too."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from helpers import DumpLastStageLosses, fit
+from helpers import DumpLastStageLosses, NcclLikeFirstOps, fit
 from models import HFCausalLM, token_loader
 
 pytestmark = pytest.mark.distributed
@@ -34,16 +35,22 @@ class _Bytes(Callback):
 
 def _run(tmp_path: Path, kind: str, use_cache: bool) -> tuple[dict[str, object], list[float], dict[str, torch.Tensor]]:
     directory = tmp_path / f"{kind}_{use_cache}"
-    directory.mkdir()
+    (directory / "markers").mkdir(parents=True)
     torch.manual_seed(0)
-    model = HFCausalLM(kind, layers=3, use_cache=use_cache)
+    model = HFCausalLM(kind, layers=3, tied=kind == "gpt2", use_cache=use_cache)
     dumped = DumpLastStageLosses(directory / "losses")
+    with NcclLikeFirstOps(directory / "markers"):  # and NCCL's communicator creation (tests/test_communicators.py)
+        _fit(model, directory, dumped)
+    assert len(list((directory / "markers").iterdir())) == 2 * 6  # each rank met its peer on every communicator
+    sent = {p.name: json.loads(p.read_text()) for p in sorted(directory.glob("bytes*.json"))}
+    return sent, list(dumped.values().values()), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _fit(model: L.LightningModule, directory: Path, dumped: DumpLastStageLosses) -> None:
     fit(model, token_loader(num_batches=4, batch_size=4, vocab=64), devices=3, max_steps=4, microbatches=2,
         accumulation=2, partition="parameters", callbacks=[_Bytes(directory), dumped],
         val_dataloaders=token_loader(num_batches=2, batch_size=4, vocab=64, seed=1),
         trainer_kwargs={"limit_val_batches": 2, "max_epochs": 1})
-    sent = {p.name: json.loads(p.read_text()) for p in sorted(directory.glob("bytes*.json"))}
-    return sent, list(dumped.values().values()), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
