@@ -50,6 +50,7 @@ class LightningStageProgram:
         self.carve = carve
         self.step_name = step_name
         self.context = context
+        self.device_logs: bool | None = None  # `recording_logs(keep=...)`: True forces the device form (tests)
         # the first training forward of a stage > 0 is watched for values crossing from placeholders (crossing.py)
         self._check: CrossingCheck | None = None
         if step_name == "training_step" and not carve.is_first:
@@ -64,7 +65,8 @@ class LightningStageProgram:
         step = getattr(self.module, self.step_name)
         check, self._check = self._check, None
         try:
-            with recording_logs(self.module, records, microbatch_size(data), self.step_name), self.context(), (
+            with recording_logs(self.module, records, microbatch_size(data), self.step_name,
+                                keep=self.device_logs), self.context(), (
                     check.watch() if check is not None else contextlib.nullcontext()):
                 output = step(data, *step_args)
         except StageDone:

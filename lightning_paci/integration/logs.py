@@ -34,8 +34,11 @@ _REDUCTIONS: dict[Any, str] = {"mean": "mean", "avg": "mean", torch.mean: "mean"
 
 
 @contextlib.contextmanager
-def recording_logs(module: LightningModule, records: list[LogRecord], size: int, step_name: str) -> Iterator[None]:
-    """Shadow ``module.log`` with a recorder (an instance attribute; the method comes back on exit)."""
+def recording_logs(module: LightningModule, records: list[LogRecord], size: int, step_name: str, *,
+                   keep: bool | None = None) -> Iterator[None]:
+    """Shadow ``module.log`` with a recorder (an instance attribute; the method comes back on exit). A tensor
+    value stays a 0-dim tensor on an accelerator and becomes a float on the CPU; ``keep`` forces the tensor form
+    (True: tests of the device form on the CPU) or the float form."""
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if args:
@@ -58,7 +61,7 @@ def recording_logs(module: LightningModule, records: list[LogRecord], size: int,
             return
         if isinstance(value, torch.Tensor):  # stays on an accelerator: see [Note: no host sync per micro-batch]
             value = value.detach().float().mean()
-            value = value if value.device.type != "cpu" else float(value)
+            value = value if (keep if keep is not None else value.device.type != "cpu") else float(value)
         else:
             value = float(value)
         records.append(LogRecord(name, value, batch_size, options))

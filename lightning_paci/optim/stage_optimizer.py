@@ -83,6 +83,12 @@ class StageOptimizer:
         if optimizer.state:
             raise ValueError("The optimizer already has state; build it fresh in `configure_optimizers`.")
 
+    def all_finite(self, extra: Sequence[torch.Tensor] = (), flags: Sequence[torch.Tensor] = ()) -> bool:
+        """Whether every gradient (the parameters' and ``extra``) is finite and every 0-dim bool in ``flags`` holds:
+        one host read for all of them."""
+        checks = [torch.isfinite(g).all() for g in self.gradients() + list(extra)] + list(flags)
+        return not checks or bool(torch.stack(checks).all())
+
     def nonfinite(self, extra: Sequence[torch.Tensor] = ()) -> list[nn.Parameter] | None:
         """None when every gradient (the parameters' and ``extra``) is finite, checked with one host sync; otherwise
         the parameters whose gradient holds a NaN or inf (empty when only ``extra`` does)."""
@@ -118,20 +124,27 @@ class StageOptimizer:
         return norms or (0.0, 0.0)
 
     def _step_measuring(self) -> tuple[float, float]:
-        update_sq = weight_sq = 0.0
+        # the squares are summed on the device in float64, in the order a host sum of each tensor's float32 square
+        # sum would take (the same bits), and read once: one host read per update, not two per tensor
+        squares: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # (update's, weight's) per tensor
         for alias, _ in self.pairs:
             alias.grad = None
         for alias, p in self.pairs:
             if p.grad is None:  # the optimizer skips parameters without a gradient
-                weight_sq += float(p.detach().float().pow(2).sum())
+                squares.append((None, p.detach().float().pow(2).sum()))
                 continue
             before = p.detach().clone()  # the one transient copy
             alias.grad = p.grad
             self.optimizer.step()
             alias.grad = None
-            update_sq += float((p.detach() - before).float().pow(2).sum())
-            weight_sq += float(p.detach().float().pow(2).sum())
+            squares.append(((p.detach() - before).float().pow(2).sum(), p.detach().float().pow(2).sum()))
             del before
+        if not squares:
+            return 0.0, 0.0
+        values = torch.stack([torch.stack([u if u is not None else torch.zeros_like(w), w]) for u, w in squares])
+        update_sq = weight_sq = 0.0
+        for u, w in values.double().tolist():  # (tensors, 2): the one read
+            update_sq, weight_sq = update_sq + u, weight_sq + w
         return update_sq ** 0.5, weight_sq ** 0.5
 
     def weight_norm(self) -> float:

@@ -1,0 +1,135 @@
+"""Host reads in the steady state, counted on the CPU with the device-form code paths forced.
+
+On an accelerator a host read of a device value (``item``, ``float``, ``bool``, ``tolist``, ``cpu``, ``nonzero``,
+...) waits for the device, so a host that reads per micro-batch can never run ahead of its GPU. A
+``TorchFunctionMode`` sees every such call; counted are those made by lightning_paci's own code (the user's model
+and torch's internals are not ours), per action, while every stage of the reference executor runs a second stream
+(the first warmed the optimizer state up) with the losses and log values kept as tensors
+([Note: no host sync per micro-batch]), the look-ahead's static path ([Note: a look-ahead without host reads]) and
+the weight-drift measurement of DriftMonitor on.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from lightning_paci import ReferencePipeline, build, plan_partition
+from lightning_paci.schedules import OPT
+
+from models import HFCausalLM, token_loader
+
+_READS = {"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu", "numpy", "nonzero", "equal",
+          "allclose", "masked_select", "unique"}
+_DISPATCH = tuple(str(Path(torch.__file__).parent / name) for name in ("overrides.py", "_tensor.py"))
+_PACKAGE = str(Path(__file__).resolve().parents[1] / "lightning_paci")
+
+
+class HostReads(TorchFunctionMode):
+    """Counts host reads whose caller (the first frame past torch's dispatch) is lightning_paci's code, by phase.
+    Reads inside torch itself are not ours: e.g. a non-fused Adam reads its ``step``, a CPU tensor even on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "other"
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.sites: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        to_host = name == "to" and any(str(a) == "cpu" for a in [*args[1:], *(kwargs or {}).values()])
+        if name in _READS or to_host:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename in _DISPATCH:
+                frame = frame.f_back
+            if frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+                self.counts[self.phase] += 1
+                where = frame.f_code.co_filename[len(_PACKAGE) + 1:]
+                self.sites[f"{self.phase}: {where}:{frame.f_lineno} {name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _pipeline(schedule: str, compensation: str) -> tuple[ReferencePipeline, list[Any]]:
+    L.seed_everything(0, verbose=False)
+    model = HFCausalLM("gpt2", layers=4, tied=True)
+    reference = ReferencePipeline(model, plan_partition(model, num_stages=4, partition="parameters"),
+                                  compensation=compensation)
+    for runtime in reference.runtimes:
+        runtime.device_losses = True
+        runtime.program.device_logs = True
+        runtime.records.measure(weight_drift=True)
+        if runtime.lookahead is not None:
+            runtime.lookahead.static = True
+    return reference, list(token_loader(num_batches=4, batch_size=8, vocab=64))
+
+
+def _count(reference: ReferencePipeline, schedule: Any, batches: list[Any]) -> HostReads:
+    mode = HostReads()
+    for runtime in reference.runtimes:
+        execute = runtime.execute
+
+        def counted(action: Any, execute: Any = execute) -> None:
+            mode.phase = "update" if action.kind is OPT else "microbatch"
+            try:
+                execute(action)
+            finally:
+                mode.phase = "other"
+
+        runtime.execute = counted  # type: ignore[method-assign]
+    with mode:
+        reference.run(schedule, batches)
+    return mode
+
+
+@pytest.mark.parametrize("schedule, compensation", [("paci", "lookahead"), ("1f1b", "none")])
+def test_no_host_read_per_microbatch_and_at_most_two_per_update(schedule, compensation):
+    reference, batches = _pipeline(schedule, compensation)
+    lists = build(schedule, 4, 4, 4, num_minibatches=len(batches), tied=True)
+    reference.run(lists, batches)  # first stream: optimizer state, first-use reads
+    moves = sum(r.lookahead.moves for r in reference.runtimes if r.lookahead is not None)
+    mode = _count(reference, lists, batches)
+    if compensation == "lookahead":  # the look-ahead did run ahead in the counted stream
+        assert sum(r.lookahead.moves for r in reference.runtimes) > moves > 0
+    updates = 4 * len(batches)  # every stage steps once per batch (a = m)
+    assert mode.counts["microbatch"] == 0, mode.sites
+    # per update: the one check before it (losses, look-ahead, gradients) and the drift measurement's norms
+    assert mode.counts["update"] <= 2 * updates, mode.sites
+    assert mode.counts["other"] == 0, mode.sites
+
+
+def test_the_static_look_ahead_moves_the_same_bits_as_the_dynamic_one():
+    results = []
+    for static in (False, True):
+        L.seed_everything(0, verbose=False)
+        model = HFCausalLM("gpt2", layers=4, tied=True)
+        reference = ReferencePipeline(model, plan_partition(model, num_stages=4, partition="parameters"),
+                                      compensation="lookahead")
+        for runtime in reference.runtimes:
+            runtime.lookahead.static = static
+        batches = list(token_loader(num_batches=6, batch_size=8, vocab=64))
+        reference.run(build("paci", 4, 4, 4, num_minibatches=6, tied=True), batches)
+        assert all(r.lookahead.take_overflow() is None for r in reference.runtimes)  # checked before each update
+        results.append(reference.state_dict())
+    for key, value in results[0].items():
+        torch.testing.assert_close(results[1][key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+
+
+def test_a_look_ahead_that_loses_more_than_it_can_keep_warns_and_counts():
+    L.seed_everything(0, verbose=False)
+    model = HFCausalLM("gpt2", layers=2, tied=False, lr=0.5)  # large steps: many elements lose bits on the way
+    reference = ReferencePipeline(model, plan_partition(model, num_stages=2, partition="parameters"),
+                                  compensation="lookahead")
+    for runtime in reference.runtimes:
+        runtime.lookahead.static, runtime.lookahead.capacity = True, 1
+    with pytest.warns(UserWarning, match=r"stage 0: a look-ahead lost more than 1 elements of a chunk on its way "
+                                         r"back \(before optimizer step \d+"):
+        reference.run(build("paci", 2, 4, 2, num_minibatches=4), list(token_loader(num_batches=4, vocab=64)))
+    assert reference.runtimes[0].lookahead.inexact_reverts > 0
+    assert reference.runtimes[1].lookahead.moves == 0  # the last stage never runs ahead
