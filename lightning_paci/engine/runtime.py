@@ -290,7 +290,7 @@ class StageRuntime:
             raise AssertionError(f"stage {self.stage}: OPT scheduled on a stage without an optimizer")
         if self.reduce_gradients is not None:  # before the check: every replica then sees (and names) a bad value
             self.reduce_gradients()
-        self._check_before_update()
+        _check_before_update(self)
         measuring = self.records.weight_drift
         update_norm, weight_norm = self.optimizer.step(measure=measuring)
         self.version += 1
@@ -301,39 +301,6 @@ class StageRuntime:
             self.records.fingerprint(self.tied)
         for hook in self.update_hooks:
             hook(self.version)
-
-    def _check_before_update(self) -> None:
-        """Everything that must hold before an update, in one host read: the losses kept on the device are finite
-        ([Note: no host sync per micro-batch]), the look-ahead kept every element it moved ([Note: a look-ahead
-        without host reads]), every gradient is finite. Only a failure reads more, to name what failed."""
-        losses, self.unchecked_losses[:] = list(self.unchecked_losses), []
-        overflow = self.lookahead.take_overflow() if self.lookahead is not None else None
-        flags = [] if overflow is None else [~overflow]
-        if losses:
-            flags.append(torch.isfinite(torch.stack([loss for _, loss in losses])).all())
-        tied = [p.grad for p in self.tied if p.grad is not None]
-        if self.optimizer.all_finite(tied, flags):  # type: ignore[union-attr]
-            return
-        check_losses(losses, self.stage, self.step_label)
-        if overflow is not None and bool(overflow):
-            self._inexact_revert()
-            if self.optimizer.all_finite(tied):  # type: ignore[union-attr]
-                return
-        bad = self.optimizer.nonfinite(tied) or []  # type: ignore[union-attr]
-        names = [n for n, p in self.program.module.named_parameters() if any(p is q for q in bad)]
-        raise StageFailure(f"stage {self.stage}: non-finite gradient in {names[:3]} before optimizer step "
-                           f"{self.version + 1} at {self.step_label}.")
-
-    def _inexact_revert(self) -> None:
-        lookahead = self.lookahead
-        assert lookahead is not None
-        lookahead.inexact_reverts += 1
-        if lookahead.inexact_reverts == 1:
-            warnings.warn(f"lightning_paci: stage {self.stage}: a look-ahead lost more than {lookahead.capacity} "
-                          f"elements of a chunk on its way back (before optimizer step {self.version + 1} at "
-                          f"{self.step_label}): those beyond are a rounding error off the unmoved weights ([Note: a "
-                          f"look-ahead without host reads]). Counted in `runtime.lookahead.inexact_reverts`; pass "
-                          f"`PACIStrategy(compensation='none')` for no look-ahead.", stacklevel=2)
 
     # -- messages ---------------------------------------------------------------------------------------------
     def _send_activation(self, mb: int) -> None:
@@ -391,3 +358,40 @@ def _receive_tied(runtime: StageRuntime) -> None:
                 p.data.copy_(w)
         runtime.tied_version += 1
         runtime.records.fingerprint(runtime.tied)
+
+
+def _check_before_update(runtime: StageRuntime) -> None:
+    """Everything that must hold before an update, in one host read: the losses kept on the device are finite
+    ([Note: no host sync per micro-batch]), the look-ahead kept every element it moved ([Note: a look-ahead
+    without host reads]), every gradient is finite. Only a failure reads more, to name what failed."""
+    losses, runtime.unchecked_losses[:] = list(runtime.unchecked_losses), []
+    overflow = runtime.lookahead.take_overflow() if runtime.lookahead is not None else None
+    flags = [] if overflow is None else [~overflow]
+    if losses:
+        flags.append(torch.isfinite(torch.stack([loss for _, loss in losses])).all())
+    tied = [p.grad for p in runtime.tied if p.grad is not None]
+    if runtime.optimizer.all_finite(tied, flags):  # type: ignore[union-attr]
+        return
+    check_losses(losses, runtime.stage, runtime.step_label)
+    if overflow is not None and bool(overflow):
+        _inexact_revert(runtime)
+        if runtime.optimizer.all_finite(tied):  # type: ignore[union-attr]
+            return
+    bad = runtime.optimizer.nonfinite(tied) or []  # type: ignore[union-attr]
+    names = [n for n, p in runtime.program.module.named_parameters() if any(p is q for q in bad)]
+    raise StageFailure(f"stage {runtime.stage}: non-finite gradient in {names[:3]} before optimizer step "
+                       f"{runtime.version + 1} at {runtime.step_label}.")
+
+
+def _inexact_revert(runtime: StageRuntime) -> None:
+    """Count, and say once, that a look-ahead's way back left some elements a rounding error off."""
+    lookahead = runtime.lookahead
+    if lookahead is None:
+        raise AssertionError("an overflow flag without a look-ahead")
+    lookahead.inexact_reverts += 1
+    if lookahead.inexact_reverts == 1:
+        warnings.warn(f"lightning_paci: stage {runtime.stage}: a look-ahead lost more than {lookahead.capacity} "
+                      f"elements of a chunk on its way back (before optimizer step {runtime.version + 1} at "
+                      f"{runtime.step_label}): those beyond are a rounding error off the unmoved weights ([Note: a "
+                      f"look-ahead without host reads]). Counted in `runtime.lookahead.inexact_reverts`; pass "
+                      f"`PACIStrategy(compensation='none')` for no look-ahead.", stacklevel=2)
