@@ -86,3 +86,14 @@ def _staging_worker(rank: int, path: str, errors: Any) -> None:
 
 def test_received_tensors_are_delivered_to_the_compute_device(tmp_path):
     run_forked_ranks(_staging_worker, 2, tmp_path / "rendezvous")
+
+
+def test_one_cuda_hardware_queue_is_warned_about_under_nccl():
+    from lightning_paci.engine.communicators import connections_warning
+
+    cuda = torch.device("cuda", 0)
+    message = connections_warning("nccl", cuda, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert message is not None and "CUDA_DEVICE_MAX_CONNECTIONS=1 is set" in message and "Unset it" in message
+    assert connections_warning("nccl", cuda, {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) is None
+    assert connections_warning("nccl", cuda, {}) is None
+    assert connections_warning("gloo", torch.device("cpu"), {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) is None

@@ -123,3 +123,16 @@ def test_losses_kept_on_the_device_log_and_train_as_losses_read_at_once(tmp_path
     assert device_metrics == host_metrics and "train_loss" in host_metrics
     for key, value in host.state_dict().items():
         torch.testing.assert_close(device.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_received_log_values_do_not_keep_their_receive_buffers():
+    # on an accelerator a received tensor is a view of the message's receive buffer (comm.py's device path); a log
+    # value waits for its batch's replay and must not keep the whole buffer alive until then
+    from lightning_paci.engine.program import LogRecord, own_values
+
+    buffer = torch.zeros(16384, dtype=torch.uint8)
+    view = buffer[64:68].view(torch.float32).reshape(())
+    records = own_values([LogRecord("loss", view, 4, ()), LogRecord("acc", 0.5, 4, ())])
+    assert view.untyped_storage().nbytes() == 16384
+    assert records[0].value.untyped_storage().nbytes() == 4 and records[0].value._base is None
+    assert torch.equal(records[0].value, view) and records[1] == LogRecord("acc", 0.5, 4, ())

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_paci.schedules.rendezvous import Communicator, layout_communicators
 
-__all__ = ["create_communicators", "transport_device", "warm_communicators"]
+__all__ = ["connections_warning", "create_communicators", "transport_device", "warm_communicators"]
 
 
 def create_communicators(num_stages: int, replicas: int, rank_of: Callable[[int, int], int], *, backend: str,
@@ -64,3 +64,16 @@ def transport_device(backend: str, device: torch.device) -> torch.device:
     two ranks) each message is staged through host memory: ``DistComm(device=<this>, deliver=<the GPU>)`` copies
     the payload to the host buffer on send and the received tensors back to the GPU."""
     return torch.device("cpu") if backend == "gloo" else device
+
+
+def connections_warning(backend: str, device: torch.device, environ: Mapping[str, str]) -> str | None:
+    """A warning for ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (set by Megatron / Transformer Engine recipes) under NCCL, or
+    None. With one hardware queue the kernels of every stream share one ordering, so a receive spinning on the GPU
+    can hold back the compute that leads to its own matching send on the other side; each stage here has 4
+    point-to-point communicators with receives posted ahead."""
+    if backend != "nccl" or device.type != "cuda" or environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        return None
+    return ("lightning_paci: CUDA_DEVICE_MAX_CONNECTIONS=1 is set: every CUDA stream then shares one hardware queue, "
+            "so a pipeline receive posted ahead (an NCCL kernel waiting for its peer) can hold back this stage's own "
+            "compute and stall the pipeline. Unset it for pipeline runs (it is meant for tensor-parallel overlap), "
+            "or set it to 8 or more.")

@@ -22,7 +22,7 @@ from torch import nn
 from lightning_paci.engine.supervision import StageFailure
 
 __all__ = ["LOSS_KEY", "BackwardHooks", "ForwardOutput", "LogRecord", "StageProgram", "check_losses", "loss_value",
-           "padding_forward"]
+           "own_values", "padding_forward"]
 
 LOSS_KEY = "__paci_loss__"  # the log record carrying the step's returned loss upstream
 
@@ -99,6 +99,12 @@ def loss_value(loss: torch.Tensor, key: int, unchecked: list[tuple[int, torch.Te
         unchecked.append((key, loss))
         return loss
     return float(loss)
+
+
+def own_values(records: list[LogRecord]) -> list[LogRecord]:
+    """Received log records whose tensor values are views into the message's receive buffer, given their own
+    storage: they wait for the batch's log replay, and would keep the whole buffer alive until then."""
+    return [r._replace(value=r.value.clone()) if isinstance(r.value, torch.Tensor) else r for r in records]
 
 
 def check_losses(unchecked: list[tuple[int, torch.Tensor]], stage: int, where: str) -> None:

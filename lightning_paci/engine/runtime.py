@@ -31,6 +31,7 @@ from lightning_paci.engine.program import (
     StageProgram,
     check_losses,
     loss_value,
+    own_values,
     padding_forward,
 )
 from lightning_paci.engine.records import BackwardRecord, StageRecords
@@ -265,8 +266,8 @@ class StageRuntime:
                 raise AssertionError(f"stage {self.stage}: {len(outputs)} outputs need grads, received {len(grads)}")
             elif outputs:
                 torch.autograd.backward(outputs, grads)
-            self.logs[key] = payload["logs"]
-            loss = next((r.value for r in payload["logs"] if r.name == LOSS_KEY), None)
+            self.logs[key] = own_values(payload["logs"])
+            loss = next((r.value for r in self.logs[key] if r.name == LOSS_KEY), None)
             if loss is not None:
                 self.records.losses[key] = loss
         if self.stage > 0:
@@ -319,7 +320,7 @@ class StageRuntime:
         outgoing, logs = self.comm.recv(self.stage - 1)
         self.inbox[(RECV_F, mb)] = outgoing
         if self.hooks is not None:
-            self.hooks.logs.extend(logs)
+            self.hooks.logs.extend(own_values(logs))
 
     def _receive_gradient(self, mb: int) -> None:
         self.inbox[(RECV_B, mb)] = self.comm.recv(self.stage + 1)

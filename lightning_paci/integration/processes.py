@@ -10,6 +10,7 @@ reduction is per local step, data_parallel.py).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -25,7 +26,12 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_paci.config import PACIConfig
-from lightning_paci.engine.communicators import create_communicators, transport_device, warm_communicators
+from lightning_paci.engine.communicators import (
+    connections_warning,
+    create_communicators,
+    transport_device,
+    warm_communicators,
+)
 from lightning_paci.engine.pickle_guard import check_no_tensors
 from lightning_paci.engine.supervision import StageWatchdog, connect_store, print_setup_errors_once
 from lightning_paci.engine.topology import Topology, check_topology, resolve_sizes
@@ -194,6 +200,8 @@ class PipelineProcesses(ParallelStrategy):
                                                 backend=self._process_group_backend, timeout=self.config.timeout)
         self.p2p_connected = warm_communicators(self._p2p_groups, topology.rank_of,
                                                 device=transport_device(self._process_group_backend, self.root_device))
+        if (warning := connections_warning(self._process_group_backend, self.root_device, os.environ)) is not None:
+            log.warning(warning)
         if topology.data > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
