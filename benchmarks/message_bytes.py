@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import GPT, ByteBlocks, stdlib_corpus  # noqa: E402
 
 from lightning_paci import PACIStrategy  # noqa: E402
-from lightning_paci.engine.comm import DistComm, flatten  # noqa: E402
+from lightning_paci.engine.comm import DistComm  # noqa: E402
+from lightning_paci.engine.messages import flatten  # noqa: E402
 
 
 def _framed(payload: Any) -> int:

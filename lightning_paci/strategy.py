@@ -188,7 +188,8 @@ class PACIStrategy(CheckpointingProcesses):
                 broadcast=self._pipeline_broadcast,
                 comm=lambda: DistComm([self.rank_of(s) for s in range(self.num_stages)], groups=self._p2p_groups,
                                       replica=self.replica_index, deliver=self.root_device,
-                                      device=transport_device(self._process_group_backend, self.root_device)),
+                                      device=transport_device(self._process_group_backend, self.root_device),
+                                      headers=self._header_groups),
                 eval_context=self.precision_plugin.val_step_context)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:

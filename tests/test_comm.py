@@ -3,6 +3,7 @@ dtypes and flags, for payloads below and above the single-operation size."""
 
 from __future__ import annotations
 
+import os
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -12,7 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_paci.engine.comm import FIRST_BYTES, DistComm, LocalComm, flatten
+from lightning_paci.engine.comm import DistComm
+from lightning_paci.engine.messages import FIRST_BYTES, flatten
+from lightning_paci.engine.reference import LocalComm
 from lightning_paci.schedules import layout_communicators
 
 from helpers import run_forked_ranks
@@ -77,7 +80,11 @@ def _directed_worker(rank: int, path: str, errors: Any) -> None:
         dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
                                 timeout=timedelta(seconds=30))
         groups = {key: dist.new_group(list(members)) for key, members in layout_communicators("directed", 2).items()}
-        comm = DistComm([0, 1], groups=groups)
+        headers = None
+        if os.environ.get("PACI_TEST_SPLIT") == "1":  # [Note: headers on a host side channel], forced on the CPU
+            headers = {key: dist.new_group(list(members)) for key, members in
+                       layout_communicators("directed", 2).items()}
+        comm = DistComm([0, 1], groups=groups, headers=headers)
         messages = _messages() * 3  # more sends than spare buffers: reused buffers must not change a message
         if rank == 0:
             comm.send([torch.full((3,), 7.0)], 1, channel=1)
@@ -108,7 +115,10 @@ def _directed_worker(rank: int, path: str, errors: Any) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_receives_posted_ahead_take_their_own_links_messages_in_order(tmp_path: Path) -> None:
+@pytest.mark.parametrize("split", [False, True], ids=["one-buffer", "host-header"])
+def test_receives_posted_ahead_take_their_own_links_messages_in_order(tmp_path: Path, monkeypatch, split) -> None:
+    # host-header: the wire NCCL runs use, header on its own gloo group and payload on the link's group
+    monkeypatch.setenv("PACI_TEST_SPLIT", "1" if split else "0")
     run_forked_ranks(_directed_worker, 2, tmp_path / "rdv")
 
 
@@ -119,3 +129,25 @@ def test_local_comm_copies_and_keeps_order() -> None:
         ends[0].send(message, 1)
     for message in payload:
         _assert_same(ends[1].recv(0), message)
+
+
+def test_host_header_wire_keeps_cpu_leaves_on_the_host_and_device_tensors_in_the_payload() -> None:
+    # [Note: headers on a host side channel] without process groups: the "device" is meta here (the only other
+    # device a CPU machine has), so CPU tensors must travel in the host header and arrive on the CPU, bit for bit
+    from lightning_paci.engine.split_wire import frame_split, read_split_header, unpack_split
+
+    big = torch.arange(FIRST_BYTES, dtype=torch.float32)  # the header no longer fits one buffer
+    message = {"host": [torch.tensor([1.5, -2.0]), big], "mask": torch.tensor([True, False]),
+               "device": torch.empty(3, 4, device="meta").requires_grad_(True), "n": 7}
+    frame = frame_split(message, torch.device("meta"), what="a test message")
+    assert len(frame.header) == 2 and frame.payload is not None and frame.payload.device.type == "meta"
+    rest = iter(frame.header[1:])
+    skeleton, host, device_bytes = read_split_header(frame.header[0].clone(), lambda n: next(rest)[:n])
+    assert device_bytes == 64  # 3 x 4 float32, 64-byte aligned
+    got = unpack_split(skeleton, host, frame.payload)
+    assert got["n"] == 7 and got["device"].device.type == "meta" and got["device"].shape == (3, 4)
+    assert got["device"].requires_grad
+    for name, expected in (("mask", message["mask"]), ("host", message["host"])):
+        assert [t.device.type for t in flatten(got[name])[1]] == ["cpu"] * len(flatten(expected)[1])
+        for a, b in zip(flatten(got[name])[1], flatten(expected)[1]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

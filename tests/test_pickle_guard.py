@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_paci.engine.comm import LocalComm
 from lightning_paci.engine.pickle_guard import TensorPickleError, check_no_tensors, guarded_dumps
+from lightning_paci.engine.reference import LocalComm
 from lightning_paci.integration.logs import LogRecord, host_records
 
 

@@ -6,10 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_paci.engine.comm import LocalComm
 from lightning_paci.engine.cursor import StreamCursor
 from lightning_paci.engine.records import BackwardRecord, RecentDict, StageRecords
-from lightning_paci.engine.reference import run_lists
+from lightning_paci.engine.reference import LocalComm, run_lists
 from lightning_paci.engine.runtime import ForwardOutput, StageRuntime
 from lightning_paci.integration.logs import LogRecord, LogRelay
 from lightning_paci.optim.stage_optimizer import StageOptimizer

@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_paci.engine.comm import LocalComm
-from lightning_paci.engine.reference import run_lists
+from lightning_paci.engine.reference import LocalComm, run_lists
 from lightning_paci.engine.runtime import ForwardOutput, StageRuntime
 from lightning_paci.engine.supervision import StageFailure
 from lightning_paci.optim.stage_optimizer import StageOptimizer

@@ -6,7 +6,7 @@ lengths and batch sizes may change from one micro-batch to the next without any 
 Wire format of one message from ``src`` to ``dst`` (all on one process group, in order)::
 
     uint8[FIRST_BYTES]  8-byte little-endian header length L, 8-byte data length D, the pickled structure (each
-                        tensor replaced by _TensorMeta(shape, dtype, requires_grad, offset, nbytes)), then -- if
+                        tensor replaced by TensorMeta(shape, dtype, requires_grad, offset, nbytes)), then -- if
                         everything fits -- the tensors' bytes (64-byte aligned offsets)
     uint8[rest]         only when the above did not fit: the remaining header bytes and all tensor bytes
 
@@ -23,95 +23,28 @@ from __future__ import annotations
 import pickle
 import struct
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_paci.engine.messages import (
+    ALIGN,
+    FIRST_BYTES,
+    StageMismatchError,
+    TensorMeta,
+    describe,
+    metas_of,
+    unflatten,
+)
 from lightning_paci.engine.pickle_guard import guarded_dumps
+from lightning_paci.engine.split_wire import frame_split, read_split_header, unpack_split
 from lightning_paci.schedules.actions import RECV_B, RECV_F, Action
 from lightning_paci.schedules.rendezvous import Communicator, communicator
 
-__all__ = ["Comm", "DistComm", "LocalComm", "ReceivesAhead", "StageMismatchError", "flatten", "unflatten"]
-
-
-class StageMismatchError(RuntimeError):
-    """A message between stages does not have the form the receiver can use."""
-
-
-FIRST_BYTES = 16384
-_ALIGN = 64
-
-
-@dataclass(frozen=True)
-class _TensorMeta:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-    offset: int = 0  # byte offset in the packed data message
-    nbytes: int = 0
-
-
-def _map_leaves(node: Any, leaf_type: type, fn: Callable[[Any], Any]) -> Any:
-    """Rebuild a nested tuple / namedtuple / list / dict structure with ``fn`` applied to its ``leaf_type`` leaves
-    (in depth-first order); other leaves are kept as they are."""
-    if isinstance(node, leaf_type):
-        return fn(node)
-    if isinstance(node, tuple) and hasattr(node, "_fields"):  # namedtuple
-        return type(node)(*(_map_leaves(v, leaf_type, fn) for v in node))
-    if isinstance(node, (list, tuple)):
-        return type(node)(_map_leaves(v, leaf_type, fn) for v in node)
-    if isinstance(node, dict):
-        return _rebuild_mapping(node, {k: _map_leaves(v, leaf_type, fn) for k, v in node.items()})
-    return node
-
-
-def flatten(structure: Any) -> tuple[Any, list[torch.Tensor]]:
-    """Replace every tensor by a ``_TensorMeta`` (the skeleton) and return the tensors in order."""
-    skeleton, tensors, _ = _describe(structure)
-    return skeleton, tensors
-
-
-def _describe(structure: Any) -> tuple[Any, list[torch.Tensor], list[_TensorMeta]]:
-    """``flatten`` plus the metas in order (one walk: a message is described once per send)."""
-    tensors: list[torch.Tensor] = []
-    metas: list[_TensorMeta] = []
-    offset = 0
-
-    def describe(tensor: torch.Tensor) -> _TensorMeta:
-        nonlocal offset
-        tensors.append(tensor)
-        nbytes = tensor.numel() * tensor.element_size()
-        meta = _TensorMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad, offset, nbytes)
-        metas.append(meta)
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-        return meta
-
-    return _map_leaves(structure, torch.Tensor, describe), tensors, metas
-
-
-def _rebuild_mapping(original: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
-    """Keep dict subclasses (e.g. transformers' ModelOutput) when their constructor accepts the items."""
-    if type(original) is dict:
-        return items
-    try:
-        return type(original)(**items)
-    except TypeError:
-        return items
-
-
-def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    it = iter(tensors)
-    return _map_leaves(skeleton, _TensorMeta, lambda _: next(it))
-
-
-def _metas(skeleton: Any) -> list[_TensorMeta]:
-    found: list[_TensorMeta] = []
-    _map_leaves(skeleton, _TensorMeta, found.append)
-    return found
+__all__ = ["Comm", "DistComm", "ReceivesAhead", "StageMismatchError"]
 
 
 class Comm(Protocol):
@@ -144,12 +77,16 @@ class DistComm:
 
     def __init__(self, ranks: list[int], *, groups: Mapping[Communicator, dist.ProcessGroup] | None = None,
                  layout: str = "directed", replica: int = 0, device: torch.device | None = None,
-                 deliver: torch.device | None = None) -> None:
+                 deliver: torch.device | None = None,
+                 headers: Mapping[Communicator, dist.ProcessGroup] | None = None) -> None:
         self._ranks = ranks
         self._groups = groups
         self._stage = ranks.index(dist.get_rank()) if groups is not None else -1
         self._layout, self._replica = layout, replica
-        self._routes: dict[tuple[int, int, int], tuple[dist.ProcessGroup, int]] = {}  # (channel, src, dst) ->
+        # [Note: headers on a host side channel]: gloo groups of the same layout for the headers (NCCL runs)
+        self._headers = headers
+        self._routes: dict[tuple[int, int, int, bool], tuple[dist.ProcessGroup, int]] = {}  # (channel, src, dst,
+        # header?) ->
         self._device = device or torch.device("cpu")
         self._host = self._device.type == "cpu"  # messages are built and read through NumPy views (see send)
         # received tensors move there (gloo with GPUs: bytes staged through the host, engine/communicators.py)
@@ -161,19 +98,20 @@ class DistComm:
         self._can_post = groups is not None and layout == "directed"
         self.sent_messages = self.sent_bytes = 0  # framed bytes (header + payload) of every message sent
 
-    def _route(self, channel: int, src: int, dst: int) -> tuple[dist.ProcessGroup, int]:
+    def _route(self, channel: int, src: int, dst: int, header: bool = False) -> tuple[dist.ProcessGroup, int]:
         """The process group of a message and the peer's rank in it, looked up once per neighbour and direction
         (sends and receives are per micro-batch; ``dist.isend``'s checks and rank translation cost ~0.1 ms of cold
         host time per call on the 2-core machine, so messages go to ``ProcessGroup.send``/``recv`` directly)."""
-        key = (channel, src, dst)
+        key = (channel, src, dst, header)
         route = self._routes.get(key)
         if route is None:
             kind = "T" if channel == 1 else ("F" if src < dst else "B")
             peer = self._ranks[dst if src == self._stage else src]
-            group = dist.group.WORLD if self._groups is None else \
-                self._groups[communicator(self._layout, kind, src, dst, self._replica)]
+            table = self._headers if header else self._groups
+            link = communicator(self._layout, kind, src, dst, self._replica)
+            group = dist.group.WORLD if table is None else table[link]
             assert group is not None, "DistComm needs an initialised default process group"
-            route = self._routes[key] = (group, peer if self._groups is None else dist.get_group_rank(group, peer))
+            route = self._routes[key] = (group, peer if table is None else dist.get_group_rank(group, peer))
         return route
 
     def send(self, payload: Any, stage: int, channel: int = 0) -> None:
@@ -181,11 +119,13 @@ class DistComm:
         through one NumPy view (a handful of operations: after each emulated kernel the caches are cold, and every
         distinct torch call then costs tens of microseconds on the critical path)."""
         group, peer = self._route(channel, self._stage, stage)
-        skeleton, tensors, metas = _describe(payload)
+        if self._headers is not None:
+            return self._send_split(payload, stage, channel, group, peer)
+        skeleton, tensors, metas = describe(payload)
         blob = guarded_dumps(skeleton, what=f"stage {self._stage}: the message to stage {stage}")
         data_bytes = metas[-1].offset + metas[-1].nbytes if metas else 0
         head = 16 + len(blob)
-        start = -(-head // _ALIGN) * _ALIGN  # tensor bytes start aligned after the header
+        start = -(-head // ALIGN) * ALIGN  # tensor bytes start aligned after the header
         total = start + data_bytes
         self.sent_messages += 1
         self.sent_bytes += total
@@ -203,7 +143,7 @@ class DistComm:
                 self._pending.append((group.send([part], peer, 0), part, False))
         self._reap()
 
-    def _device_wire(self, blob: bytes, data_bytes: int, start: int, total: int, metas: list[_TensorMeta],
+    def _device_wire(self, blob: bytes, data_bytes: int, start: int, total: int, metas: list[TensorMeta],
                      tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """A message in one buffer on the transport's device (CUDA, or larger than ``FIRST_BYTES``), cut into the
         first ``FIRST_BYTES`` and the rest."""
@@ -218,6 +158,39 @@ class DistComm:
                 flat = flat.to(torch.uint8) if flat.dtype == torch.bool else flat.view(torch.uint8)
                 buffer[start + meta.offset: start + meta.offset + meta.nbytes].copy_(flat)
         return [buffer[:FIRST_BYTES], buffer[FIRST_BYTES:total]] if total > FIRST_BYTES else [buffer]
+
+    def _send_split(self, payload: Any, stage: int, channel: int, group: dist.ProcessGroup, peer: int) -> None:
+        """[Note: headers on a host side channel]: the header to the link's gloo group, the payload (if any) to its
+        device group; neither waits for the device."""
+        frame = frame_split(payload, self._device, what=f"stage {self._stage}: the message to stage {stage}")
+        header_group, header_peer = self._route(channel, self._stage, stage, header=True)
+        for part in frame.header:
+            self._pending.append((header_group.send([part], header_peer, 0), part, False))
+        if frame.payload is not None:
+            self._pending.append((group.send([frame.payload], peer, 0), frame.payload, False))
+        self.sent_messages += 1
+        self.sent_bytes += frame.nbytes
+        self._reap()
+
+    def _recv_split(self, stage: int, channel: int, first: torch.Tensor | None) -> Any:
+        group, peer = self._route(channel, stage, self._stage)
+        header_group, header_peer = self._route(channel, stage, self._stage, header=True)
+        if first is None:
+            first = torch.empty(FIRST_BYTES, dtype=torch.uint8)
+            header_group.recv([first], header_peer, 0).wait()
+
+        def rest(count: int) -> torch.Tensor:
+            more = torch.empty(count, dtype=torch.uint8)
+            header_group.recv([more], header_peer, 0).wait()
+            return more
+
+        skeleton, host, device_bytes = read_split_header(first, rest)
+        payload = None
+        if device_bytes:
+            payload = torch.empty(device_bytes, dtype=torch.uint8, device=self._device)
+            group.recv([payload], peer, 0).wait()  # under NCCL the stream waits, not the host
+        self._reap()
+        return unpack_split(skeleton, host, payload)
 
     def _reap(self) -> None:
         while self._pending and self._pending[0][0].is_completed():
@@ -237,8 +210,9 @@ class DistComm:
         messages, in order, so a receive issued early changes no order on any communicator and the rendezvous proof
         ([Note: rendezvous]) still holds; on one shared group it could take a message of the other channel."""
         if self._can_post and stage not in self._posted:
-            group, peer = self._route(0, stage, self._stage)
-            buffer = torch.empty(FIRST_BYTES, dtype=torch.uint8, device=self._device)
+            header = self._headers is not None  # then the header is what is posted, on the host
+            group, peer = self._route(0, stage, self._stage, header=header)
+            buffer = torch.empty(FIRST_BYTES, dtype=torch.uint8, device="cpu" if header else self._device)
             try:
                 self._posted[stage] = (group.recv([buffer], peer, 0), buffer)
             except (RuntimeError, ConnectionError) as err:  # a dead peer: told by the receive that takes it, which
@@ -256,6 +230,11 @@ class DistComm:
             work, first = ahead
             if isinstance(work, BaseException):
                 raise work
+            if self._headers is not None:
+                work.wait()
+                return self._recv_split(stage, channel, first)
+        elif self._headers is not None:
+            return self._recv_split(stage, channel, None)
         else:
             first = torch.empty(FIRST_BYTES, dtype=torch.uint8, device=self._device)
             work = group.recv([first], peer, 0)
@@ -263,7 +242,7 @@ class DistComm:
         raw = first.numpy() if self._host else first.cpu().numpy()  # CUDA: the first part's host copy (the header)
         blob_bytes, data_bytes = struct.unpack_from("<QQ", raw)
         head = 16 + blob_bytes
-        start = -(-head // _ALIGN) * _ALIGN
+        start = -(-head // ALIGN) * ALIGN
         total = start + data_bytes
         if total > FIRST_BYTES:
             whole = torch.empty(total, dtype=torch.uint8, device=self._device)
@@ -274,7 +253,7 @@ class DistComm:
             whole = first
         skeleton = pickle.loads(raw[16:head] if self._host or head <= FIRST_BYTES else whole[16:head].cpu().numpy())
         tensors = []
-        for meta in _metas(skeleton):
+        for meta in metas_of(skeleton):
             a, b = start + meta.offset, start + meta.offset + meta.nbytes
             numpy_dtype = _NUMPY.get(meta.dtype) if self._host else None
             if numpy_dtype is not None:  # a view of the received bytes, one torch call
@@ -341,49 +320,3 @@ def _host_bytes(tensor: torch.Tensor) -> Any:
         return tensor.numpy().reshape(-1).view(np.uint8)
     flat = tensor.resolve_conj().resolve_neg().reshape(-1)
     return (flat.to(torch.uint8) if flat.dtype == torch.bool else flat.view(torch.uint8)).numpy()
-
-
-class LocalComm:
-    """In-process mailboxes for the one-process reference executor: ``LocalComm.network(n)`` gives each stage its
-    endpoint. A message is copied on send, as a real transport would."""
-
-    def __init__(self, stage: int, boxes: dict[tuple[int, int, int], deque[Any]]) -> None:
-        self._stage = stage
-        self._boxes = boxes
-
-    @staticmethod
-    def network(num_stages: int) -> list[LocalComm]:
-        boxes: dict[tuple[int, int, int], deque[Any]] = {
-            (s, d, c): deque() for s in range(num_stages) for d in range(num_stages) for c in (0, 1)
-        }
-        return [LocalComm(s, boxes) for s in range(num_stages)]
-
-    def send(self, payload: Any, stage: int, channel: int = 0) -> None:
-        skeleton, tensors = flatten(payload)
-        guarded_dumps(skeleton, what=f"stage {self._stage}: the message to stage {stage}")  # as DistComm refuses
-        self._boxes[(self._stage, stage, channel)].append((skeleton, [t.detach().clone() for t in tensors]))
-
-    def recv(self, stage: int, channel: int = 0) -> Any:
-        box = self._boxes[(stage, self._stage, channel)]
-        if not box:
-            raise StageMismatchError(f"stage {self._stage}: nothing to receive from stage {stage} "
-                                     f"(reference executor order bug)")
-        skeleton, tensors = box.popleft()
-        for meta, tensor in zip(_metas(skeleton), tensors):
-            if meta.requires_grad:
-                tensor.requires_grad_(True)
-        return unflatten(skeleton, tensors)
-
-    def ready(self, stage: int, channel: int = 0) -> bool:
-        return bool(self._boxes[(stage, self._stage, channel)])
-
-    def post(self, stage: int) -> None:
-        pass  # the mailboxes hold every message already
-
-    def flush(self) -> None:
-        pass
-
-
-def map_tensors(structure: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    skeleton, tensors = flatten(structure)
-    return unflatten(skeleton, [fn(t) for t in tensors])

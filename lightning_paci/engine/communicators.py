@@ -14,6 +14,7 @@ This module also says where a message's bytes travel (:func:`transport_device`):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from lightning_paci.schedules.rendezvous import Communicator, layout_communicators
 
-__all__ = ["connections_warning", "create_communicators", "transport_device", "warm_communicators"]
+__all__ = ["PipelineLinks", "connections_warning", "create_communicators", "transport_device", "warm_communicators"]
 
 
 def create_communicators(num_stages: int, replicas: int, rank_of: Callable[[int, int], int], *, backend: str,
@@ -77,3 +78,25 @@ def connections_warning(backend: str, device: torch.device, environ: Mapping[str
             "so a pipeline receive posted ahead (an NCCL kernel waiting for its peer) can hold back this stage's own "
             "compute and stall the pipeline. Unset it for pipeline runs (it is meant for tensor-parallel overlap), "
             "or set it to 8 or more.")
+
+
+@dataclass(frozen=True)
+class PipelineLinks:
+    """A rank's pipeline communicators after setup: every group of the directed layout, the header side channel's
+    gloo groups under NCCL ([Note: headers on a host side channel]; None otherwise), and how many of its own
+    point-to-point communicators it connected."""
+
+    groups: dict[Communicator, dist.ProcessGroup]
+    headers: dict[Communicator, dist.ProcessGroup] | None
+    connected: int
+
+    @classmethod
+    def setup(cls, num_stages: int, replicas: int, rank_of: Callable[[int, int], int], *, device: torch.device,
+              backend: str, timeout: timedelta) -> PipelineLinks:
+        """Create every group in the layout's order on every rank, then connect this rank's own ones in that order
+        ([Note: communicator creation]); under NCCL also the headers' gloo groups (gloo connects at creation)."""
+        groups = create_communicators(num_stages, replicas, rank_of, backend=backend, timeout=timeout)
+        connected = warm_communicators(groups, rank_of, device=transport_device(backend, device))
+        headers = create_communicators(num_stages, replicas, rank_of, backend="gloo", timeout=timeout) \
+            if backend == "nccl" else None
+        return cls(groups, headers, connected)

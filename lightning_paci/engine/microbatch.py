@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lightning_paci.engine.comm import flatten, unflatten
+from lightning_paci.engine.messages import flatten, unflatten
 
 __all__ = ["loss_scale_for", "merge_microbatch_outputs", "microbatch_rng", "microbatch_size", "split_microbatches",
            "split_weighted"]

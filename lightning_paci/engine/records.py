@@ -20,7 +20,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
-from lightning_paci.engine.comm import flatten
+from lightning_paci.engine.messages import flatten
 from lightning_paci.simulation.timeline import Interval
 
 __all__ = ["PHASES", "ActivationMeter", "BackwardRecord", "RecentDict", "StageRecords"]

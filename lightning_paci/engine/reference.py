@@ -6,20 +6,24 @@ action is a receive whose message has not been sent yet). Because each stage's o
 interleaving gives bit-identical results.
 
 :func:`run_lists` executes :class:`~lightning_paci.engine.runtime.StageRuntime` objects wired by
-:class:`~lightning_paci.engine.comm.LocalComm` mailboxes; :class:`ReplicaAverage` and
+:class:`LocalComm` mailboxes (here too); :class:`ReplicaAverage` and
 :class:`ReplicaParameterAverage` stand in for the replicas' collectives. Building the runtimes from a
 LightningModule is the integration's part (:class:`~lightning_paci.integration.reference_pipeline.ReferencePipeline`).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 from lightning_paci.engine.data_parallel import ReplicaMismatchError
+from lightning_paci.engine.messages import StageMismatchError, flatten, metas_of, unflatten
+from lightning_paci.engine.pickle_guard import guarded_dumps
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.schedules import OPT, RECV_KINDS, Action, message_key, validate
 
-__all__ = ["ReplicaAverage", "ReplicaParameterAverage", "run_lists"]
+__all__ = ["LocalComm", "ReplicaAverage", "ReplicaParameterAverage", "run_lists"]
 
 
 def run_lists(runtimes: Sequence[StageRuntime], lists: Sequence[Sequence[Action]]) -> None:
@@ -107,3 +111,44 @@ class ReplicaParameterAverage:
                 total += p.data
             for p in same:
                 p.data.copy_(total).div_(len(same))
+
+
+class LocalComm:
+    """In-process mailboxes for the one-process reference executor: ``LocalComm.network(n)`` gives each stage its
+    endpoint. A message is copied on send, as a real transport would."""
+
+    def __init__(self, stage: int, boxes: dict[tuple[int, int, int], deque[Any]]) -> None:
+        self._stage = stage
+        self._boxes = boxes
+
+    @staticmethod
+    def network(num_stages: int) -> list[LocalComm]:
+        boxes: dict[tuple[int, int, int], deque[Any]] = {
+            (s, d, c): deque() for s in range(num_stages) for d in range(num_stages) for c in (0, 1)
+        }
+        return [LocalComm(s, boxes) for s in range(num_stages)]
+
+    def send(self, payload: Any, stage: int, channel: int = 0) -> None:
+        skeleton, tensors = flatten(payload)
+        guarded_dumps(skeleton, what=f"stage {self._stage}: the message to stage {stage}")  # as DistComm refuses
+        self._boxes[(self._stage, stage, channel)].append((skeleton, [t.detach().clone() for t in tensors]))
+
+    def recv(self, stage: int, channel: int = 0) -> Any:
+        box = self._boxes[(stage, self._stage, channel)]
+        if not box:
+            raise StageMismatchError(f"stage {self._stage}: nothing to receive from stage {stage} "
+                                     f"(reference executor order bug)")
+        skeleton, tensors = box.popleft()
+        for meta, tensor in zip(metas_of(skeleton), tensors):
+            if meta.requires_grad:
+                tensor.requires_grad_(True)
+        return unflatten(skeleton, tensors)
+
+    def ready(self, stage: int, channel: int = 0) -> bool:
+        return bool(self._boxes[(stage, self._stage, channel)])
+
+    def post(self, stage: int) -> None:
+        pass  # the mailboxes hold every message already
+
+    def flush(self) -> None:
+        pass

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_paci.engine.comm import Comm, ReceivesAhead, flatten
+from lightning_paci.engine.comm import Comm, ReceivesAhead
+from lightning_paci.engine.messages import flatten
 from lightning_paci.engine.microbatch import microbatch_rng, microbatch_size
 from lightning_paci.engine.program import (
     LOSS_KEY,

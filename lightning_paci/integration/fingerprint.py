@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_paci.engine.comm import flatten
+from lightning_paci.engine.messages import flatten
 
 __all__ = ["SAMPLE", "BatchFingerprint", "DataMismatchError"]
 

@@ -27,10 +27,8 @@ from typing_extensions import override
 
 from lightning_paci.config import PACIConfig
 from lightning_paci.engine.communicators import (
+    PipelineLinks,
     connections_warning,
-    create_communicators,
-    transport_device,
-    warm_communicators,
 )
 from lightning_paci.engine.pickle_guard import check_no_tensors
 from lightning_paci.engine.supervision import StageWatchdog, connect_store, print_setup_errors_once
@@ -58,6 +56,7 @@ class PipelineProcesses(ParallelStrategy):
         self._num_nodes = 1
         self._p2p_groups: dict[Communicator, dist.ProcessGroup] = {}
         self.p2p_connected = 0  # this rank's point-to-point communicators, connected at setup
+        self._header_groups: dict[Communicator, dist.ProcessGroup] | None = None  # gloo, under NCCL only
         self.device_mesh: Any = None  # torch DeviceMesh ("pp", "dp"), built in setup_environment
         self.dp_group: Any = None  # this rank's stage replicas / replica's pipeline, with config.timeout
         self.pp_group: Any = None
@@ -192,14 +191,11 @@ class PipelineProcesses(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         api.init_dist_connection(environment, self._process_group_backend, **kwargs)
-        # pipeline messages on their own communicators, apart from Lightning's collectives: one per neighbour pair
-        # and direction, and per direction of the tied-weight exchange -- the layout the strict rendezvous model
-        # proves deadlock-free under NCCL ([Note: rendezvous]); every rank creates every group, in one order, and
-        # connects its own ones in that order before any list runs ([Note: communicator creation])
-        self._p2p_groups = create_communicators(topology.pipeline, topology.data, topology.rank_of,
-                                                backend=self._process_group_backend, timeout=self.config.timeout)
-        self.p2p_connected = warm_communicators(self._p2p_groups, topology.rank_of,
-                                                device=transport_device(self._process_group_backend, self.root_device))
+        # pipeline messages on their own communicators, apart from Lightning's collectives: the layout the strict
+        # rendezvous model proves deadlock-free under NCCL, connected at setup (engine/communicators.py)
+        links = PipelineLinks.setup(topology.pipeline, topology.data, topology.rank_of, device=self.root_device,
+                                    backend=self._process_group_backend, timeout=self.config.timeout)
+        self._p2p_groups, self._header_groups, self.p2p_connected = links.groups, links.headers, links.connected
         if (warning := connections_warning(self._process_group_backend, self.root_device, os.environ)) is not None:
             log.warning(warning)
         if topology.data > 1:

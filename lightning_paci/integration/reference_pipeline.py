@@ -14,10 +14,9 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 
-from lightning_paci.engine.comm import LocalComm
 from lightning_paci.engine.microbatch import loss_scale_for, split_weighted
 from lightning_paci.engine.recompute import RECOMPUTE_MODES, BlockRecompute, recomputes
-from lightning_paci.engine.reference import ReplicaAverage, ReplicaParameterAverage, run_lists
+from lightning_paci.engine.reference import LocalComm, ReplicaAverage, ReplicaParameterAverage, run_lists
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.integration.lightning_program import LightningStageProgram
 from lightning_paci.optim.lookahead import lookahead_for

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_paci.engine.comm import flatten, map_tensors
+from lightning_paci.engine.messages import flatten, map_tensors
 from lightning_paci.partition.plan import PartitionPlan
 
 __all__ = ["BoundaryState", "StageCarve", "StageDone", "carve_stage"]

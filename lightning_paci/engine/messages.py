@@ -1,0 +1,103 @@
+"""The structure of a message: nested tuples / lists / dicts of tensors and plain values, as a skeleton and tensors.
+
+``flatten`` replaces every tensor by a :class:`TensorMeta` (shape, dtype, ``requires_grad``, where its bytes sit)
+and returns the tensors in order; ``unflatten`` puts tensors back. The transports (comm.py's one-buffer wire,
+split_wire.py's host header + device payload, the reference executor's mailboxes) frame the skeleton and the
+tensors; the carve and the records walk payloads with the same functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ALIGN", "FIRST_BYTES", "StageMismatchError", "TensorMeta", "describe", "flatten", "map_leaves",
+           "map_tensors", "metas_of", "unflatten"]
+
+
+class StageMismatchError(RuntimeError):
+    """A message between stages does not have the form the receiver can use."""
+
+
+FIRST_BYTES = 16384
+ALIGN = 64
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A tensor of a message, as its header describes it (the skeleton holds one in the tensor's place)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    offset: int = 0  # byte offset in the packed data message
+    nbytes: int = 0
+    host: bool = False  # headers on a side channel (split_wire.py): the bytes travel in the host header
+
+
+def map_leaves(node: Any, leaf_type: type, fn: Callable[[Any], Any]) -> Any:
+    """Rebuild a nested tuple / namedtuple / list / dict structure with ``fn`` applied to its ``leaf_type`` leaves
+    (in depth-first order); other leaves are kept as they are."""
+    if isinstance(node, leaf_type):
+        return fn(node)
+    if isinstance(node, tuple) and hasattr(node, "_fields"):  # namedtuple
+        return type(node)(*(map_leaves(v, leaf_type, fn) for v in node))
+    if isinstance(node, (list, tuple)):
+        return type(node)(map_leaves(v, leaf_type, fn) for v in node)
+    if isinstance(node, dict):
+        return _rebuild_mapping(node, {k: map_leaves(v, leaf_type, fn) for k, v in node.items()})
+    return node
+
+
+def flatten(structure: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Replace every tensor by a ``TensorMeta`` (the skeleton) and return the tensors in order."""
+    skeleton, tensors, _ = describe(structure)
+    return skeleton, tensors
+
+
+def describe(structure: Any) -> tuple[Any, list[torch.Tensor], list[TensorMeta]]:
+    """``flatten`` plus the metas in order (one walk: a message is described once per send)."""
+    tensors: list[torch.Tensor] = []
+    metas: list[TensorMeta] = []
+    offset = 0
+
+    def describe(tensor: torch.Tensor) -> TensorMeta:
+        nonlocal offset
+        tensors.append(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        meta = TensorMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad, offset, nbytes)
+        metas.append(meta)
+        offset += -(-nbytes // ALIGN) * ALIGN
+        return meta
+
+    return map_leaves(structure, torch.Tensor, describe), tensors, metas
+
+
+def _rebuild_mapping(original: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
+    """Keep dict subclasses (e.g. transformers' ModelOutput) when their constructor accepts the items."""
+    if type(original) is dict:
+        return items
+    try:
+        return type(original)(**items)
+    except TypeError:
+        return items
+
+
+def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    it = iter(tensors)
+    return map_leaves(skeleton, TensorMeta, lambda _: next(it))
+
+
+def metas_of(skeleton: Any) -> list[TensorMeta]:
+    """The tensor descriptions of a skeleton, in the order ``flatten`` found the tensors."""
+    found: list[TensorMeta] = []
+    map_leaves(skeleton, TensorMeta, found.append)
+    return found
+
+
+def map_tensors(structure: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    skeleton, tensors = flatten(structure)
+    return unflatten(skeleton, [fn(t) for t in tensors])
