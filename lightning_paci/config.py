@@ -59,7 +59,7 @@ class PACIConfig:
             ``(N-1) / (max_stream_batches * m)`` of the time: 0.3% for N = m = 8 at the default 256).
         checkpoint_layout: ``"consolidated"`` (default): one ordinary file, weights gathered on rank 0;
             ``"sharded"``: a directory with one file per stage plus ``meta.pt``, nothing gathered (for models too
-            large for one process); ``python -m lightning_paci.integration.checkpoint DIR FILE`` consolidates it.
+            large for one process); ``python -m lightning_paci.checkpoint DIR FILE`` consolidates it.
         freeze_gc: at the start of training, collect once and move every object then alive into the garbage
             collector's permanent generation (``gc.freeze()``; undone at teardown). A process that has imported
             torch, Lightning and transformers holds ~470k objects, and each full collection over them paused a

@@ -36,7 +36,7 @@ from lightning_paci.engine.comm import DistComm
 from lightning_paci.engine.communicators import transport_device
 from lightning_paci.engine.data_parallel import join_replicas
 from lightning_paci.engine.runtime import StageRuntime
-from lightning_paci.engine.supervision import mark_setup_error
+from lightning_paci.engine.supervision import mark_setup_error, runtime_activity
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.lightning_program import LightningHooks
 from lightning_paci.integration.optimizer_layout import OptimizerLayout
@@ -206,6 +206,9 @@ class PACIStrategy(CheckpointingProcesses):
                           self.replica_index, local_sgd_steps=self.config.local_sgd_steps,
                           last_stage=stage.index == self.num_stages - 1, names=names)
         self._undo_patches += patch_for_pipeline(trainer, module, owned)
+        if self._watchdog is not None:  # it judges the actions' progress too (supervision.py)
+            self._watchdog.activity = runtime_activity(
+                stage.runtime, (lambda s: s) if self.data_parallel_size == 1 else self.rank_of)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

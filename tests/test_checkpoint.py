@@ -132,7 +132,7 @@ def test_sharded_layout_writes_one_file_per_stage_resumes_and_consolidates(tmp_p
     shard = torch.load(directory / "stage_000.pt", weights_only=False)
     assert set(shard["state_dict"]) < set(model.state_dict())
     # the documented command consolidates it into a file the unchanged module loads
-    out = subprocess.run([sys.executable, "-m", "lightning_paci.integration.checkpoint", str(directory),
+    out = subprocess.run([sys.executable, "-m", "lightning_paci.checkpoint", str(directory),
                           str(tmp_path / "one.ckpt")],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

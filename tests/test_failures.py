@@ -4,6 +4,7 @@ where they appear; bad input fails at setup with the argument, the value, the ru
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -197,3 +198,25 @@ def test_a_setup_error_is_printed_in_full_by_rank_0_and_in_one_line_by_the_other
                                        "full: ValueError: Cannot split `blocks` into 4 stages.\n")
     sys.excepthook(RuntimeError, RuntimeError("stage 3 only"), None)  # not a setup error: reported as before
     assert capsys.readouterr().err == "RuntimeError: stage 3 only\n"
+
+
+class _HangsOnStage1(SequentialMLP):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2 and self.trainer.strategy.stage_index == 1:
+            time.sleep(120)  # inside stage 1's forward, while its watchdog thread goes on beating
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_stage_hung_inside_an_action_is_named_though_its_heartbeat_goes_on(capfd):
+    # a heartbeat only says the watchdog's thread is alive; the actions' progress says whether the stage is: stage
+    # 1 stays inside its forward while stage 2's receive waits for it, and every rank stops naming stage 1
+    from torch.multiprocessing import ProcessExitedException
+
+    start = time.monotonic()
+    with pytest.raises((ProcessExitedException, ProcessRaisedException)):
+        fit(_HangsOnStage1(depth=6), regression_loader(num_batches=20), devices=3, max_steps=20,
+            partition="parameters", failure_timeout=3.0)
+    assert time.monotonic() - start < 60  # far below the sleep and the 60 s process-group timeout
+    err = capfd.readouterr().err
+    assert re.search(r"lightning_paci: stage 1 failed: completed no action for \d+ s: inside 1F\d+ while stage "
+                     r"(0 waits for it at 0RECV_B|2 waits for it at 2RECV_F)\d+", err), err[-2000:]

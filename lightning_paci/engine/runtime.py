@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +136,7 @@ class StageRuntime:
         self.update_hooks: list[Callable[[int], None]] = []
         # [Note: exact look-ahead]: a forward that will cross ``crossings(mb)`` updates runs with the weights ahead
         self.lookahead: LookAhead | None = None
+        self.current: tuple[Action, float] | None = None  # the action running and when it began
         self.crossings: Callable[[int], int] = _no_crossings
         self.window_backwards = 0  # backwards accumulated since the last update (the look-ahead's known share)
         self.reduce_gradients: Callable[[], None] | None = None  # data parallel: average over the stage's replicas
@@ -179,6 +179,7 @@ class StageRuntime:
         if self._after_backward is not None and kind not in SEND_KINDS:
             self._finish_backward()
         start = self.clock()
+        self.current = (action, start)  # read by the watchdog's thread (supervision.runtime_activity)
         try:
             self._handlers[kind](mb)
         except (RuntimeError, ConnectionError) as err:
@@ -192,6 +193,7 @@ class StageRuntime:
                 f"stage {self.stage}{self.replica_tag}: {'receiving from' if receiving else 'sending to'} stage "
                 f"{key[1] if receiving else key[2]}{self.replica_tag} failed at {action} ({self.step_label}): {err}"
             ) from err
+        self.current = None
         index = None if mb is None else mb + self.microbatch_base
         self.records.account(_CATEGORY[kind], Interval(self.stage, _INTERVAL_KIND[kind], index, start, self.clock()))
         if kind is B and self.records.phase == "startup":
@@ -376,24 +378,13 @@ def _check_before_update(runtime: StageRuntime) -> None:
         return
     check_losses(losses, runtime.stage, runtime.step_label)
     if overflow is not None and bool(overflow):
-        _inexact_revert(runtime)
+        lookahead = runtime.lookahead
+        if lookahead is None:
+            raise AssertionError("an overflow flag without a look-ahead")
+        lookahead.inexact(f"stage {runtime.stage}", f"optimizer step {runtime.version + 1} at {runtime.step_label}")
         if runtime.optimizer.all_finite(tied):  # type: ignore[union-attr]
             return
     bad = runtime.optimizer.nonfinite(tied) or []  # type: ignore[union-attr]
     names = [n for n, p in runtime.program.module.named_parameters() if any(p is q for q in bad)]
     raise StageFailure(f"stage {runtime.stage}: non-finite gradient in {names[:3]} before optimizer step "
                        f"{runtime.version + 1} at {runtime.step_label}.")
-
-
-def _inexact_revert(runtime: StageRuntime) -> None:
-    """Count, and say once, that a look-ahead's way back left some elements a rounding error off."""
-    lookahead = runtime.lookahead
-    if lookahead is None:
-        raise AssertionError("an overflow flag without a look-ahead")
-    lookahead.inexact_reverts += 1
-    if lookahead.inexact_reverts == 1:
-        warnings.warn(f"lightning_paci: stage {runtime.stage}: a look-ahead lost more than {lookahead.capacity} "
-                      f"elements of a chunk on its way back (before optimizer step {runtime.version + 1} at "
-                      f"{runtime.step_label}): those beyond are a rounding error off the unmoved weights ([Note: a "
-                      f"look-ahead without host reads]). Counted in `runtime.lookahead.inexact_reverts`; pass "
-                      f"`PACIStrategy(compensation='none')` for no look-ahead.", stacklevel=2)

@@ -6,6 +6,12 @@ the rendezvous store (its own TCP connection, never the training communicators):
 
 * it bumps ``paci/heartbeat/<stage>`` every ``interval`` seconds; a stage whose counter has not moved for
   ``dead_after`` seconds is declared dead ("stopped responding: killed or hung");
+* it publishes what the stage's runtime is doing (``paci/activity/<stage>``: the action, the stage it waits for
+  when the action is a receive, for how long): a stage inside one action other than a receive for ``dead_after``
+  seconds while a neighbour's receive has waited for it as long is declared hung ("completed no action ...").
+  A heartbeat comes from this thread, which goes on beating while the main thread is stuck in a kernel, a
+  collective or a host read that never returns (an NCCL hang): judging the progress of the actions catches that.
+  A stage outside any action (Lightning's loop, the dataloader) is never judged so;
 * a stage whose code raises (the user's step, a non-finite loss, a lost neighbour) writes ``paci/failed`` with
   its stage index and exception before Lightning unwinds it;
 * on either, every other stage prints one line naming the failed stage and its reason and exits the process with
@@ -26,7 +32,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["StageFailure", "StageWatchdog", "connect_store", "mark_setup_error", "print_setup_errors_once"]
+__all__ = ["StageFailure", "StageWatchdog", "connect_store", "mark_setup_error", "print_setup_errors_once",
+           "runtime_activity"]
 
 FAILED_KEY = "paci/failed"
 
@@ -69,6 +76,9 @@ class StageWatchdog:
         self._thread = threading.Thread(target=self._run, name=f"paci-watchdog-{stage}", daemon=True)
         self._beats = 0
         self._seen: dict[int, tuple[int, float]] = {}  # stage -> (last counter, local time it last moved)
+        # what this stage's runtime is doing: (action, the watched index it waits for or None, seconds in it);
+        # set once the runtime exists (``runtime_activity``)
+        self.activity: Callable[[], tuple[str, int | None, float] | None] | None = None
 
     def start(self) -> None:
         self._beat()
@@ -95,6 +105,9 @@ class StageWatchdog:
     def _beat(self) -> None:
         self._beats += 1
         self.store.set(f"paci/heartbeat/{self.stage}", str(self._beats))
+        now = self.activity() if self.activity is not None else None
+        self.store.set(f"paci/activity/{self.stage}",
+                       "" if now is None else f"{now[0]}\n{'' if now[1] is None else now[1]}\n{now[2]:.1f}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -115,6 +128,8 @@ class StageWatchdog:
         if self.store.check([FAILED_KEY]):
             stage, _, reason = self.store.get(FAILED_KEY).decode().partition("\n")
             return (int(stage), reason) if int(stage) != self.stage else None
+        if (hung := self._hung()) is not None:
+            return hung
         now = time.monotonic()
         for other in range(self.num_stages):
             if other == self.stage or self.store.check([f"paci/done/{other}"]):
@@ -128,6 +143,41 @@ class StageWatchdog:
                 return other, (f"stopped responding (no heartbeat for {now - since:.0f} s: "
                                f"killed, out of memory or hung)")
         return None
+
+
+    def _hung(self) -> tuple[int, str] | None:
+        """A stage inside one non-receive action for ``dead_after`` s while a receive has waited for it as long."""
+        doing: dict[int, tuple[str, int | None, float]] = {}
+        for other in range(self.num_stages):
+            key = f"paci/activity/{other}"
+            text = self.store.get(key).decode() if self.store.check([key]) else ""
+            if text:
+                action, peer, seconds = text.split("\n")
+                doing[other] = (action, int(peer) if peer else None, float(seconds))
+        for waiter, (waits_at, peer, waited) in doing.items():
+            if peer is None or waited < self.dead_after or peer not in doing:
+                continue
+            action, its_peer, inside = doing[peer]
+            if its_peer is None and inside >= self.dead_after:
+                return peer, (f"completed no action for {inside:.0f} s: inside {action} while {self.name(waiter)} "
+                              f"waits for it at {waits_at} (hung in a kernel, a collective or a host read)")
+        return None
+
+
+def runtime_activity(runtime: Any, watched: Callable[[int], int]) -> Callable[[], tuple[str, int | None, float] | None]:
+    """What ``runtime`` (a StageRuntime) is doing, for :attr:`StageWatchdog.activity`: its current action, the
+    watched index (``watched(stage)``) of the stage a receive waits for, and the seconds since it began."""
+    from lightning_paci.schedules import RECV_KINDS, message_key  # light, and no cycle: schedules import nothing here
+
+    def activity() -> tuple[str, int | None, float] | None:
+        current = runtime.current
+        if current is None:
+            return None
+        action, start = current
+        key = message_key(action, runtime.num_stages) if action.kind in RECV_KINDS else None
+        return str(action), None if key is None else watched(key[1]), runtime.clock() - start
+
+    return activity
 
 
 _SETUP_MARK = "_lightning_paci_setup_error"

@@ -15,7 +15,7 @@ replica), so a resume inside a window is exact.
 With ``PACIStrategy(checkpoint_layout="sharded")`` nothing is gathered: the checkpoint path is a directory with
 ``meta.pt`` (everything but weights and optimizer state, written by rank 0) and one ``stage_NNN.pt`` per stage
 (its own weights and name-keyed optimizer state). ``consolidate_checkpoint(directory, file)`` or
-``python -m lightning_paci.integration.checkpoint DIRECTORY FILE`` turns it into the single-file form.
+``python -m lightning_paci.checkpoint DIRECTORY FILE`` turns it into the single-file form.
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ def consolidate_checkpoint(directory: str | Path, output: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m lightning_paci.integration.checkpoint",
+    parser = argparse.ArgumentParser(prog="python -m lightning_paci.checkpoint",
                                      description="Consolidate a sharded lightning_paci checkpoint into one file.")
     parser.add_argument("directory", help="the sharded checkpoint directory (meta.pt + stage_NNN.pt)")
     parser.add_argument("output", help="the consolidated .ckpt file to write")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -240,6 +241,16 @@ class LookAhead:
             for i, (alias, _, _) in enumerate(self.entries):
                 if alias.grad is not None:
                     self._steps[i] += 1.0
+
+    def inexact(self, who: str, before: str) -> None:
+        """Count, and say once, that a way back left some elements a rounding error off (an overflow)."""
+        self.inexact_reverts += 1
+        if self.inexact_reverts == 1:
+            warnings.warn(f"lightning_paci: {who}: a look-ahead lost more than {self.capacity} elements of a chunk on "
+                          f"its way back (before {before}): those beyond are a rounding error off the unmoved weights "
+                          f"([Note: a look-ahead without host reads]). Counted in `runtime.lookahead."
+                          f"inexact_reverts`; pass `PACIStrategy(compensation='none')` for no look-ahead.",
+                          stacklevel=3)
 
     def take_overflow(self) -> torch.Tensor | None:
         """The static path's overflow flag since the last call (a 0-dim bool tensor, or None), and a fresh start."""
