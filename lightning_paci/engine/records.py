@@ -26,6 +26,7 @@ from lightning_paci.simulation.timeline import Interval
 __all__ = ["PHASES", "ActivationMeter", "BackwardRecord", "RecentDict", "StageRecords"]
 
 PHASES = ("startup", "steady", "drain", "outside")
+_RESOLVE_AFTER = 256  # pending update norms or unresolved backwards read at the latest
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 
@@ -36,6 +37,7 @@ class BackwardRecord(NamedTuple):
     microbatch: int  # index in the whole run
     version_gap: int  # this stage's optimizer steps between the micro-batch's forward and its backward
     weight_drift: float  # ||theta_B - theta_F|| / ||theta_B|| (0 when not measured, nan when unknown)
+    # (None inside StageRecords until the update norms it needs are read: ``backwards`` never shows that)
     exact: bool  # False when ``weight_drift`` is the triangle-inequality upper bound
 
 
@@ -122,8 +124,13 @@ class StageRecords:
         self.losses: RecentDict[int, float] = RecentDict(retention)  # micro-batch -> loss (last stage: its own)
         self.version_gaps: RecentDict[int, int] = RecentDict(retention)
         self.tied_lags: RecentDict[int, int] = RecentDict(retention)  # last stage: tied updates a forward was behind
-        self.backwards: deque[BackwardRecord] = deque(maxlen=retention)
+        self._backwards: deque[BackwardRecord] = deque(maxlen=retention)
         self.num_backwards = 0
+        # the drift measurement's update norms, read lazily ([Note: drift norms read when read]): version -> the
+        # stage's per-tensor squared norms (tensors, 2) on the device, and the backwards waiting for them
+        self._pending: dict[int, torch.Tensor] = {}
+        self._unresolved: deque[tuple[int, int]] = deque()  # (backward's number, its forward's version)
+        self._latest = 0  # the last version whose update was recorded
         self.intervals: deque[Interval] = deque(maxlen=keep_intervals)
         self.peak_inflight = 0
         self.activation_bytes: dict[int, int] = {}  # micro-batch in flight -> bytes (only while measured)
@@ -165,8 +172,18 @@ class StageRecords:
 
     def add_backward(self, record: BackwardRecord) -> None:
         self.version_gaps[record.microbatch] = record.version_gap
-        self.backwards.append(record)
+        if record.weight_drift is None:  # its update norms are not read yet; its backward ran at the latest version
+            self._unresolved.append((self.num_backwards, self._latest - record.version_gap))
+        self._backwards.append(record)
         self.num_backwards += 1
+        if len(self._unresolved) > _RESOLVE_AFTER or len(self._pending) > _RESOLVE_AFTER:  # bounded
+            self._resolve()
+
+    @property
+    def backwards(self) -> deque[BackwardRecord]:
+        """The backwards kept, in execution order, each with its weight drift."""
+        self._resolve()
+        return self._backwards
 
     def backwards_since(self, count: int) -> list[BackwardRecord]:
         """The backwards after the first ``count`` (those still kept); pair with ``num_backwards``."""
@@ -184,9 +201,37 @@ class StageRecords:
             self.tied_fingerprints.append(digest.hexdigest())
 
     # -- weight drift ------------------------------------------------------------------------------------------
-    def record_update(self, version: int, update_norm: float, weight_norm: float) -> None:
-        self._update_norms[version] = update_norm
-        self._weight_norms[version] = weight_norm
+    def record_update(self, version: int, squares: torch.Tensor | None) -> None:
+        """[Note: drift norms read when read]
+        Update ``version``'s per-tensor squared norms (``StageOptimizer.step(measure=True)``), kept on the device:
+        reading them at each update was a host read per update on top of the check before it. They are read, all
+        pending versions at once, when a backward's drift is first looked at (``backwards``: the monitors, at
+        their logging interval) or when more than a bound of them wait; a backward that needs them carries
+        ``None`` until then. Summed on the host in the tensors' order, in float64: the bits a per-tensor read
+        gave."""
+        self._latest = version
+        if squares is None:
+            self._update_norms[version] = self._weight_norms[version] = 0.0
+        else:
+            self._pending[version] = squares
+
+    def _resolve(self) -> None:
+        if self._pending:
+            versions = sorted(self._pending)
+            values = torch.stack([self._pending.pop(v) for v in versions]).double().tolist()  # the one read
+            for version, rows in zip(versions, values):
+                update_sq = weight_sq = 0.0
+                for u, w in rows:
+                    update_sq, weight_sq = update_sq + u, weight_sq + w
+                self._update_norms[version], self._weight_norms[version] = update_sq ** 0.5, weight_sq ** 0.5
+        first = self.num_backwards - len(self._backwards)  # the number of the oldest backward kept
+        while self._unresolved:
+            number, forward_version = self._unresolved.popleft()
+            if number < first:
+                continue  # no longer kept
+            record = self._backwards[number - first]
+            drift, exact = self.weight_drift_between(forward_version, forward_version + record.version_gap)
+            self._backwards[number - first] = record._replace(weight_drift=drift, exact=exact)
 
     def weight_drift_between(self, forward_version: int, version: int) -> tuple[float, bool]:
         """||theta_B - theta_F|| / ||theta_B|| from the recorded update norms, without any copy of the weights.
@@ -197,6 +242,10 @@ class StageRecords:
         """
         if not self.weight_drift or forward_version == version:
             return 0.0, True
+        needed = range(forward_version + 1, version + 1)
+        if any(v in self._pending for v in needed) and all(v in self._pending or v in self._update_norms
+                                                            for v in needed):
+            return None, False  # type: ignore[return-value]  # read later ([Note: drift norms read when read])
         updates = [self._update_norms.get(v) for v in range(forward_version + 1, version + 1)]
         norm = self._weight_norms.get(version)
         if any(u is None for u in updates) or not norm:

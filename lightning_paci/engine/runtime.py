@@ -296,11 +296,11 @@ class StageRuntime:
             self.reduce_gradients()
         _check_before_update(self)
         measuring = self.records.weight_drift
-        update_norm, weight_norm = self.optimizer.step(measure=measuring)
+        squares = self.optimizer.step(measure=measuring)
         self.version += 1
         self.window_backwards = 0
         if measuring:
-            self.records.record_update(self.version, update_norm, weight_norm)
+            self.records.record_update(self.version, squares)
         if self.tied and self.stage == 0:
             self.records.fingerprint(self.tied)
         for hook in self.update_hooks:

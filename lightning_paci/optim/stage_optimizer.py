@@ -101,11 +101,12 @@ class StageOptimizer:
         """The real parameters' accumulated gradients (those that have one)."""
         return [p.grad for _, p in self.pairs if p.grad is not None]
 
-    def step(self, *, measure: bool = False) -> tuple[float, float]:
+    def step(self, *, measure: bool = False) -> torch.Tensor | None:
         """One update with the accumulated gradients, then the schedulers; gradients are cleared afterwards.
 
         With ``measure`` the parameters are stepped one tensor at a time so that the update's size needs at most
-        one tensor's transient copy; returns ``(||theta_after - theta_before||, ||theta_after||)`` (else zeros).
+        one tensor's transient copy; returns, per tensor, the float32 squared norms of its update and of its new
+        value, ``(tensors, 2)`` on the parameters' device, not read (``StageRecords.record_update``; else None).
         Stepping per tensor is equivalent for per-parameter optimizers (SGD, Adam, AdamW, ...), not for ones that
         couple parameters (e.g. a global-norm LAMB).
         """
@@ -113,19 +114,17 @@ class StageOptimizer:
             alias.grad = p.grad
         if self.before_step is not None:
             self.before_step(self.optimizer)
-        norms = self._step_measuring() if measure else None
-        if norms is None:
+        squares = self._step_measuring() if measure else None
+        if not measure:
             self.optimizer.step()
         for scheduler in self.schedulers:
             scheduler.step()
         for alias, p in self.pairs:
             alias.grad = None
             p.grad = None
-        return norms or (0.0, 0.0)
+        return squares
 
-    def _step_measuring(self) -> tuple[float, float]:
-        # the squares are summed on the device in float64, in the order a host sum of each tensor's float32 square
-        # sum would take (the same bits), and read once: one host read per update, not two per tensor
+    def _step_measuring(self) -> torch.Tensor | None:
         squares: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # (update's, weight's) per tensor
         for alias, _ in self.pairs:
             alias.grad = None
@@ -140,12 +139,8 @@ class StageOptimizer:
             squares.append(((p.detach() - before).float().pow(2).sum(), p.detach().float().pow(2).sum()))
             del before
         if not squares:
-            return 0.0, 0.0
-        values = torch.stack([torch.stack([u if u is not None else torch.zeros_like(w), w]) for u, w in squares])
-        update_sq = weight_sq = 0.0
-        for u, w in values.double().tolist():  # (tensors, 2): the one read
-            update_sq, weight_sq = update_sq + u, weight_sq + w
-        return update_sq ** 0.5, weight_sq ** 0.5
+            return None
+        return torch.stack([torch.stack([u if u is not None else torch.zeros_like(w), w]) for u, w in squares])
 
     def weight_norm(self) -> float:
         """||theta|| over the stage's parameters."""
