@@ -12,6 +12,7 @@ the weight-drift measurement of DriftMonitor on (its norms read when the records
 from __future__ import annotations
 
 import collections
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,11 @@ class HostReads(TorchFunctionMode):
     """Counts host reads whose caller (the first frame past torch's dispatch) is lightning_paci's code, by phase.
     Reads inside torch itself are not ours: e.g. a non-fused Adam reads its ``step``, a CPU tensor even on a GPU."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, values_only: bool = False) -> None:
         super().__init__()
+        # values_only: reads of a value alone (item, bool, float, tolist, nonzero, ...), leaving out the copies to
+        # the host (cpu, numpy, to) that a CPU run cannot tell from moves of data that lives on the host anyway
+        self.values_only = values_only
         self.phase = "other"
         self.counts: collections.Counter[str] = collections.Counter()
         self.sites: collections.Counter[str] = collections.Counter()
@@ -45,6 +49,8 @@ class HostReads(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
         to_host = name == "to" and any(str(a) == "cpu" for a in [*args[1:], *(kwargs or {}).values()])
+        if self.values_only and (to_host or name in ("cpu", "numpy")):
+            to_host, name = False, ""
         if name in _READS or to_host:
             frame = sys._getframe(1)
             while frame is not None and frame.f_code.co_filename in _DISPATCH:
@@ -139,3 +145,54 @@ def test_a_look_ahead_that_loses_more_than_it_can_keep_warns_and_counts():
         reference.run(build("paci", 2, 4, 2, num_minibatches=4), list(token_loader(num_batches=4, vocab=64)))
     assert reference.runtimes[0].lookahead.inexact_reverts > 0
     assert reference.runtimes[1].lookahead.moves == 0  # the last stage never runs ahead
+
+
+class _CountBatches(L.Callback):
+    """Every stage forces the device forms, then counts its value reads from batch 3 to the end of training."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.mode = directory, HostReads(values_only=True)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        runtime = trainer.strategy.runtime
+        runtime.device_losses, runtime.program.device_logs = True, True
+        if runtime.lookahead is not None:
+            runtime.lookahead.static = True
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
+        if index == 3:
+            self.mode.phase = "batches"
+            self.mode.__enter__()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.mode.__exit__(None, None, None)
+        sites = {site: count for site, count in self.mode.sites.items() if "engine/comm.py" not in site}
+        (self.directory / f"reads{trainer.strategy.stage_index}.json").write_text(json.dumps(sites))
+
+
+@pytest.mark.distributed
+def test_through_the_trainer_with_the_monitors_reads_stay_per_update(tmp_path):
+    # the Trainer's path (log replay, fingerprints, the monitors at every step) on 4 forked stages; the gloo wire's
+    # NumPy framing (engine/comm.py) is the CPU transport's, which NCCL runs replace by split_wire.py
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_paci import BubbleMonitor, DriftMonitor
+
+    from helpers import fit
+
+    torch.manual_seed(0)
+    fit(HFCausalLM("gpt2", layers=4, tied=True), token_loader(num_batches=8, batch_size=8, vocab=64), devices=4,
+        max_steps=8, microbatches=4, partition="parameters",
+        callbacks=[DriftMonitor(), BubbleMonitor(), _CountBatches(tmp_path)],
+        trainer_kwargs={"logger": TensorBoardLogger(tmp_path), "log_every_n_steps": 1})
+    for stage in range(4):
+        sites = json.loads((tmp_path / f"reads{stage}.json").read_text())
+        allowed = ("optim/stage_optimizer.py", "engine/records.py", "integration/fingerprint.py")
+        assert all(site.split(": ")[1].startswith(allowed) for site in sites), (stage, sites)
+        per_file = collections.Counter({f: 0 for f in allowed})
+        for site, count in sites.items():
+            per_file[site.split(": ")[1].split(":")[0]] += count
+        # batches 3..7: the check before each of the stage's updates (5, and the drain's), the drift norms once per
+        # logged step (DriftMonitor reads the records), the data fingerprint once at the end of training's drain
+        assert per_file["optim/stage_optimizer.py"] <= 6 and per_file["engine/records.py"] <= 5, (stage, sites)
+        assert per_file["integration/fingerprint.py"] <= 1, (stage, sites)
