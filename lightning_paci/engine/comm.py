@@ -35,7 +35,9 @@ from lightning_paci.engine.messages import (
     FIRST_BYTES,
     StageMismatchError,
     TensorMeta,
+    as_bytes,
     describe,
+    from_bytes,
     metas_of,
     unflatten,
 )
@@ -154,9 +156,7 @@ class DistComm:
         buffer = buffer.to(self._device)
         for meta, tensor in zip(metas, tensors):
             if meta.nbytes:
-                flat = tensor.detach().reshape(-1)
-                flat = flat.to(torch.uint8) if flat.dtype == torch.bool else flat.view(torch.uint8)
-                buffer[start + meta.offset: start + meta.offset + meta.nbytes].copy_(flat)
+                buffer[start + meta.offset: start + meta.offset + meta.nbytes].copy_(as_bytes(tensor))
         return [buffer[:FIRST_BYTES], buffer[FIRST_BYTES:total]] if total > FIRST_BYTES else [buffer]
 
     def _send_split(self, payload: Any, stage: int, channel: int, group: dist.ProcessGroup, peer: int) -> None:
@@ -172,8 +172,8 @@ class DistComm:
         self.sent_bytes += frame.nbytes
         self._reap()
 
-    def _recv_split(self, stage: int, channel: int, first: torch.Tensor | None) -> Any:
-        group, peer = self._route(channel, stage, self._stage)
+    def _recv_split(self, stage: int, channel: int, group: dist.ProcessGroup, peer: int,
+                    first: torch.Tensor | None) -> Any:
         header_group, header_peer = self._route(channel, stage, self._stage, header=True)
         if first is None:
             first = torch.empty(FIRST_BYTES, dtype=torch.uint8)
@@ -232,9 +232,9 @@ class DistComm:
                 raise work
             if self._headers is not None:
                 work.wait()
-                return self._recv_split(stage, channel, first)
+                return self._recv_split(stage, channel, group, peer, first)
         elif self._headers is not None:
-            return self._recv_split(stage, channel, None)
+            return self._recv_split(stage, channel, group, peer, None)
         else:
             first = torch.empty(FIRST_BYTES, dtype=torch.uint8, device=self._device)
             work = group.recv([first], peer, 0)
@@ -259,9 +259,7 @@ class DistComm:
             if numpy_dtype is not None:  # a view of the received bytes, one torch call
                 tensor = torch.from_numpy(raw[a:b].view(numpy_dtype).reshape(meta.shape))
             else:
-                chunk = whole[a:b]
-                tensor = chunk.to(torch.bool) if meta.dtype == torch.bool else chunk.view(meta.dtype)
-                tensor = tensor.reshape(meta.shape)
+                tensor = from_bytes(whole[a:b], meta)
             if self._deliver is not None:
                 tensor = tensor.to(self._deliver)
             if meta.requires_grad:
@@ -318,5 +316,4 @@ def _host_bytes(tensor: torch.Tensor) -> Any:
     tensor = tensor.detach()
     if tensor.dtype in _NUMPY and not tensor.is_conj() and not tensor.is_neg():
         return tensor.numpy().reshape(-1).view(np.uint8)
-    flat = tensor.resolve_conj().resolve_neg().reshape(-1)
-    return (flat.to(torch.uint8) if flat.dtype == torch.bool else flat.view(torch.uint8)).numpy()
+    return as_bytes(tensor).numpy()

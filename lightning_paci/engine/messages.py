@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALIGN", "FIRST_BYTES", "StageMismatchError", "TensorMeta", "describe", "flatten", "map_leaves",
-           "map_tensors", "metas_of", "unflatten"]
+__all__ = ["ALIGN", "FIRST_BYTES", "StageMismatchError", "TensorMeta", "as_bytes", "describe", "flatten",
+           "from_bytes", "map_leaves", "map_tensors", "metas_of", "unflatten"]
 
 
 class StageMismatchError(RuntimeError):
@@ -101,3 +101,15 @@ def metas_of(skeleton: Any) -> list[TensorMeta]:
 def map_tensors(structure: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     skeleton, tensors = flatten(structure)
     return unflatten(skeleton, [fn(t) for t in tensors])
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor on its device (a view where possible; bool as one byte each)."""
+    flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1)
+    return flat.to(torch.uint8) if flat.dtype == torch.bool else flat.view(torch.uint8)
+
+
+def from_bytes(chunk: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    """The tensor ``meta`` describes, from its bytes (a flat uint8 tensor): a view where the dtype allows."""
+    tensor = chunk.to(torch.bool) if meta.dtype == torch.bool else chunk.view(meta.dtype)
+    return tensor.reshape(meta.shape)

@@ -29,7 +29,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_paci.engine.messages import ALIGN, FIRST_BYTES, TensorMeta, map_leaves, metas_of, unflatten
+from lightning_paci.engine.messages import (
+    ALIGN,
+    FIRST_BYTES,
+    TensorMeta,
+    as_bytes,
+    from_bytes,
+    map_leaves,
+    metas_of,
+    unflatten,
+)
 from lightning_paci.engine.pickle_guard import guarded_dumps
 
 __all__ = ["SplitFrame", "frame_split", "read_split_header", "unpack_split"]
@@ -74,14 +83,14 @@ def frame_split(payload: Any, device: torch.device, *, what: str) -> SplitFrame:
     raw[24:24 + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
     for meta, tensor in host:
         if meta.nbytes:
-            raw[start + meta.offset: start + meta.offset + meta.nbytes] = _bytes_of(tensor).numpy()
+            raw[start + meta.offset: start + meta.offset + meta.nbytes] = as_bytes(tensor).numpy()
     parts = [header[:FIRST_BYTES], header[FIRST_BYTES:total]] if total > FIRST_BYTES else [header]
     buffer = None
     if device_offset:
         buffer = torch.empty(device_offset, dtype=torch.uint8, device=device)
         for meta, tensor in moved:
             if meta.nbytes:
-                buffer[meta.offset: meta.offset + meta.nbytes].copy_(_bytes_of(tensor))
+                buffer[meta.offset: meta.offset + meta.nbytes].copy_(as_bytes(tensor))
     return SplitFrame(parts, buffer, total + device_offset)
 
 
@@ -102,7 +111,7 @@ def read_split_header(first: torch.Tensor, rest: Any) -> tuple[Any, list[torch.T
             tensors.append(None)
             continue
         chunk = torch.from_numpy(raw[start + meta.offset: start + meta.offset + meta.nbytes].copy())
-        tensors.append(_as(chunk, meta))
+        tensors.append(from_bytes(chunk, meta))
     return skeleton, tensors, device_bytes
 
 
@@ -113,16 +122,7 @@ def unpack_split(skeleton: Any, host: list[torch.Tensor | None], payload: torch.
         if tensor is None:
             if payload is None:
                 raise AssertionError("a device tensor in a header without a payload")
-            tensor = _as(payload[meta.offset: meta.offset + meta.nbytes], meta)
+            tensor = from_bytes(payload[meta.offset: meta.offset + meta.nbytes], meta)
         tensors.append(tensor.requires_grad_(True) if meta.requires_grad else tensor)
     return unflatten(skeleton, tensors)
 
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1)
-    return flat.to(torch.uint8) if flat.dtype == torch.bool else flat.view(torch.uint8)
-
-
-def _as(chunk: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
-    tensor = chunk.to(torch.bool) if meta.dtype == torch.bool else chunk.view(meta.dtype)
-    return tensor.reshape(meta.shape)

@@ -235,11 +235,7 @@ class PipelineProcesses(ParallelStrategy):
     def _pipeline_broadcast(self, obj: Any, stage: int) -> Any:
         """Broadcast from ``stage`` of this process's replica to the other stages of that replica."""
         check_no_tensors(obj, what=f"a broadcast from stage {stage}")
-        if self.data_parallel_size == 1:
-            return self.broadcast(obj, src=self.rank_of(stage))
-        holder = [obj]
-        dist.broadcast_object_list(holder, src=self.rank_of(stage), group=self.pp_group)
-        return holder[0]
+        return _broadcast_object(obj, self.rank_of(stage), None if self.data_parallel_size == 1 else self.pp_group)
 
     # -- collectives (never per training batch) -------------------------------------------------------------------
     @override
@@ -253,9 +249,7 @@ class PipelineProcesses(ParallelStrategy):
             return obj
         # pickled: a device tensor would come back on the device it left from, on every rank
         check_no_tensors(obj, what="`strategy.broadcast(obj)`", host_tensors=True)
-        holder = [obj]
-        dist.broadcast_object_list(holder, src=src)
-        return holder[0]
+        return _broadcast_object(obj, src, None)
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
@@ -288,3 +282,13 @@ class PipelineProcesses(ParallelStrategy):
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         return api.all_gather_if_available(tensor, group=group, sync_grads=sync_grads)
+
+
+def _broadcast_object(obj: Any, src: int, group: Any) -> Any:
+    """``obj`` from global rank ``src`` to every rank of ``group`` (None: the world), through pickle; ``obj`` itself
+    without a process group."""
+    if not api.distributed_is_initialized():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src, group=group)
+    return holder[0]

@@ -92,8 +92,7 @@ class StageOptimizer:
     def nonfinite(self, extra: Sequence[torch.Tensor] = ()) -> list[nn.Parameter] | None:
         """None when every gradient (the parameters' and ``extra``) is finite, checked with one host sync; otherwise
         the parameters whose gradient holds a NaN or inf (empty when only ``extra`` does)."""
-        grads = self.gradients() + list(extra)
-        if not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+        if self.all_finite(extra):
             return None
         return [p for _, p in self.pairs if p.grad is not None and not torch.isfinite(p.grad).all()]
 
