@@ -18,6 +18,7 @@ __all__ = [
     "BubbleMonitor",
     "DriftMonitor",
     "MemoryMonitor",
+    "SavePretrained",
     "TimelineMonitor",
     "PartitionPlan",
     "ReferencePipeline",
@@ -39,6 +40,7 @@ _HOME = {
     "BubbleMonitor": "callbacks",
     "DriftMonitor": "callbacks",
     "MemoryMonitor": "callbacks",
+    "SavePretrained": "callbacks",
     "TimelineMonitor": "callbacks",
     "PartitionPlan": "partition",
     "plan_partition": "partition",
@@ -67,7 +69,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from lightning_paci.callbacks import BubbleMonitor, DriftMonitor, MemoryMonitor, TimelineMonitor
+    from lightning_paci.callbacks import BubbleMonitor, DriftMonitor, MemoryMonitor, SavePretrained, TimelineMonitor
     from lightning_paci.config import PACIConfig
     from lightning_paci.integration.reference_pipeline import ReferencePipeline
     from lightning_paci.partition import PartitionPlan, plan_partition

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -87,6 +88,14 @@ class PACIConfig:
         process_group_backend: ``"nccl"`` on CUDA, ``"gloo"`` otherwise (default: chosen from the device).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"`` (CPU tests,
             notebooks) or ``"forkserver"``.
+        model_init: ``"stage"`` (default): a model built in ``configure_model()`` (or under
+            ``trainer.init_module(empty_init=True)``) gets its parameters on the meta device, is planned there, and
+            each stage materializes only its own, replaying the user's initialization bit for bit ([Note:
+            stage-only construction] in partition/stage_init.py); ``configure_model`` then runs twice and must build
+            the same model each time. ``"full"``: every rank builds the whole model, as in an ordinary run.
+        weights: pretrained weights read per stage (partition/weights.py): a transformers directory (safetensors,
+            sharded with its index or not), a ``.safetensors`` file, a consolidated ``.ckpt`` or a PACI sharded
+            checkpoint directory. Keys are the module's ``state_dict()`` names, or those less one common prefix.
 
     Gradient clipping (``Trainer(gradient_clip_val=...)``) is applied per stage to the stage's own gradients; there
     is no cross-stage global norm (that would need a per-step collective).
@@ -111,6 +120,8 @@ class PACIConfig:
     local_sgd_steps: int | None = None
     recompute: Literal["off", "blocks"] = "off"
     recompute_stages: int | None = None
+    model_init: Literal["stage", "full"] = "stage"
+    weights: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES)
@@ -135,6 +146,13 @@ class PACIConfig:
         _choice("recompute", self.recompute, RECOMPUTE_MODES)
         _positive_int("recompute_stages", self.recompute_stages, "Recompute on the first k stages, e.g. "
                       "`recompute_stages=2`; None (default) recomputes on every stage.", optional=True)
+        _choice("model_init", self.model_init, ("stage", "full"))
+        if self.weights is not None and not os.path.exists(self.weights):
+            raise ValueError(f"`weights={os.fspath(self.weights)!r}` does not exist. Pass a transformers directory, a "
+                             f"`.safetensors` file, a `.ckpt` file or a PACI sharded checkpoint directory.")
+        if self.weights is not None and self.model_init == "full":
+            raise ValueError("`weights=` needs `model_init='stage'`: the weights are read per stage into a model "
+                             "built on the meta device. Drop `model_init='full'`, or load the weights yourself.")
         if self.recompute_stages is not None and self.recompute == "off":
             raise ValueError(f"`recompute_stages={self.recompute_stages}` needs `recompute='blocks'`: it chooses which "
                              f"stages recompute. Pass `PACIStrategy(recompute='blocks', recompute_stages=...)`.")

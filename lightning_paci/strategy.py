@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -41,18 +42,18 @@ from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.lightning_program import LightningHooks
 from lightning_paci.integration.optimizer_layout import OptimizerLayout
 from lightning_paci.integration.pipeline_stage import PipelineStage
+from lightning_paci.integration.stage_build import StageBuilder, StageBuilding
 from lightning_paci.integration.strategy_checkpoints import CheckpointingProcesses
 from lightning_paci.integration.trainer_glue import (
     check_trainer,
     ends_epoch,
-    measure_block_costs,
     must_drain,
     patch_for_pipeline,
     same_data_on_every_stage,
     seed_workers_alike,
 )
 from lightning_paci.optim.stage_optimizer import optimizer_and_step_schedulers
-from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage, plan_partition
+from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage
 
 __all__ = ["PACIStrategy", "optimizer_and_step_schedulers"]
 
@@ -66,7 +67,7 @@ _REGISTERED = (  # Trainer(strategy=...) names: one class, different process sta
 )
 
 
-class PACIStrategy(CheckpointingProcesses):
+class PACIStrategy(StageBuilding, CheckpointingProcesses):
     """Pipeline-parallel training with PACI's asynchronous, flush-free 1F1B schedule (one process per stage).
 
     The pipeline options are documented on :class:`~lightning_paci.config.PACIConfig`, which checks them here; the
@@ -112,6 +113,8 @@ class PACIStrategy(CheckpointingProcesses):
         local_sgd_steps: int | None = None,
         recompute: Literal["off", "blocks"] = "off",
         recompute_stages: int | None = None,
+        model_init: Literal["stage", "full"] = "stage",
+        weights: str | os.PathLike[str] | None = None,
     ) -> None:
         config = PACIConfig(
             schedule=schedule, microbatches=microbatches, accumulation=accumulation, partition=partition,
@@ -120,7 +123,7 @@ class PACIStrategy(CheckpointingProcesses):
             max_stream_batches=max_stream_batches, freeze_gc=freeze_gc, start_method=start_method,
             compensation=compensation, pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size, local_sgd_steps=local_sgd_steps, recompute=recompute,
-            recompute_stages=recompute_stages)
+            recompute_stages=recompute_stages, model_init=model_init, weights=weights)
         super().__init__(config, accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -128,6 +131,7 @@ class PACIStrategy(CheckpointingProcesses):
         self._trainer: Trainer | None = None
         self._stage: PipelineStage | None = None
         self._undo_patches: list[Callable[[], None]] = []
+        self._builder = StageBuilder(self)
 
     @property
     def num_microbatches(self) -> int:
@@ -173,18 +177,15 @@ class PACIStrategy(CheckpointingProcesses):
         check_trainer(trainer, module, self.num_stages)
         same_data_on_every_stage(trainer, self.broadcast, self.data_parallel_size)
         if self._stage is None:
-            measured = measure_block_costs(self, trainer) if self.config.partition == "balanced" else None
-            if trainer.state.fn == TrainerFn.FITTING and self.is_global_zero:  # before carving: the whole model
-                self._undo_patches += api.whole_model_summaries(trainer, module)
-            plan = plan_partition(module, self.num_stages, container=self.config.block_container,
-                                  partition=self.config.partition, measured=measured)
+            plan = self._plan_stages(trainer, module)
             rank_zero_info(f"lightning_paci: {self.topology.describe()}, schedule={self.config.schedule!r}, "
                            f"microbatches={self.num_microbatches}, accumulation={self.accumulation}; "
                            f"{plan.describe()}")
             layout = OptimizerLayout.of(module) if trainer.state.fn == TrainerFn.FITTING else None
+            carve = carve_stage(module, plan, self.stage_index)
+            self._builder.materialize(module, carve, has_checkpoint=trainer.ckpt_path is not None)
             self._stage = PipelineStage(
-                module, plan, carve_stage(module, plan, self.stage_index), config=self.config, layout=layout,
-                num_microbatches=self.num_microbatches,
+                module, plan, carve, config=self.config, layout=layout, num_microbatches=self.num_microbatches,
                 broadcast=self._pipeline_broadcast,
                 comm=lambda: DistComm([self.rank_of(s) for s in range(self.num_stages)], groups=self._p2p_groups,
                                       replica=self.replica_index, deliver=self.root_device,
@@ -304,6 +305,9 @@ class PACIStrategy(CheckpointingProcesses):
         if stage is None:
             return
         self._keep_after_fit(stage)
+        if self._builder.built is not None:  # no full gather: other stages' parameters stay on the meta device
+            stage.restore_full_model(gather=False, materialize=False)
+            return
         stage.restore_full_model(gather=api.distributed_is_initialized(), replicas=self.data_parallel_size)
 
     @classmethod

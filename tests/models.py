@@ -71,14 +71,20 @@ class LoopTransformer(LightningModule):
     """A hand-written causal LM whose ``forward`` loops over an ``nn.ModuleList``."""
 
     def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 2, layers: int = 4, seq: int = 8,
-                 lr: float = 3e-3) -> None:
+                 lr: float = 3e-3, *, build_now: bool = True) -> None:
         super().__init__()
+        self.shape = dict(vocab=vocab, dim=dim, heads=heads, layers=layers, seq=seq)
+        self.lr = lr
+        if build_now:
+            self.build()
+
+    def build(self) -> None:
+        vocab, dim, heads, layers, seq = (self.shape[k] for k in ("vocab", "dim", "heads", "layers", "seq"))
         self.tok_emb = nn.Embedding(vocab, dim)
         self.pos_emb = nn.Embedding(seq, dim)
         self.blocks = nn.ModuleList([_Block(dim, heads) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
-        self.lr = lr
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         _, t = idx.shape  # batch, sequence length
@@ -98,6 +104,18 @@ class LoopTransformer(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class LaterLoopTransformer(LoopTransformer):
+    """The same model built in ``configure_model`` (Lightning's hook for big models), idempotent as Lightning asks."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs, build_now=False)
+
+    def configure_model(self) -> None:
+        if getattr(self, "blocks", None) is not None:
+            return
+        self.build()
 
 
 def token_loader(num_batches: int = 8, batch_size: int = 8, seq: int = 9, vocab: int = 32, seed: int = 0) -> DataLoader:
@@ -197,3 +215,31 @@ def hf_reference_accumulation(module: LightningModule, batches, num_microbatches
         optimizer.step()
         optimizer.zero_grad()
     return module
+
+
+class PretrainedGPT2(LightningModule):
+    """A transformers GPT-2 fine-tuned from a directory: ``from_pretrained`` in ``__init__`` (``load_now``), or built
+    from the directory's config in ``configure_model`` for ``PACIStrategy(weights=directory)``."""
+
+    def __init__(self, directory, *, load_now: bool, lr: float = 0.05) -> None:
+        super().__init__()
+        from transformers import GPT2LMHeadModel
+
+        self.directory, self.lr = str(directory), lr
+        self.model = GPT2LMHeadModel.from_pretrained(self.directory) if load_now else None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.model = GPT2LMHeadModel(GPT2Config.from_pretrained(self.directory))
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)

@@ -129,11 +129,13 @@ def shard_file(stage: int) -> str:
     return f"stage_{stage:03d}.pt"
 
 
-def load_sharded(directory: str | Path) -> dict[str, Any]:
+def load_sharded(directory: str | Path, weights_only: bool | None = None, *, mmap: bool = False) -> dict[str, Any]:
     """Assemble a sharded checkpoint directory into the consolidated form (every stage's weights and optimizer
-    state), whatever number of stages wrote it."""
+    state), whatever number of stages wrote it. ``weights_only`` is torch.load's, as Lightning passes it (None:
+    torch's default, True): a file from elsewhere cannot run code unless the caller allows it. With ``mmap`` the
+    stage files are memory-mapped: a stage that takes only its own tensors reads only those."""
     directory = Path(directory)
-    checkpoint = torch.load(directory / META_FILE, map_location="cpu", weights_only=False)
+    checkpoint = torch.load(directory / META_FILE, map_location="cpu", weights_only=weights_only)
     state_dict: dict[str, Any] = {}
     params: dict[str, Any] = {}
     shards = sorted(directory.glob("stage_*.pt"))
@@ -141,7 +143,7 @@ def load_sharded(directory: str | Path) -> dict[str, Any]:
         raise ValueError(f"{directory} holds {len(shards)} stage files but was written by "
                          f"{checkpoint['paci_num_stages']} stages: the checkpoint is incomplete.")
     for path in shards:
-        shard = torch.load(path, map_location="cpu", weights_only=False)
+        shard = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
         state_dict.update(shard["state_dict"])
         params.update(shard["optimizer"].get("params", {}))
         counters = {k: v for k, v in shard["optimizer"].items() if k != "params"}
@@ -255,9 +257,12 @@ class PipelineCheckpoints:
             meta["paci_num_stages"] = self.num_stages
             write(meta, Path(filepath) / META_FILE)
 
-    def load(self, path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+    def load(self, path: str | Path, weights_only: bool | None = None, *, mmap: bool = False) -> dict[str, Any]:
+        """Read a checkpoint (``mmap``: memory-mapped, for a stage that takes only its own tensors)."""
         if Path(path).is_dir():
-            return load_sharded(path)
+            return load_sharded(path, weights_only, mmap=mmap)
+        if mmap and isinstance(self.checkpoint_io, TorchCheckpointIO) and Path(path).is_file():
+            return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
         return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
     def load_optimizer_state(self, checkpoint: Mapping[str, Any], optimizer: StageOptimizer, module: nn.Module,

@@ -175,9 +175,10 @@ class PipelineStage:
         """The last stage's tied-weight replicas (stage 0 owns and steps the weights)."""
         return self.carve.tied_params if self.index == self.plan.num_stages - 1 else []
 
-    def restore_full_model(self, *, gather: bool, replicas: int = 1) -> None:
+    def restore_full_model(self, *, gather: bool, replicas: int = 1, materialize: bool = True) -> None:
         """Put the other stages' modules back, holding the complete trained weights (gathered from every stage
-        when ``gather``; a failed gather leaves them as they were at carving, with a warning)."""
+        when ``gather``; a failed gather leaves them as they were at carving, with a warning); with ``materialize``
+        False they come back on the meta device (a model built there: no rank holds more than its stage)."""
         full = None
         if gather:
             try:
@@ -190,4 +191,4 @@ class PipelineStage:
                 log.warning(f"lightning_paci: could not gather the full weights at teardown: {err}")
         if self._recompute is not None:
             self._recompute.remove()
-        self.carve.restore(self.module, full)
+        self.carve.restore(self.module, full, materialize=materialize)

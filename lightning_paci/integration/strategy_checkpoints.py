@@ -4,6 +4,7 @@ states gathered at teardown, handed to the main process of a fork/spawn run with
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch import Trainer
@@ -13,6 +14,7 @@ from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.checkpoint import PipelineCheckpoints, cpu_state
 from lightning_paci.integration.pipeline_stage import PipelineStage
 from lightning_paci.integration.processes import PipelineProcesses
+from lightning_paci.integration.stage_build import StageBuilder
 
 __all__ = ["CheckpointingProcesses"]
 
@@ -23,6 +25,7 @@ class CheckpointingProcesses(PipelineProcesses):
     _stage: PipelineStage | None = None
     # after `fit`: rank 0's gathered optimizer and scheduler states, for `trainer.save_checkpoint` after `fit`
     _after_fit: dict[str, list[Any]] | None = None
+    _builder: StageBuilder
 
     def _drain(self) -> None:
         if self._stage is not None:
@@ -74,7 +77,19 @@ class CheckpointingProcesses(PipelineProcesses):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        return self._checkpoints.load(checkpoint_path, weights_only)
+        # a model built on the meta device reads its stage's tensors only: memory-mapped, never whole
+        return self._checkpoints.load(checkpoint_path, weights_only, mmap=self._builder.built is not None)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """A carved stage (a model built on the meta device restores after setup) takes its own keys only."""
+        module = self.lightning_module
+        assert module is not None
+        if self._stage is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        own = module.state_dict(keep_vars=True)
+        state = {k: v for k, v in checkpoint["state_dict"].items() if k in own}
+        module.load_state_dict(state, strict=strict)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

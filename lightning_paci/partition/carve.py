@@ -34,7 +34,7 @@ from torch import nn
 from lightning_paci.engine.messages import flatten, map_tensors
 from lightning_paci.partition.plan import PartitionPlan
 
-__all__ = ["BoundaryState", "StageCarve", "StageDone", "carve_stage"]
+__all__ = ["BoundaryState", "StageCarve", "StageDone", "carve_stage", "removed_modules"]
 
 
 class StageDone(BaseException):
@@ -167,11 +167,16 @@ class StageCarve:
     def is_last(self) -> bool:
         return self.stage == self.plan.num_stages - 1
 
-    def restore(self, module: nn.Module, full_state: dict[str, torch.Tensor] | None = None) -> None:
-        """Remove the hooks and put the removed modules back (materialised from ``full_state`` when given)."""
+    def restore(self, module: nn.Module, full_state: dict[str, torch.Tensor] | None = None, *,
+                materialize: bool = True) -> None:
+        """Remove the hooks and put the removed modules back (materialised from ``full_state`` when given). When not
+        ``materialize`` the placeholders stay (the model was built on the meta device and no rank holds more than
+        its stage; a later carve takes their modules back)."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        if not materialize:
+            return
         for name, original in self.removed.items():
             parent_name, _, child = name.rpartition(".")
             parent = module.get_submodule(parent_name) if parent_name else module
@@ -186,6 +191,19 @@ class StageCarve:
             setattr(module.get_submodule(owner_name), attr, module.get_parameter(first))
 
 
+def removed_modules(plan: PartitionPlan, stage: int) -> dict[str, tuple[int, bool]]:
+    """The dotted names of the modules ``stage`` does not own -> (the stage that owns it, whether it is a block)."""
+    keep, last = set(plan.blocks(stage)), plan.num_stages - 1
+    out: dict[str, tuple[int, bool]] = {}
+    for i in range(plan.num_blocks):
+        if i not in keep:
+            owner = next(s for s in range(plan.num_stages) if i in plan.blocks(s))
+            out[f"{plan.container}.{i}" if plan.container else str(i)] = (owner, True)
+    out.update({name: (0, False) for name in (plan.before if stage != 0 else ())})
+    out.update({name: (last, False) for name in (plan.after if stage != last else ())})
+    return out
+
+
 def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarve:
     """Keep only ``stage``'s parameters in ``module`` (in place) and install the boundary hooks.
 
@@ -193,7 +211,6 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
     """
     container = module.get_submodule(plan.container)
     last = plan.num_stages - 1
-    keep = set(plan.blocks(stage))
     removed: dict[str, nn.Module] = {}
     # untie first: stage 0's user keeps the shared Parameter, the last stage's user gets its own copy (a replica
     # that its optimizer skips and that receives stage 0's updates, see [Note: tied weights] in schedules.py)
@@ -208,19 +225,13 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
         parent = module.get_submodule(parent_name) if parent_name else module
         original = parent._modules[child]
         assert original is not None
+        if isinstance(original, _Placeholder):  # carved before (a model that stays on the meta device after fit)
+            original = original.__dict__["_shadow"]
         removed[name] = original.to("meta")
         parent._modules[child] = _Placeholder(owner, removed[name], may_pass_through=is_block)
 
-    for i in range(plan.num_blocks):
-        if i not in keep:
-            owner = next(s for s in range(plan.num_stages) if i in plan.blocks(s))
-            swap(f"{plan.container}.{i}" if plan.container else str(i), f"stage {owner}", is_block=True)
-    if stage != 0:
-        for name in plan.before:
-            swap(name, "stage 0")
-    if stage != last:
-        for name in plan.after:
-            swap(name, f"stage {last}")
+    for name, (owner, is_block) in removed_modules(plan, stage).items():
+        swap(name, f"stage {owner}", is_block=is_block)
 
     boundary = BoundaryState()
     handles = []

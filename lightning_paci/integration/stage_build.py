@@ -1,0 +1,239 @@
+"""The strategy's side of [Note: stage-only construction]: Lightning's ``tensor_init_context`` builds the model
+on the meta device, plans the partition there, and gives each stage only its own parameters -- replayed from the
+user's own initialization, read from ``weights=``, or left for a checkpoint.
+
+Three ways in, by how the model is built:
+
+* ``configure_model()`` (recommended): recorded on meta, then replayed for the stage (partition/stage_init.py);
+  with ``weights=`` no replay, the stage's tensors come from the file.
+* ``trainer.init_module(empty_init=True)``: parameters on meta, nothing replayed (the user's code ran once, outside
+  any hook); each stage's tensors come from ``weights=`` or ``fit(ckpt_path=...)``, and without either each module's
+  own ``reset_parameters()`` runs under a generator seeded by the module's name (partition-independent; not the
+  one-device initialization).
+* the user's ``__init__``: outside Lightning's reach; built whole on every rank, as before (a warning at setup when
+  that approaches the host's memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import zlib
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightning_paci.integration import lightning_api as api
+from lightning_paci.integration.trainer_glue import measure_block_costs
+from lightning_paci.partition import PartitionPlan, StageCarve, plan_partition
+from lightning_paci.partition.carve import removed_modules
+from lightning_paci.partition.stage_init import (
+    Recording,
+    generator_states,
+    meta_load_guard,
+    owned_registrations,
+    replay,
+    rewind_point,
+)
+from lightning_paci.partition.weights import WeightsFile, match_names
+
+__all__ = ["MetaBuild", "StageBuilder", "StageBuilding", "host_memory_warning"]
+
+log = logging.getLogger(__name__)
+
+_LOAD_FIX = ("Build the model in `configure_model` and pass the weights as `PACIStrategy(weights=PATH)` (each stage "
+             "reads only its own tensors), or resume with `trainer.fit(ckpt_path=...)`.")
+
+
+@dataclass
+class MetaBuild:
+    """What the meta build left for setup: the plan, and how the stage's parameters get their values."""
+
+    plan: PartitionPlan
+    source: str  # "replayed" | "weights" | "empty"
+    names: list[str]  # the whole model's state_dict() names (for matching a weights file)
+    aliases: dict[str, list[str]]  # name -> the other names of the same parameter (ties)
+    buffers: list[str]  # persistent buffers' names (a weights file may omit them)
+
+
+class StageBuilder:
+    """Owns the meta build of one strategy (``strategy`` gives the module, the stage, the devices and options)."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.built: MetaBuild | None = None
+        self.weights_report: WeightsFile | None = None
+
+    @contextlib.contextmanager
+    def context(self, empty_init: bool | None, base: Callable[[], contextlib.AbstractContextManager[Any]]
+                ) -> Iterator[None]:
+        """``tensor_init_context``: ``base`` is Lightning's own (root device, precision dtype)."""
+        strategy, module = self.strategy, self.strategy.lightning_module
+        if empty_init is False or strategy.config.model_init == "full" or module is None or self.built is not None:
+            with base():
+                yield
+            return
+        empty = bool(empty_init)
+        recording = Recording(active=lambda: empty or module._current_fx_name == "configure_model")
+        restore_generators, rewind = generator_states(), rewind_point(module)
+        with base(), recording.recording(), meta_load_guard(_LOAD_FIX):
+            yield
+        if not recording.params:
+            return  # `init_module()` around an ordinary build, or a configure_model that built nothing
+        if not empty:
+            restore_generators()  # the recording drew some numbers (tensors made real first); the replay draws all
+        plan = strategy.plan_on_meta(module)
+        names = list(module.state_dict(keep_vars=True))
+        params = dict(module.named_parameters(remove_duplicate=False))
+        aliases = {n: [m for m, q in params.items() if q is p and m != n] for n, p in params.items()}
+        buffers = [n for n in names if n not in params]
+        source = "empty" if empty else "weights" if strategy.config.weights is not None else "replayed"
+        self.built = MetaBuild(plan, source, names, {n: a for n, a in aliases.items() if a}, buffers)
+        if source == "replayed":
+            dropped = set(removed_modules(plan, strategy.stage_index))
+            keep = owned_registrations(recording.params, module,
+                                       lambda n: not any(n.startswith(r + ".") for r in dropped))
+            rewind()
+            previous, module._current_fx_name = module._current_fx_name, "configure_model"
+            try:
+                with base(), strategy.precision_plugin.module_init_context(), \
+                        replay(recording.params, keep, strategy.root_device), meta_load_guard(_LOAD_FIX):
+                    module.configure_model()
+            finally:
+                module._current_fx_name = previous
+        log.info(f"lightning_paci: model built on the meta device ({source}); stage {strategy.stage_index} holds "
+                 f"only its own parameters")
+
+    def materialize(self, module: nn.Module, carve: StageCarve, *, has_checkpoint: bool) -> None:
+        """After carving: give the stage's meta parameters memory on the device and their values."""
+        built = self.built
+        if built is None:
+            return
+        device = self.strategy.root_device
+        if built.source == "replayed":
+            return  # owned parameters are real already
+        made = _to_device_empty(module, device)
+        carve.tied_params = [made.get(id(p), p) for p in carve.tied_params]  # the carve kept the meta objects
+        weights = self.strategy.config.weights
+        if weights is not None:
+            self._load(module, carve, os.fspath(weights))
+        elif not has_checkpoint:
+            _reset_by_name(module)
+
+    def _load(self, module: nn.Module, carve: StageCarve, path: str) -> None:
+        built = self.built
+        assert built is not None
+        source = WeightsFile.open(path)
+        prefix, mapping = match_names(built.names, built.aliases, built.buffers, source.keys(), path=path)
+        if prefix:
+            log.info(f"lightning_paci: `weights=` keys are the module's names less the prefix {prefix!r}")
+        state = module.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, tensor in state.items():
+                if name in carve.foreign_buffers or name not in mapping:
+                    continue
+                tensor.copy_(source.read(mapping[name]))
+        source.close()
+        self.weights_report = source
+
+
+class StageBuilding:
+    """The strategy's hooks for [Note: stage-only construction] (a base of ``PACIStrategy``)."""
+
+    _builder: StageBuilder
+    config: Any
+    num_stages: int
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Lightning's, plus [Note: stage-only construction] for ``configure_model`` and ``init_module``."""
+        base = super().tensor_init_context  # type: ignore[misc]
+        with self._builder.context(empty_init, lambda: base(empty_init)):
+            yield
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return self._builder.built is not None  # a meta-built model takes its checkpoint weights per stage
+
+    @property
+    def weights_read(self) -> dict[str, list[str]] | None:
+        """What ``weights=`` made this stage read: ``{"files": [...], "keys": [...]}`` (None without ``weights=``)."""
+        report = self._builder.weights_report
+        return None if report is None else {"files": list(report.opened), "keys": list(report.read_keys)}
+
+    def _plan_stages(self, trainer: Any, module: Any) -> PartitionPlan:
+        """The plan of a model built on the meta device, or one planned here from the whole model (timing blocks
+        for ``"balanced"``; a warning when every local rank holding the whole model nears the host's memory)."""
+        whole = trainer.state.fn == TrainerFn.FITTING and self.is_global_zero  # type: ignore[attr-defined]
+        if self._builder.built is not None:
+            if whole:
+                self._undo_patches += api.whole_model_summaries(trainer, module)  # type: ignore[attr-defined]
+            return self._builder.built.plan
+        warning = host_memory_warning(module, self.num_processes)  # type: ignore[attr-defined]
+        if warning is not None:
+            rank_zero_warn(warning)
+        measured = measure_block_costs(self, trainer) if self.config.partition == "balanced" else None
+        if whole:  # before carving: the whole model
+            self._undo_patches += api.whole_model_summaries(trainer, module)  # type: ignore[attr-defined]
+        return plan_partition(module, self.num_stages, container=self.config.block_container,
+                              partition=self.config.partition, measured=measured)
+
+    def plan_on_meta(self, module: nn.Module) -> PartitionPlan:
+        """The partition of a model built on the meta device (no forward to time: parameter counts)."""
+        if self.config.partition == "balanced":
+            rank_zero_info("lightning_paci: the model is built on the meta device, so `partition='balanced'` splits "
+                           "by parameter count (no block can be timed before it is materialized)")
+        return plan_partition(module, self.num_stages, container=self.config.block_container,
+                              partition=self.config.partition, measured=None)
+
+
+def _to_device_empty(module: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
+    """Replace every meta parameter by an uninitialized one on ``device`` (one Parameter per object: ties stay);
+    return the new Parameters by the id of the meta ones they replace."""
+    made: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and param.is_meta:
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
+                                                   requires_grad=param.requires_grad)
+                sub._parameters[name] = made[id(param)]
+    return made
+
+
+def _reset_by_name(module: nn.Module) -> None:
+    """No weights and no checkpoint after ``init_module(empty_init=True)``: each module's ``reset_parameters()``,
+    under a generator seeded by the module's name and ``torch.initial_seed()`` (the same on any partition)."""
+    for name, sub in module.named_modules():
+        if sub._parameters and any(p is not None for p in sub._parameters.values()):
+            reset = getattr(sub, "reset_parameters", None)
+            if reset is None:
+                raise ValueError(
+                    f"`{name}` ({type(sub).__name__}) has parameters but no `reset_parameters()`, and the model was "
+                    f"built with `trainer.init_module(empty_init=True)`: nothing can initialize them. Pass "
+                    f"`PACIStrategy(weights=PATH)` or `fit(ckpt_path=...)`, or build the model in `configure_model`.")
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed((torch.initial_seed() ^ zlib.crc32(name.encode())) & 0xFFFF_FFFF)
+                reset()
+
+
+def host_memory_warning(module: nn.Module, local_ranks: int) -> str | None:
+    """A warning when every local rank holding the whole model approaches the host's memory (a model built in
+    ``__init__``)."""
+    total = sum(p.numel() * p.element_size() for p in module.parameters() if not p.is_meta)
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # pragma: no cover - non-POSIX
+        return None
+    if total * local_ranks < 0.5 * host:
+        return None
+    return (f"lightning_paci: every one of the {local_ranks} processes of this node builds the whole model "
+            f"({total / 2**30:.1f} GiB of parameters each, {total * local_ranks / 2**30:.1f} GiB together, the host "
+            f"has {host / 2**30:.1f} GiB). Build it in `LightningModule.configure_model()` instead: each stage then "
+            f"holds only its own parameters.")
