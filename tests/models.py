@@ -243,3 +243,31 @@ class PretrainedGPT2(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class WideMLP(LightningModule):
+    """``depth`` square ``Linear`` blocks of ``width``, built in ``configure_model`` (``later``) or ``__init__``:
+    width 2048 and depth 16 make a 268 MB model, width 64 the tiny one of the same code."""
+
+    def __init__(self, width: int, depth: int = 16, *, later: bool = True) -> None:
+        super().__init__()
+        self.width, self.depth = width, depth
+        self.net = None
+        if not later:
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = nn.Sequential(*[nn.Linear(self.width, self.width) for _ in range(self.depth)])
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return F.mse_loss(self.net(x[:, :self.width]), x[:, :self.width])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def wide_loader(width: int, num_batches: int = 3, batch_size: int = 4) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(num_batches * batch_size, width, generator=g)), batch_size=batch_size)

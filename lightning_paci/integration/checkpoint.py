@@ -55,8 +55,14 @@ def atomic_save(checkpoint: dict[str, Any], path: str | Path) -> None:
             tmp.unlink()
 
 
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device tensor; a host tensor as it is (a checkpoint is written before training goes on, and
+    a copy of every gradient and optimizer tensor would add the stage's size again to the process's peak)."""
+    return tensor.detach().cpu()
+
+
 def _cpu_grad(param: nn.Parameter) -> torch.Tensor | None:
-    return None if param.grad is None else param.grad.detach().cpu().clone()
+    return None if param.grad is None else _host(param.grad)
 
 
 def stage_optimizer_state(optimizer: StageOptimizer, module: nn.Module,
@@ -69,7 +75,7 @@ def stage_optimizer_state(optimizer: StageOptimizer, module: nn.Module,
     out: dict[str, Any] = {}
     for alias, real in optimizer.pairs:
         group = {k: v for k, v in group_of[id(alias)].items() if k != "params"}
-        state = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+        state = {k: (_host(v) if isinstance(v, torch.Tensor) else v)
                  for k, v in optimizer.optimizer.state.get(alias, {}).items()}
         out[names[id(real)]] = {"state": state, "group": group, "grad": _cpu_grad(real)}
     for replica in replicas:

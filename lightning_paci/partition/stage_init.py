@@ -82,12 +82,31 @@ def owned_registrations(recorded: Sequence[nn.Parameter], root: nn.Module, owned
     return {k for k, p in enumerate(recorded) if id(p) in keep}
 
 
+class _Scratch:
+    """One reused buffer per dtype for the thrown-away tensors: a fresh allocation per parameter would leave the
+    allocator holding (and the process's resident memory counting) every one of them; a view of one buffer keeps
+    the replay at the largest parameter. Draws depend on the shape and strides, not on the memory."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def like(self, tensor: torch.Tensor) -> torch.Tensor:
+        span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) \
+            if tensor.numel() else 0
+        buffer = self._buffers.get(tensor.dtype)
+        if buffer is None or buffer.numel() < span:
+            self._buffers.pop(tensor.dtype, None)  # free the smaller one first
+            buffer = self._buffers[tensor.dtype] = torch.empty(max(span, 1), dtype=tensor.dtype, device=self.device)
+        return buffer.as_strided(tensor.shape, tensor.stride())
+
+
 class _ScratchMode(TorchFunctionMode):
     """Run every in-place operation on a meta tensor on a thrown-away real tensor (its random draws happen)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, scratch: _Scratch) -> None:
         super().__init__()
-        self.device = device
+        self.scratch = scratch
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -97,7 +116,7 @@ class _ScratchMode(TorchFunctionMode):
         if not (isinstance(target, torch.Tensor) and target.is_meta and name.endswith("_")
                 and not name.startswith("__")):
             return func(*args, **kwargs)
-        scratch = _scratch(target, self.device)
+        scratch = self.scratch.like(target)
         args = tuple(scratch if a is target else a for a in args)
         kwargs = {k: scratch if v is target else v for k, v in kwargs.items()}
         if any(isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values())):
@@ -106,19 +125,15 @@ class _ScratchMode(TorchFunctionMode):
         return target
 
 
-def _scratch(like: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
-
-
 @contextlib.contextmanager
-def _meta_skipping_inits(device: torch.device) -> Iterator[None]:
+def _meta_skipping_inits(scratch: _Scratch) -> Iterator[None]:
     """Wrap the initializers that return early on meta tensors so that their draws happen on a scratch tensor."""
     originals = {name: getattr(nn.init, name) for name in _META_SKIPPING if hasattr(nn.init, name)}
 
     def wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
         def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                original(_scratch(tensor, device), *args, **kwargs)
+                original(scratch.like(tensor), *args, **kwargs)
                 return tensor
             return original(tensor, *args, **kwargs)
         return init
@@ -157,7 +172,8 @@ def replay(recorded: Sequence[nn.Parameter], keep: set[int], device: torch.devic
 
     handle = register_module_parameter_registration_hook(hook)
     try:
-        with _meta_skipping_inits(device), _ScratchMode(device):
+        scratch = _Scratch(device)
+        with _meta_skipping_inits(scratch), _ScratchMode(scratch):
             yield
     finally:
         handle.remove()
