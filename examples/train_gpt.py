@@ -54,15 +54,24 @@ class ByteBlocks(Dataset):
 
 
 class GPT(L.LightningModule):
-    """An ordinary LightningModule around transformers' GPT2LMHeadModel (tied embedding and LM head)."""
+    """An ordinary LightningModule around transformers' GPT2LMHeadModel (tied embedding and LM head), built in
+    ``configure_model`` -- Lightning's hook for big models: each pipeline stage then builds and holds only its own
+    parameters, initialized exactly as a one-device run would initialize them."""
 
     def __init__(self, layers: int = 8, width: int = 128, heads: int = 4, context: int = 128, lr: float = 1e-3,
                  warmup: int = 15, max_steps: int = 150) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.model: GPT2LMHeadModel | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:  # Lightning may call it again: build once
+            return
+        hp = self.hparams
         # byte-level vocabulary: GPT-2's default bos/eos id 50256 would lie outside it
-        config = GPT2Config(vocab_size=256, n_positions=context, n_embd=width, n_layer=layers, n_head=heads,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+        config = GPT2Config(vocab_size=256, n_positions=hp.context, n_embd=hp.width, n_layer=hp.layers,
+                            n_head=hp.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
+                            eos_token_id=None)
         self.model = GPT2LMHeadModel(config)
         self.model.loss_type = "ForCausalLM"  # transformers cannot infer it from the class name "GPT2LMHeadModel"
 

@@ -250,3 +250,113 @@ def test_sharded_checkpoint_with_a_pickled_object_is_refused_under_weights_only(
 
 class _Pickled:
     """Not a tensor nor a plain container: what a checkpoint from elsewhere could carry to run code."""
+
+
+# -- `trainer.init_module(empty_init=True)`: parameters on meta, values from weights= or the modules' own resets ---
+
+def _trainer(devices: int, callbacks=(), max_steps: int = 3, max_epochs: int | None = None, **strategy) -> L.Trainer:
+    from datetime import timedelta
+
+    return L.Trainer(strategy=PACIStrategy(start_method="fork", timeout=timedelta(seconds=60), partition="parameters",
+                                           **strategy),
+                     accelerator="cpu", devices=devices, max_steps=max_steps, max_epochs=max_epochs, logger=False,
+                     enable_checkpointing=any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks),
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                     limit_val_batches=0, use_distributed_sampler=False, callbacks=list(callbacks))
+
+
+def test_init_module_empty_init_takes_each_stage_from_a_checkpoint_file(tmp_path) -> None:
+    torch.manual_seed(5)
+    pretrained = LoopTransformer(layers=4)
+    torch.save({"state_dict": pretrained.state_dict(), "epoch": 0}, tmp_path / "pretrained.ckpt")
+    ordinary, staged = DumpWeights(tmp_path / "ordinary"), DumpWeights(tmp_path / "staged")
+    for dump in (ordinary, staged):
+        dump.directory.mkdir()
+    model = LoopTransformer(layers=4)
+    model.load_state_dict(pretrained.state_dict())
+    L.seed_everything(0)
+    _trainer(4, [ordinary]).fit(model, token_loader())
+    L.seed_everything(0)
+    trainer = _trainer(4, [staged], weights=tmp_path / "pretrained.ckpt")
+    with trainer.init_module(empty_init=True):
+        empty = LoopTransformer(layers=4)
+    assert all(p.is_meta for p in empty.parameters()) and not any(b.is_meta for b in empty.buffers())
+    trainer.fit(empty, token_loader())
+    _assert_equal_states(staged.weights(), ordinary.weights())
+    assert staged.start(1)["params"] == staged.start(1)["plan"]
+
+
+class InitialWeights(L.Callback):
+    """Every stage saves its parameters before the first step."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        own = {n: p.detach().clone() for n, p in pl_module.named_parameters() if not p.is_meta}
+        torch.save(own, self.directory / f"initial{trainer.global_rank}.pt")
+
+    def read(self, ranks: int) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for rank in range(ranks):
+            out.update(torch.load(self.directory / f"initial{rank}.pt"))
+        return out
+
+
+def test_init_module_empty_init_without_weights_resets_each_module_by_name_on_any_partition(tmp_path) -> None:
+    from models import SequentialMLP, regression_loader
+
+    initial = {}
+    for devices in (2, 4):
+        record = InitialWeights(tmp_path)
+        L.seed_everything(0)
+        trainer = _trainer(devices, [record])
+        with trainer.init_module(empty_init=True):
+            model = SequentialMLP(depth=8)
+        trainer.fit(model, regression_loader())
+        initial[devices] = record.read(devices)
+    _assert_equal_states(initial[4], initial[2])  # seeded by the module's name: the same on any split
+    assert all(v.abs().sum() > 0 and v.isfinite().all() for v in initial[4].values())
+
+
+class BareParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def test_init_module_empty_init_refuses_a_parameter_nothing_can_initialize() -> None:
+    from models import SequentialMLP, regression_loader
+
+    trainer = _trainer(2)
+    with trainer.init_module(empty_init=True):
+        model = SequentialMLP(depth=4)
+        model.net = nn.Sequential(BareParameter(), nn.Linear(8, 16), BareParameter(), nn.Linear(16, 4))
+    with pytest.raises(ProcessRaisedException, match=r"`net.[02]` \(BareParameter\) has parameters but no "
+                                                     r"`reset_parameters\(\)`.*`PACIStrategy\(weights=PATH\)`"):
+        trainer.fit(model, regression_loader())
+
+
+@pytest.mark.parametrize("layout", ["consolidated", "sharded"])
+def test_a_meta_built_model_resumes_exactly_from_its_stage_of_a_checkpoint(tmp_path, layout) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def trainer(directory: Path, epochs: int, dump: DumpWeights) -> L.Trainer:
+        directory.mkdir(exist_ok=True)
+        return _trainer(4, [ModelCheckpoint(dirpath=directory, save_top_k=-1, filename="{epoch}"), dump],
+                        max_steps=-1, max_epochs=epochs, checkpoint_layout=layout, microbatches=4, accumulation=3)
+
+    loader = token_loader(num_batches=4)
+    full, part = DumpWeights(tmp_path / "full"), DumpWeights(tmp_path / "part")
+    L.seed_everything(0)
+    trainer(tmp_path / "full", 3, full).fit(LaterLoopTransformer(layers=4), loader)
+    L.seed_everything(0)
+    trainer(tmp_path / "part", 1, part).fit(LaterLoopTransformer(layers=4), loader)
+    resumed = DumpWeights(tmp_path / "resumed")
+    L.seed_everything(1)  # a different seed: the replayed init is overwritten by the checkpoint's weights
+    trainer(tmp_path / "resumed", 3, resumed).fit(LaterLoopTransformer(layers=4), loader,
+                                                  ckpt_path=str(tmp_path / "part" / "epoch=0.ckpt"))
+    _assert_equal_states(resumed.weights(), full.weights())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,3 +40,18 @@ def test_gpu_smoke_script_exits_at_once_without_a_device():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ("gpu_smoke: no CUDA device found; nothing to check (run with --rehearse to "
                                    "exercise it on the CPU)")
+
+
+def test_finetune_pretrained_example_runs_offline_and_exports_a_loadable_directory(tmp_path, capsys):
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import finetune_pretrained
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    finetune_pretrained.main(["--devices", "2", "--max-steps", "4", "--corpus-bytes", "60000", "--batch-size", "8",
+                              "--root", str(tmp_path), "--start-method", "fork"])
+    shards = json.loads((tmp_path / "pretrained" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(shards.values())) > 1  # the stand-in is sharded, as a download is
+    exported = json.loads((tmp_path / "finetuned" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(set(exported.values())) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert "fine-tuned model:" in capsys.readouterr().out

@@ -174,24 +174,39 @@ def cpu_state(module: nn.Module, exclude: Collection[str] = ()) -> dict[str, tor
     return {k: v.detach().cpu() for k, v in module.state_dict().items() if k not in exclude}
 
 
+def _merge_order(world: int, replicas: int) -> list[int]:
+    """The ranks in the order their parts are merged, the winner of a key several hold last (:func:`merge_parts`)."""
+    return sorted(range(world), key=lambda rank: (-(rank % replicas), rank))
+
+
 def merge_parts(parts: Sequence[dict[str, Any]], replicas: int = 1) -> dict[str, Any]:
     """The ranks' name-keyed dicts (``parts[rank]``) as one. A key held by several ranks takes the value of the
     first data-parallel replica (the copy the sharded layout keeps) and, within it, of the highest rank: stage 0,
     the owner of a tied weight the last stage (rank 0) holds a replica of ([Note: rank layout])."""
-    order = sorted(range(len(parts)), key=lambda rank: (-(rank % replicas), rank))  # the winner comes last
-    return {k: v for rank in order for k, v in parts[rank].items()}
+    return {k: v for rank in _merge_order(len(parts), replicas) for k, v in parts[rank].items()}
 
 
 def gather_to_first(local: dict[str, Any], replicas: int = 1) -> dict[str, Any] | None:
     """Every stage's name-keyed dict, merged on global rank 0 (:func:`merge_parts`); None on the other ranks, which
-    send their own part and never receive another stage's (their peak memory stays their own stage)."""
+    send their own part and never receive another stage's (their peak memory stays their own stage). Rank 0
+    receives the parts one rank at a time and merges each before the next: its peak is the merged whole plus one
+    part in transit, where a ``gather_object`` held every part's pickle and its tensors at once (measured on a
+    268 MB model: benchmarks/big_model_memory.py)."""
     if not dist.is_available() or not dist.is_initialized():
         return local
-    first = dist.get_rank() == 0
-    parts: list[Any] | None = [None] * dist.get_world_size() if first else None
     check_no_tensors(local, what="a checkpoint's gather to rank 0", host_tensors=True)
-    dist.gather_object(local, parts, dst=0)
-    return merge_parts(parts, replicas) if parts is not None else None
+    if dist.get_rank() != 0:
+        dist.send_object_list([local], dst=0)
+        return None
+    merged: dict[str, Any] = {}
+    for rank in _merge_order(dist.get_world_size(), replicas):
+        if rank == 0:
+            merged.update(local)
+            continue
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=rank)
+        merged.update(box.pop())
+    return merged
 
 
 class PipelineCheckpoints:

@@ -75,28 +75,25 @@ class StageBuilder:
                 ) -> Iterator[None]:
         """``tensor_init_context``: ``base`` is Lightning's own (root device, precision dtype)."""
         strategy, module = self.strategy, self.strategy.lightning_module
-        if empty_init is False or strategy.config.model_init == "full" or module is None or self.built is not None:
+        if empty_init is False or strategy.config.model_init == "full" or self.built is not None or (
+                module is None and not empty_init):
             with base():
                 yield
             return
-        empty = bool(empty_init)
-        recording = Recording(active=lambda: empty or module._current_fx_name == "configure_model")
+        if empty_init:  # `init_module(empty_init=True)`: parameters on meta; planned at setup (adopt)
+            with base(), Recording(active=lambda: True).recording():
+                yield
+            return
+        recording = Recording(active=lambda: module._current_fx_name == "configure_model")
         restore_generators, rewind = generator_states(), rewind_point(module)
         with base(), recording.recording(), meta_load_guard(_LOAD_FIX):
             yield
         if not recording.params:
             return  # `init_module()` around an ordinary build, or a configure_model that built nothing
-        if not empty:
-            restore_generators()  # the recording drew some numbers (tensors made real first); the replay draws all
-        plan = strategy.plan_on_meta(module)
-        names = list(module.state_dict(keep_vars=True))
-        params = dict(module.named_parameters(remove_duplicate=False))
-        aliases = {n: [m for m, q in params.items() if q is p and m != n] for n, p in params.items()}
-        buffers = [n for n in names if n not in params]
-        source = "empty" if empty else "weights" if strategy.config.weights is not None else "replayed"
-        self.built = MetaBuild(plan, source, names, {n: a for n, a in aliases.items() if a}, buffers)
-        if source == "replayed":
-            dropped = set(removed_modules(plan, strategy.stage_index))
+        restore_generators()  # the recording drew some numbers (tensors made real first); the replay draws all
+        built = self.adopt(module, source="weights" if strategy.config.weights is not None else "replayed")
+        if built.source == "replayed":
+            dropped = set(removed_modules(built.plan, strategy.stage_index))
             keep = owned_registrations(recording.params, module,
                                        lambda n: not any(n.startswith(r + ".") for r in dropped))
             rewind()
@@ -107,8 +104,24 @@ class StageBuilder:
                     module.configure_model()
             finally:
                 module._current_fx_name = previous
-        log.info(f"lightning_paci: model built on the meta device ({source}); stage {strategy.stage_index} holds "
-                 f"only its own parameters")
+
+    def adopt(self, module: nn.Module, *, source: str) -> MetaBuild:
+        """Plan the meta-built ``module`` and record what setup needs (``source``: how the stage gets its values)."""
+        plan = self.strategy.plan_on_meta(module)
+        names = list(module.state_dict(keep_vars=True))
+        params = dict(module.named_parameters(remove_duplicate=False))
+        aliases = {n: [m for m, q in params.items() if q is p and m != n] for n, p in params.items()}
+        buffers = [n for n in names if n not in params]
+        self.built = MetaBuild(plan, source, names, {n: a for n, a in aliases.items() if a}, buffers)
+        log.info(f"lightning_paci: model built on the meta device ({source}); stage {self.strategy.stage_index} "
+                 f"holds only its own parameters")
+        return self.built
+
+    def on_meta(self, module: nn.Module | None) -> bool:
+        """Whether ``module`` takes the meta path: built by ``configure_model`` here, or with meta parameters
+        (``init_module(empty_init=True)``, or a model built under ``torch.device("meta")``)."""
+        return self.built is not None or (module is not None and self.strategy.config.model_init == "stage" and any(
+            p.is_meta for p in module.parameters()))
 
     def materialize(self, module: nn.Module, carve: StageCarve, *, has_checkpoint: bool) -> None:
         """After carving: give the stage's meta parameters memory on the device and their values."""
@@ -159,7 +172,8 @@ class StageBuilding:
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return self._builder.built is not None  # a meta-built model takes its checkpoint weights per stage
+        # a meta-built model takes its checkpoint weights per stage, after carving
+        return self._builder.on_meta(self.lightning_module)  # type: ignore[attr-defined]
 
     @property
     def weights_read(self) -> dict[str, list[str]] | None:
@@ -167,10 +181,24 @@ class StageBuilding:
         report = self._builder.weights_report
         return None if report is None else {"files": list(report.opened), "keys": list(report.read_keys)}
 
+    def teardown(self) -> None:
+        """Lightning's teardown moves the module to the CPU, which a meta tensor cannot do: the other stages'
+        parameters (and a failed run's whole model) stay on meta, the rest moves."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        if module is None or not any(p.is_meta for p in module.parameters()):
+            return super().teardown()  # type: ignore[misc]
+        module.__dict__["cpu"] = lambda: module._apply(lambda t: t if t.is_meta else t.cpu())
+        try:
+            super().teardown()  # type: ignore[misc]
+        finally:
+            module.__dict__.pop("cpu", None)
+
     def _plan_stages(self, trainer: Any, module: Any) -> PartitionPlan:
         """The plan of a model built on the meta device, or one planned here from the whole model (timing blocks
         for ``"balanced"``; a warning when every local rank holding the whole model nears the host's memory)."""
         whole = trainer.state.fn == TrainerFn.FITTING and self.is_global_zero  # type: ignore[attr-defined]
+        if self._builder.built is None and self._builder.on_meta(module):
+            self._builder.adopt(module, source="weights" if self.config.weights is not None else "empty")
         if self._builder.built is not None:
             if whole:
                 self._undo_patches += api.whole_model_summaries(trainer, module)  # type: ignore[attr-defined]
@@ -212,7 +240,7 @@ def _reset_by_name(module: nn.Module) -> None:
     under a generator seeded by the module's name and ``torch.initial_seed()`` (the same on any partition)."""
     for name, sub in module.named_modules():
         if sub._parameters and any(p is not None for p in sub._parameters.values()):
-            reset = getattr(sub, "reset_parameters", None)
+            reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)  # (attention)
             if reset is None:
                 raise ValueError(
                     f"`{name}` ({type(sub).__name__}) has parameters but no `reset_parameters()`, and the model was "
