@@ -360,3 +360,19 @@ def test_a_meta_built_model_resumes_exactly_from_its_stage_of_a_checkpoint(tmp_p
     trainer(tmp_path / "resumed", 3, resumed).fit(LaterLoopTransformer(layers=4), loader,
                                                   ckpt_path=str(tmp_path / "part" / "epoch=0.ckpt"))
     _assert_equal_states(resumed.weights(), full.weights())
+
+
+def test_weights_of_another_model_are_refused_at_setup_listing_the_keys(tmp_path) -> None:
+    directory = _pretrained_directory(tmp_path / "gpt2")
+    with pytest.raises(ProcessRaisedException, match=r"does not match the model's names .*missing .*tok_emb\.weight"):
+        fit(LaterLoopTransformer(layers=4), token_loader(), devices=2, max_steps=1, partition="parameters",
+            weights=str(directory))
+
+
+def test_a_model_built_in_init_that_nears_the_hosts_memory_is_warned_about() -> None:
+    from lightning_paci.integration.stage_build import host_memory_warning
+
+    model = LoopTransformer(layers=2)
+    assert host_memory_warning(model, local_ranks=8) is None
+    warning = host_memory_warning(model, local_ranks=10**9)  # as if a billion processes each held it
+    assert warning is not None and "Build it in `LightningModule.configure_model()`" in warning
