@@ -33,7 +33,7 @@ def sleep_until(deadline: float) -> None:
 
     A deadline rather than a duration: the block's real work (and Python's) runs *inside* its emulated time, as a
     GPU's host work overlaps its kernels. The last ``SPIN_S`` are spun: ``time.sleep`` wakes 0.10-0.20 ms late on
-    these shared cores (measured, issue 16), which a device does not (its kernel ends on time, and CUDA's default
+    these shared cores (measured 2026-12-01), which a device does not (its kernel ends on time, and CUDA's default
     host wait spins when there are fewer processes than cores); with 10/20 ms blocks two late wake-ups per
     micro-batch and stage were ~1% of a stage's time, counted as our overhead.
     """

@@ -1,4 +1,4 @@
-"""Where a stage's time per micro-batch goes, through the Trainer on the emulated cluster (issue 16's measure).
+"""Where a stage's time per micro-batch goes, through the Trainer on the emulated cluster.
 
 Each stage is one block whose forward and backward take ``--forward-ms`` / ``--backward-ms`` of emulated device time
 (emulated.py: the block's real work runs inside it). From every stage's recorded intervals in the steady window

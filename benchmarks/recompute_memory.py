@@ -1,4 +1,4 @@
-"""What activation recomputation saves and costs (issue 17), on 8 stages with m = 8.
+"""What activation recomputation saves and costs, on 8 stages with m = 8.
 
     cd benchmarks && python recompute_memory.py [--time] [--json results/recompute_memory.json]
 

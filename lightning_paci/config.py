@@ -83,8 +83,9 @@ class PACIConfig:
         recompute: ``"off"`` (default) or ``"blocks"``: each of a stage's blocks keeps only its input between a
             micro-batch's forward and its backward and runs its forward again inside the backward (activation
             memory for compute; exact under 1f1b/gpipe, a second staleness under paci: [Note: recomputation under
-            PACI] in recompute.py). recompute_stages: only the first this many stages recompute (they hold the most
-            micro-batches in flight); None (default): every stage.
+            PACI] in recompute.py).
+        recompute_stages: only the first this many stages recompute (they hold the most micro-batches in flight);
+            None (default): every stage.
         process_group_backend: ``"nccl"`` on CUDA, ``"gloo"`` otherwise (default: chosen from the device).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"`` (CPU tests,
             notebooks) or ``"forkserver"``.

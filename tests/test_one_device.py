@@ -1,4 +1,4 @@
-"""Issue 13's remaining items: an unchanged module trains as on one device, or is refused at setup.
+"""An unchanged module trains as on one device, or is refused at setup.
 
 Each test is written as an ordinary single-device module would be, and compares the pipelined run with
 ``Trainer(devices=1)`` or the one-process reference executor.
@@ -263,3 +263,22 @@ def test_a_window_left_open_at_the_epoch_end_is_stepped_as_on_one_device(tied):
     fit(model, loader, devices=2, max_steps=-1, schedule="1f1b", microbatches=2, partition="parameters",
         trainer_kwargs={"max_epochs": 2, "accumulate_grad_batches": 2})
     assert_same_weights(model, expected)
+
+
+class _BatchNormMLP(SequentialMLP):
+    def __init__(self) -> None:
+        super().__init__(depth=4)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+
+
+def test_batch_norm_with_micro_batches_is_warned_about_naming_the_modules_and_the_choices(tmp_path):
+    record = RecordSetupWarnings(tmp_path / "warnings.json")
+    fit(_BatchNormMLP(), regression_loader(), devices=2, max_steps=1, partition="parameters", callbacks=[record])
+    warned = [w for w in json.loads((tmp_path / "warnings.json").read_text()) if "batch statistics" in w]
+    assert len(warned) == 1 and "`net.1`, `net.4`" in warned[0] and "2 micro-batches" in warned[0]
+    assert "GroupNorm or LayerNorm" in warned[0] and "fewer micro-batches" in warned[0]
+    record = RecordSetupWarnings(tmp_path / "none.json")  # one micro-batch per batch: nothing differs
+    fit(_BatchNormMLP(), regression_loader(), devices=2, max_steps=1, partition="parameters", microbatches=1,
+        callbacks=[record])
+    assert not [w for w in json.loads((tmp_path / "none.json").read_text()) if "batch statistics" in w]

@@ -1,5 +1,5 @@
 """What every stage trains on is what one device trains on: the samples (workers, collate, fingerprint), a short or
-uneven batch, and values that cross the block container from modules a stage does not run (issue 13).
+uneven batch, and values that cross the block container from modules a stage does not run.
 
 Each test is written as an ordinary single-device module would be, and compares the pipelined run with
 ``Trainer(devices=1)`` or the one-process reference executor, or asserts the refusal's text.

@@ -15,7 +15,9 @@ the rendezvous store (its own TCP connection, never the training communicators):
 * a stage whose code raises (the user's step, a non-finite loss, a lost neighbour) writes ``paci/failed`` with
   its stage index and exception before Lightning unwinds it;
 * on either, every other stage prints one line naming the failed stage and its reason and exits the process with
-  status 1 -- it may be blocked inside a receive that no exception can interrupt.
+  status 1 -- it may be blocked inside a receive that no exception can interrupt. A stage whose own exception
+  came after another stage's reported failure (a neighbour's lost connection) reports it in one line too, not as
+  a traceback: the failed stage's traceback stays the last one on the screen, the cause last.
 
 Stages that finished cleanly set ``paci/done/<stage>`` and stop their watchdog before the final gather, so a normal
 shutdown is never mistaken for a failure. Heartbeats are counters, not timestamps: no clock agreement is needed
@@ -83,6 +85,35 @@ class StageWatchdog:
     def start(self) -> None:
         self._beat()
         self._thread.start()
+        self._report_secondary_failures_in_one_line()
+
+    def _report_secondary_failures_in_one_line(self) -> None:
+        """An uncaught exception in this process after another stage reported its failure is a consequence of
+        that failure (the neighbour's connection closed): one line naming the cause instead of a traceback."""
+        previous = sys.excepthook
+
+        def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+            try:
+                failure = self._failure_elsewhere()
+            except Exception:  # the store is gone with rank 0's process: a lost message is its consequence
+                failure = (self.store_host, "exited (its message is above)") \
+                    if isinstance(value, (StageFailure, ConnectionError)) else None
+            if failure is None:
+                previous(kind, value, traceback)
+                return
+            stage, reason = failure
+            first_line = str(value).splitlines()[0] if str(value) else ""
+            print(f"lightning_paci: {self.name(self.stage)} stopped ({kind.__name__}: {first_line[:200]}) because "
+                  f"{self.name(stage)} failed first: {reason.splitlines()[0][:300] if reason else ''}",
+                  file=sys.stderr, flush=True)
+
+        sys.excepthook = hook
+
+    def _failure_elsewhere(self) -> tuple[int, str] | None:
+        if not self.store.check([FAILED_KEY]):
+            return None
+        stage, _, reason = self.store.get(FAILED_KEY).decode().partition("\n")
+        return (int(stage), reason) if int(stage) != self.stage else None
 
     def stop(self, *, done: bool = True) -> None:
         if done:
@@ -126,8 +157,7 @@ class StageWatchdog:
 
     def _failure(self) -> tuple[int, str] | None:
         if self.store.check([FAILED_KEY]):
-            stage, _, reason = self.store.get(FAILED_KEY).decode().partition("\n")
-            return (int(stage), reason) if int(stage) != self.stage else None
+            return self._failure_elsewhere()
         if (hung := self._hung()) is not None:
             return hung
         now = time.monotonic()

@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_paci.integration import lightning_api as api
-from lightning_paci.integration.trainer_glue import measure_block_costs
+from lightning_paci.integration.trainer_glue import batch_norm_warning, measure_block_costs
 from lightning_paci.partition import PartitionPlan, StageCarve, plan_partition
 from lightning_paci.partition.carve import removed_modules
 from lightning_paci.partition.stage_init import (
@@ -197,6 +197,8 @@ class StageBuilding:
         """The plan of a model built on the meta device, or one planned here from the whole model (timing blocks
         for ``"balanced"``; a warning when every local rank holding the whole model nears the host's memory)."""
         whole = trainer.state.fn == TrainerFn.FITTING and self.is_global_zero  # type: ignore[attr-defined]
+        if whole and (warning := batch_norm_warning(module, self.num_microbatches)) is not None:  # type: ignore
+            rank_zero_warn(warning)
         if self._builder.built is None and self._builder.on_meta(module):
             self._builder.adopt(module, source="weights" if self.config.weights is not None else "empty")
         if self._builder.built is not None:

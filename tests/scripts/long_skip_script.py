@@ -1,0 +1,36 @@
+"""2 stages under the default launcher, a module with a long skip: stage 1 refuses it (CrossingError)."""
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_paci import PACIStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import SequentialMLP, regression_loader  # noqa: E402
+
+
+class LongSkip(SequentialMLP):
+    """`head(blocks(h) + h)`: the embedding's output is used after the block container."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.net
+        self.embed = nn.Linear(8, 16)
+        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        return self.head(self.net(h) + h)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    trainer = L.Trainer(strategy=PACIStrategy(partition="parameters", failure_timeout=5.0), accelerator="cpu",
+                        devices=int(sys.argv[1]) if len(sys.argv) > 1 else 2, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(LongSkip(), regression_loader())

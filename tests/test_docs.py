@@ -1,0 +1,49 @@
+"""The documentation stays what the README promises: a short front page linking every guide page, an option
+reference generated from ``PACIConfig`` (current), and no history of the project's own making in the text."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+
+def test_the_readme_is_short_and_links_every_guide_page() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    pages = sorted(p.name for p in DOCS.glob("*.md"))
+    assert len([p for p in pages if p != "architecture.md"]) >= 5
+    for page in pages:
+        assert f"(docs/{page})" in readme, f"README.md does not link docs/{page}"
+
+
+def test_the_option_reference_is_generated_and_current() -> None:
+    done = subprocess.run([sys.executable, str(DOCS / "options.py"), "--check"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    from lightning_paci.config import PACIConfig
+
+    page = (DOCS / "options.md").read_text()
+    assert all(f"| `{name}` |" in page for name in PACIConfig.__dataclass_fields__)
+
+
+def _text_files() -> list[Path]:
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    files = [ROOT / name for name in listed if name.endswith((".py", ".md", ".toml", ".txt", ".cfg"))]
+    return files or [*ROOT.glob("**/*.py"), *ROOT.glob("**/*.md")]
+
+
+def test_no_numbered_work_periods_and_issue_numbers_only_in_the_changelog() -> None:
+    period = re.compile(r"\b(session|work period|stop)s? \d+", re.IGNORECASE)
+    issue = re.compile(r"\bissues? \d+", re.IGNORECASE)
+    found = []
+    for path in _text_files():
+        if not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+            if period.search(line) or (path.name != "CHANGELOG.md" and issue.search(line)):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
+    assert not found, "\n".join(found[:40]) + (f"\n... {len(found) - 40} more" if len(found) > 40 else "")
