@@ -30,7 +30,8 @@ class LongSkip(SequentialMLP):
 
 if __name__ == "__main__":
     torch.manual_seed(0)
+    devices = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     trainer = L.Trainer(strategy=PACIStrategy(partition="parameters", failure_timeout=5.0), accelerator="cpu",
-                        devices=int(sys.argv[1]) if len(sys.argv) > 1 else 2, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+                        devices=devices, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(LongSkip(), regression_loader())
