@@ -1,6 +1,6 @@
 """``python -m lightning_paci.checkpoint DIR model.ckpt``: consolidate a sharded PACI checkpoint into one file.
 
-Only an entry point, kept so the command in the README keeps working: the checkpoint format and this command's
+Only an entry point, kept so the documented command keeps working: the checkpoint format and this command's
 code are in :mod:`lightning_paci.integration.checkpoint`.
 """
 

@@ -3,7 +3,7 @@
     python -m lightning_paci.simulate --schedule paci --stages 8 --microbatches 8 --accumulation 8 \\
         [--minibatches K] [--forward-cost F] [--backward-cost B] [--comm-cost C] [--json] [--timeline out.png]
 
-Only an entry point, kept so the command in the README keeps working: the table, the argument parser and the
+Only an entry point, kept so the documented command keeps working: the table, the argument parser and the
 engine are in :mod:`lightning_paci.simulation`.
 """
 

@@ -28,7 +28,7 @@ TORCHRUN_SCRIPT = Path(__file__).parent / "scripts" / "torchrun_script.py"
 
 
 def _two_torchrun_nodes(out: Path, *args: str) -> tuple[list[subprocess.CompletedProcess], float]:
-    """The two commands of the README's "Launching" section, one per "node", on this machine: c10d rendezvous on
+    """The two commands of docs/launching.md, one per "node", on this machine: c10d rendezvous on
     localhost at a free port, 2 processes each."""
     with socket.socket() as probe:
         probe.bind(("localhost", 0))

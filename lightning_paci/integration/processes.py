@@ -34,6 +34,7 @@ from lightning_paci.engine.pickle_guard import check_no_tensors
 from lightning_paci.engine.supervision import StageWatchdog, connect_store, print_setup_errors_once
 from lightning_paci.engine.topology import Topology, check_topology, resolve_sizes
 from lightning_paci.integration import lightning_api as api
+from lightning_paci.integration.trainer_glue import share_cpu_cores
 from lightning_paci.schedules import Communicator
 
 __all__ = ["PipelineProcesses"]
@@ -182,6 +183,8 @@ class PipelineProcesses(ParallelStrategy):
             )
         topology = self._check_topology()  # the same checks on every rank (torchrun, SLURM: no main process)
         super().setup_environment()
+        if (shared := share_cpu_cores(self.root_device, self.num_processes)) is not None:
+            log.info(shared)
         reset_seed()
         self.set_world_ranks()
         print_setup_errors_once(self.global_rank)

@@ -347,7 +347,7 @@ def lookahead_for(compensation: str, optimizer: torch.optim.Optimizer,
                          f"`compensation='none'`.")
     if warn is not None:
         warn(f"lightning_paci: no staleness compensation for this run: {reason}. PACI then loses some loss per "
-             f"update to its drift (see the README's 'same as one device' table); pass `compensation='none'` to "
+             f"update to its drift (see docs/semantics.md); pass `compensation='none'` to "
              f"silence this warning.")
     return None
 

@@ -49,7 +49,7 @@ from lightning_paci.simulation.timeline import Interval, save_timeline_png
 
 __all__ = ["SimulationResult", "StageReport", "format_table", "main", "measured_phases", "simulate"]
 
-# the first line of the old simulate.py docstring: argparse prints it in --help, which the README shows
+# the first line of the old simulate.py docstring: argparse prints it in --help, which the docs show
 _CLI_DESCRIPTION = (
     "``python -m lightning_paci.simulate``: print a schedule's predicted per-stage drift, in-flight depth and bubble."
 )
@@ -320,7 +320,7 @@ def _stage_report(schedule: Schedule, s: int, starts: list[float], f_cost: float
 
 
 def format_table(result: SimulationResult) -> str:
-    """The per-stage report as the fixed-width table the command line prints (the README quotes it)."""
+    """The per-stage report as the fixed-width table the command line prints (docs/tuning.md quotes it)."""
     sch = result.schedule
     head = (f"schedule={sch.name} stages={sch.num_stages} microbatches={sch.num_microbatches} "
             f"accumulation={sch.accumulation} minibatches={sch.num_minibatches}")
