@@ -1,6 +1,6 @@
 """Train a small GPT-2 (transformers) with PACI pipeline parallelism, on an embedded corpus: no download.
 
-    python examples/train_gpt.py                       # 4 stages on CPU, about 4 minutes on 2 cores
+    python examples/train_gpt.py                       # 4 stages on CPU: 1 min 23 s on 2 cores (2026-12-02)
     python examples/train_gpt.py --data my.txt --devices 8 --accelerator gpu --max-steps 2000
 
 The default corpus is the source of the Python standard library that runs this script, read in a fixed order, as
