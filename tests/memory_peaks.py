@@ -72,7 +72,7 @@ def run_peaks(directory: Path, width: int, *, later: bool, layout: str = "sharde
                                   checkpoint_layout=layout)
     strategy.peaks = peaks
     L.seed_everything(0)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=2, logger=False,
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
                         callbacks=[peaks])

@@ -352,12 +352,12 @@ def test_a_meta_built_model_resumes_exactly_from_its_stage_of_a_checkpoint(tmp_p
     loader = token_loader(num_batches=4)
     full, part = DumpWeights(tmp_path / "full"), DumpWeights(tmp_path / "part")
     L.seed_everything(0)
-    trainer(tmp_path / "full", 3, full).fit(LaterLoopTransformer(layers=4), loader)
+    trainer(tmp_path / "full", 2, full).fit(LaterLoopTransformer(layers=4), loader)
     L.seed_everything(0)
     trainer(tmp_path / "part", 1, part).fit(LaterLoopTransformer(layers=4), loader)
     resumed = DumpWeights(tmp_path / "resumed")
     L.seed_everything(1)  # a different seed: the replayed init is overwritten by the checkpoint's weights
-    trainer(tmp_path / "resumed", 3, resumed).fit(LaterLoopTransformer(layers=4), loader,
+    trainer(tmp_path / "resumed", 2, resumed).fit(LaterLoopTransformer(layers=4), loader,
                                                   ckpt_path=str(tmp_path / "part" / "epoch=0.ckpt"))
     _assert_equal_states(resumed.weights(), full.weights())
 

@@ -446,3 +446,19 @@ def test_long_streams_drain_every_max_stream_batches_and_equal_the_reference():
         reference.run(build("paci", 4, 4, 3, count, backward_offset=done % 3), batches[start:start + count])
         done += 4 * count
     _assert_state_close(model, reference.state_dict(), rtol=1e-6)
+
+
+def test_stage_processes_on_the_cpu_share_the_cores_unless_omp_num_threads_is_set():
+    import os
+
+    from lightning_paci.integration.trainer_glue import share_cpu_cores
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(2, os.cpu_count() or 2))
+        assert share_cpu_cores(torch.device("cpu"), 10**6, environ={"OMP_NUM_THREADS": "4"}) is None  # the user's
+        assert share_cpu_cores(torch.device("meta"), 10**6, environ={}) is None  # not a CPU run
+        line = share_cpu_cores(torch.device("cpu"), 10**6, environ={})
+        assert line is not None and "1 intra-op thread(s) each" in line and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
