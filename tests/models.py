@@ -271,3 +271,18 @@ class WideMLP(LightningModule):
 def wide_loader(width: int, num_batches: int = 3, batch_size: int = 4) -> DataLoader:
     g = torch.Generator().manual_seed(0)
     return DataLoader(TensorDataset(torch.randn(num_batches * batch_size, width, generator=g)), batch_size=batch_size)
+
+
+class LongSkip(SequentialMLP):
+    """`head(blocks(h) + h)`: the embedding's output is used after the block container."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.net  # registered in forward order: embedding, blocks, head
+        self.embed = nn.Linear(8, 16)
+        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        return self.head(self.net(h) + h)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.multiprocessing import ProcessRaisedException
 
 from helpers import KeepMetrics, Momentum, assert_same_weights, fit, one_device, reference_run
-from models import SequentialMLP, regression_loader, token_loader
+from models import LongSkip, SequentialMLP, regression_loader, token_loader
 
 
 class _NoisyPairs(torch.utils.data.Dataset):
@@ -191,25 +191,10 @@ def test_a_short_last_batch_under_paci_equals_the_reference_executor():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
 
 
-class _LongSkip(SequentialMLP):
-    """`head(blocks(h) + h)`: the embedding's output is used after the block container."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        del self.net  # registered in forward order: embedding, blocks, head
-        self.embed = nn.Linear(8, 16)
-        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x):
-        h = self.embed(x)
-        return self.head(self.net(h) + h)
-
-
 def test_a_long_skip_across_the_container_is_refused_naming_the_module():
     with pytest.raises(ProcessRaisedException, match=r"Stage 1 would compute with zeros.*computed by `embed`, which "
                                                      r"stage 0 runs.*long skip"):
-        fit(_LongSkip(), regression_loader(), devices=2, max_steps=1, partition="parameters")
+        fit(LongSkip(), regression_loader(), devices=2, max_steps=1, partition="parameters")
 
 
 class _NormAfterEmbedding(SequentialMLP):

@@ -5,28 +5,11 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch import nn
 
 from lightning_paci import PACIStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import SequentialMLP, regression_loader  # noqa: E402
-
-
-class LongSkip(SequentialMLP):
-    """`head(blocks(h) + h)`: the embedding's output is used after the block container."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        del self.net
-        self.embed = nn.Linear(8, 16)
-        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x):
-        h = self.embed(x)
-        return self.head(self.net(h) + h)
-
+from models import LongSkip, regression_loader  # noqa: E402
 
 if __name__ == "__main__":
     torch.manual_seed(0)
