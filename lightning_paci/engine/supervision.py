@@ -94,7 +94,8 @@ class StageWatchdog:
 
         def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
             try:
-                failure = self._failure_elsewhere()
+                reported = self._reported()
+                failure = reported if reported is not None and reported[0] != self.stage else None
             except Exception:  # the store is gone with rank 0's process: a lost message is its consequence
                 failure = (self.store_host, "exited (its message is above)") \
                     if isinstance(value, (StageFailure, ConnectionError)) else None
@@ -109,11 +110,12 @@ class StageWatchdog:
 
         sys.excepthook = hook
 
-    def _failure_elsewhere(self) -> tuple[int, str] | None:
+    def _reported(self) -> tuple[int, str] | None:
+        """The first failure any stage published (this one's included), or None."""
         if not self.store.check([FAILED_KEY]):
             return None
         stage, _, reason = self.store.get(FAILED_KEY).decode().partition("\n")
-        return (int(stage), reason) if int(stage) != self.stage else None
+        return int(stage), reason
 
     def stop(self, *, done: bool = True) -> None:
         if done:
@@ -156,8 +158,8 @@ class StageWatchdog:
                 return
 
     def _failure(self) -> tuple[int, str] | None:
-        if self.store.check([FAILED_KEY]):
-            return self._failure_elsewhere()
+        if (reported := self._reported()) is not None:
+            return reported if reported[0] != self.stage else None
         if (hung := self._hung()) is not None:
             return hung
         now = time.monotonic()

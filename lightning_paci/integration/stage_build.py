@@ -199,18 +199,19 @@ class StageBuilding:
         whole = trainer.state.fn == TrainerFn.FITTING and self.is_global_zero  # type: ignore[attr-defined]
         if whole and (warning := batch_norm_warning(module, self.num_microbatches)) is not None:  # type: ignore
             rank_zero_warn(warning)
-        if self._builder.built is None and self._builder.on_meta(module):
-            self._builder.adopt(module, source="weights" if self.config.weights is not None else "empty")
-        if self._builder.built is not None:
-            if whole:
-                self._undo_patches += api.whole_model_summaries(trainer, module)  # type: ignore[attr-defined]
-            return self._builder.built.plan
-        warning = host_memory_warning(module, self.num_processes)  # type: ignore[attr-defined]
-        if warning is not None:
-            rank_zero_warn(warning)
-        measured = measure_block_costs(self, trainer) if self.config.partition == "balanced" else None
-        if whole:  # before carving: the whole model
+        built = self._builder.built
+        if built is None and self._builder.on_meta(module):
+            built = self._builder.adopt(module, source="weights" if self.config.weights is not None else "empty")
+        measured = None
+        if built is None:
+            warning = host_memory_warning(module, self.num_processes)  # type: ignore[attr-defined]
+            if warning is not None:
+                rank_zero_warn(warning)
+            measured = measure_block_costs(self, trainer) if self.config.partition == "balanced" else None
+        if whole:  # before carving: the whole model (on meta when built there)
             self._undo_patches += api.whole_model_summaries(trainer, module)  # type: ignore[attr-defined]
+        if built is not None:
+            return built.plan
         return plan_partition(module, self.num_stages, container=self.config.block_container,
                               partition=self.config.partition, measured=measured)
 

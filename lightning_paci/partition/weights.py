@@ -143,7 +143,7 @@ def match_names(module_names: Sequence[str], aliases: Mapping[str, Sequence[str]
                 break
     missing = [n for n in module_names if n not in mapping and n not in buffers]
     taken = set(mapping.values())
-    every_name = {n for n in module_names} | {a for names in aliases.values() for a in names}
+    every_name = set(module_names) | {a for names in aliases.values() for a in names}
     unexpected = sorted(k for k in file_keys if k not in taken and prefix + k not in every_name)
     if missing or unexpected:
         shown = (f"missing (the module has them, the file does not): {_few(missing)}" if missing else "") + \
