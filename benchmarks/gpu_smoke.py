@@ -1,24 +1,33 @@
-"""On one lent GPU, check what a CPU machine cannot: one script, a few minutes, figures printed as JSON lines.
+"""On one lent GPU, check what a CPU machine cannot: one script, at most 6 minutes, one JSON object on stdout.
 
     python benchmarks/gpu_smoke.py [--out gpu_smoke.json]     # on a machine with CUDA
     python benchmarks/gpu_smoke.py --rehearse                  # the same checks on the CPU, where they can run
 
-Checks, each independent (one failing does not stop the others; the exit status is 1 if any failed):
+Checks, each independent (one failing does not stop the others; the exit status is 1 if any failed), each given
+what is left of the 6-minute budget (a check that would start past it is reported as skipped):
 
-* ``reference_bf16``: the one-process reference executor on the device, a tied transformers GPT-2 (4 stages, paci,
-  bf16 autocast), run twice with deterministic algorithms on (losses must be equal bit for bit) and once off (the
-  difference is printed); host vs device time per micro-batch (CUDA events around the whole run);
-* ``syncs``: host synchronisations per micro-batch and per update of the same run in its steady state, counted by
-  ``torch.cuda.set_sync_debug_mode("warn")``;
+* ``reference_bf16``: the one-process reference executor on the device, a tied transformers GPT-2 (4 stages, paci),
+  with bf16 autocast entered around each forward as the strategy's precision plugin does (one autocast around the
+  whole run would cache each weight's first bf16 copy, so later updates would never reach the forwards), run twice
+  with deterministic algorithms on (losses must be equal bit for bit, and must change from update to update) and
+  once off (the difference is printed); host vs device time per micro-batch (CUDA events around the whole run);
+* ``syncs``: ``torch.cuda.set_sync_debug_mode("error")`` over every action of the steady state but the updates: a
+  device synchronisation inside a forward, backward or message raises, naming its site (0 per micro-batch is the
+  design); the updates' own reads (the pre-update check) are counted under ``"warn"``;
+* ``split_wire``: the NCCL runs' message framing on the device ([Note: headers on a host side channel]): a payload
+  framed on the GPU with a host header, parsed back, under ``"error"`` (no synchronisation), equal to what was sent;
 * ``gloo_two_processes``: two processes sharing the GPU over gloo (messages staged through host memory), 2 stages
   under 1f1b against ``Trainer(devices=1)`` on the GPU (SGD, rel 1e-5), launched as two single-process nodes;
 * ``fused_adamw_resume``: the same two processes with ``AdamW(fused=True)``: fit 2 epochs, and fit 1 + save + resume
   to 2, equal weights (the optimizer's ``step`` restored as float32 on the device, as ``load_state_dict`` places it);
-* ``nccl_world_size_1``: NCCL initialised on one rank, GPU memory per communicator (free-memory deltas), and the
-  number of point-to-point communicators a rank of an N-stage pipeline creates (``PipelineProcesses.p2p_connected``
-  is 4 for N >= 2: multiply by the per-communicator figure).
+* ``nccl_world_size_1``: NCCL initialised on one rank bound to the GPU, a gloo host group of every rank created after
+  binding (what the strategy does under NCCL), GPU memory per communicator (free-memory deltas), and the number of
+  point-to-point communicators a rank of an N-stage pipeline creates (4 for N >= 2).
 
-Without CUDA (and without ``--rehearse``) it prints that no device was found and exits 0 at once.
+What one GPU cannot show: two NCCL ranks (one GPU cannot host both ends of a communicator), so NCCL's point-to-point
+and group-creation rules are checked on the CPU under ``LIGHTNING_PACI_EMULATE_NCCL=1`` (docs/launching.md) and by
+the rendezvous model; workers are killed when their time is up. Without CUDA (and without ``--rehearse``) it prints
+that no device was found and exits 0 at once.
 """
 
 from __future__ import annotations
@@ -71,16 +80,18 @@ def _reference_run(device: torch.device, *, deterministic: bool, count_syncs: bo
     data = [tuple(t.to(device) for t in batch) for batch in token_loader(num_batches=batches, batch_size=16,
                                                                             vocab=64, seq=33)]
     schedule = build("paci", stages, m, a, num_minibatches=batches, tied=True)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    for runtime in reference.runtimes:  # per forward, as the precision plugin's train_step_context is entered
+        runtime.program.context = lambda: torch.autocast(device.type, dtype=torch.bfloat16,
+                                                         enabled=device.type == "cuda")
+        if count_syncs:
+            _strict_outside_updates(runtime, device)
     start = end = None
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     host = time.perf_counter()
-    with autocast, warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if count_syncs and device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("warn")
         try:
             reference.run(schedule, data)
         finally:
@@ -99,10 +110,26 @@ def _reference_run(device: torch.device, *, deterministic: bool, count_syncs: bo
     if count_syncs:
         syncs = [w for w in caught if "synchroniz" in str(w.message)]
         updates = sum(r.version for r in reference.runtimes)
-        out.update(syncs=len(syncs), syncs_per_microbatch=len(syncs) / (total * stages),
-                   syncs_per_update=len(syncs) / max(1, updates),
+        out.update(syncs_per_microbatch=0, syncs_in_updates=len(syncs), syncs_per_update=len(syncs) / max(1, updates),
                    sync_sites=sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})[:20])
     return out
+
+
+def _strict_outside_updates(runtime: Any, device: torch.device) -> None:
+    """Every action of ``runtime`` but its updates under ``set_sync_debug_mode("error")`` (a synchronisation raises
+    there, naming its site); the updates under ``"warn"`` (counted)."""
+    if device.type != "cuda":
+        return
+    execute = runtime.execute
+
+    def strict(action: Any) -> None:
+        torch.cuda.set_sync_debug_mode("warn" if action.kind.name == "OPT" else "error")
+        try:
+            execute(action)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runtime.execute = strict
 
 
 def check_reference_bf16(device: torch.device) -> dict[str, Any]:
@@ -112,6 +139,8 @@ def check_reference_bf16(device: torch.device) -> dict[str, Any]:
     torch.use_deterministic_algorithms(False)
     if first["losses"] != second["losses"]:
         raise AssertionError(f"deterministic runs differ: {first['losses'][:4]} vs {second['losses'][:4]}")
+    if len(set(first["losses"])) < len(first["losses"]) // 2:  # updates reach the forwards (no stale bf16 copy)
+        raise AssertionError(f"the losses barely change across updates: {first['losses']}")
     return {"losses_first_last": [first["losses"][0], first["losses"][-1]],
             "deterministic_equal": True,
             "max_abs_diff_nondeterministic": max(abs(x - y) for x, y in zip(first["losses"], loose["losses"])),
@@ -124,6 +153,30 @@ def check_syncs(device: torch.device) -> dict[str, Any]:
     figures = _reference_run(device, deterministic=False, count_syncs=True)
     del figures["losses"]
     return figures
+
+
+def check_split_wire(device: torch.device) -> dict[str, Any]:
+    from lightning_paci.engine.split_wire import frame_split, read_split_header, unpack_split
+
+    hidden = torch.randn(4, 33, 64, device=device, dtype=torch.bfloat16)
+    message = {"hidden": hidden, "mask": torch.ones(4, 33, dtype=torch.bool, device=device), "step": 7,
+               "host": torch.arange(3)}
+    frame_split(message, device, what="warm-up")  # allocator and kernels
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        frame = frame_split(message, device, what="the smoke message")
+        first = frame.header[0]
+        rest = iter(frame.header[1:])
+        skeleton, host, _ = read_split_header(first, lambda count: next(rest))
+        received = unpack_split(skeleton, host, frame.payload)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(received["hidden"], hidden) and received["step"] == 7
+    assert received["host"].device.type == "cpu" and received["hidden"].device == hidden.device
+    return {"equal": True, "header_buffer_bytes": sum(p.numel() for p in frame.header),
+            "payload_bytes": 0 if frame.payload is None else frame.payload.numel()}
 
 
 # -- two processes sharing the device over gloo ----------------------------------------------------------------
@@ -141,7 +194,13 @@ def _two_processes(kind: str, out: Path, rehearse: bool) -> None:
                "NODE_RANK": str(rank), "LOCAL_RANK": "0", "PYTHONUNBUFFERED": "1"}
         command = [sys.executable, str(HERE), "--worker", kind, str(out)] + (["--rehearse"] if rehearse else [])
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=max(10.0, _left()))[0] for p in procs]
+    finally:
+        for p in procs:  # past the budget (or on any error): no worker outlives the check
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     if any(p.returncode for p in procs):
         raise RuntimeError("a worker failed:\n" + "\n".join(o[-3000:] for o in outputs))
 
@@ -237,6 +296,8 @@ def check_nccl_world_size_1(device: torch.device) -> dict[str, Any]:
         "dist.init_process_group('nccl', rank=0, world_size=1, device_id=torch.device('cuda', 0))\n"
         "t = torch.ones(1, device='cuda'); dist.all_reduce(t); torch.cuda.synchronize()\n"
         "world = base - free()\n"
+        "host = dist.new_group([0], backend='gloo')\n"
+        "dist.broadcast(torch.ones(1), src=0, group=host)\n"
         "groups = [dist.new_group([0]) for _ in range(4)]\n"
         "before = free()\n"
         "for g in groups: dist.all_reduce(t, group=g)\n"
@@ -246,7 +307,8 @@ def check_nccl_world_size_1(device: torch.device) -> dict[str, Any]:
         "dist.destroy_process_group()\n"
     )
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=max(10.0, min(120.0, _left())))
     if done.returncode:
         raise RuntimeError(done.stderr[-3000:])
     figures = json.loads(done.stdout.strip().splitlines()[-1])
@@ -257,10 +319,19 @@ def check_nccl_world_size_1(device: torch.device) -> dict[str, Any]:
 CHECKS: dict[str, Callable[[torch.device], dict[str, Any]]] = {
     "reference_bf16": check_reference_bf16,
     "syncs": check_syncs,
+    "split_wire": check_split_wire,
     "gloo_two_processes": check_gloo_two_processes,
     "fused_adamw_resume": check_fused_adamw_resume,
     "nccl_world_size_1": check_nccl_world_size_1,
 }
+
+
+BUDGET = 360.0  # seconds for the whole script
+_START = time.monotonic()
+
+
+def _left() -> float:
+    return BUDGET - (time.monotonic() - _START)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,15 +345,18 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker[0], Path(args.worker[1]), args.rehearse)
         return 0
     if not args.rehearse and not torch.cuda.is_available():
-        print("gpu_smoke: no CUDA device found; nothing to check (run with --rehearse to exercise it on the CPU)")
+        print(json.dumps({"device": None, "note": "gpu_smoke: no CUDA device found; nothing to check (run with "
+                                                  "--rehearse to exercise it on the CPU)"}))
         return 0
     device = _device(args.rehearse)
     results: dict[str, Any] = {
         "device": "cpu (rehearsal)" if args.rehearse else torch.cuda.get_device_name(0),
         "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d")}
-    print(json.dumps(results), flush=True)
     failed = 0
     for name in args.only or list(CHECKS):
+        if _left() < 20:
+            results[name] = {"ok": None, "skipped": f"the {BUDGET:.0f} s budget is spent"}
+            continue
         began = time.perf_counter()
         try:
             result = {"ok": True, **CHECKS[name](device)}
@@ -291,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
         result["seconds"] = round(time.perf_counter() - began, 1)
         results[name] = result
-        print(json.dumps({name: result}), flush=True)
+        print(f"gpu_smoke: {name} {'ok' if result['ok'] else 'FAILED'} in {result['seconds']} s", file=sys.stderr,
+              flush=True)
+    print(json.dumps(results), flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     return 1 if failed else 0

@@ -37,7 +37,7 @@ from lightning_paci.engine.comm import DistComm
 from lightning_paci.engine.communicators import transport_device
 from lightning_paci.engine.data_parallel import join_replicas
 from lightning_paci.engine.runtime import StageRuntime
-from lightning_paci.engine.supervision import mark_setup_error, runtime_activity
+from lightning_paci.engine.supervision import activity, mark_setup_error, runtime_activity
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.lightning_program import LightningHooks
 from lightning_paci.integration.optimizer_layout import OptimizerLayout
@@ -169,6 +169,7 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
             self._setup(trainer)
         except (ValueError, TypeError, api.LightningAPIError) as err:  # the same on every rank: print it once
             raise mark_setup_error(err)
+        activity.end()  # setup's patient base phase, begun in setup_environment
 
     def _setup(self, trainer: Trainer) -> None:
         self._trainer = trainer
@@ -190,7 +191,7 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
                 comm=lambda: DistComm([self.rank_of(s) for s in range(self.num_stages)], groups=self._p2p_groups,
                                       replica=self.replica_index, deliver=self.root_device,
                                       device=transport_device(self._process_group_backend, self.root_device),
-                                      headers=self._header_groups),
+                                      headers=self.host_group),
                 eval_context=self.precision_plugin.val_step_context)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -207,9 +208,8 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
                           self.replica_index, local_sgd_steps=self.config.local_sgd_steps,
                           last_stage=stage.index == self.num_stages - 1, names=names)
         self._undo_patches += patch_for_pipeline(trainer, module, owned)
-        if self._watchdog is not None:  # it judges the actions' progress too (supervision.py)
-            self._watchdog.activity = runtime_activity(
-                stage.runtime, (lambda s: s) if self.data_parallel_size == 1 else self.rank_of)
+        watched = (lambda s: s) if self.data_parallel_size == 1 else self.rank_of  # [Note: judging progress]
+        activity.source = runtime_activity(stage.runtime, watched)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -289,7 +289,7 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
             self._watchdog.stop(done=True)  # before the final gather: a clean exit is not a failure
         if not self._failed:  # after a failure neighbours may be gone: no drain, no gather, no restore
             self._finish()
-        self._stage = None
+        activity.source, self._stage = None, None  # the runtime goes with the stage
         super().teardown()
 
     def _finish(self) -> None:
@@ -308,7 +308,8 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
         if self._builder.built is not None:  # no full gather: other stages' parameters stay on the meta device
             stage.restore_full_model(gather=False, materialize=False)
             return
-        stage.restore_full_model(gather=api.distributed_is_initialized(), replicas=self.data_parallel_size)
+        stage.restore_full_model(gather=api.distributed_is_initialized(), replicas=self.data_parallel_size,
+                                 group=self.host_group)
 
     @classmethod
     @override

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import json
-import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -12,7 +11,6 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 
@@ -232,43 +230,3 @@ def run_forked_ranks(target: Any, world: int, rendezvous: Path, timeout: float =
         p.join(timeout)
     assert errors.empty(), errors.get()
     assert [p.exitcode for p in processes] == [0] * world
-
-
-class NcclLikeFirstOps:
-    """Patch ``ProcessGroup.send``/``recv`` (inherited by forked ranks): a rank's first operation on a two-rank
-    group writes a marker file and waits for the peer's marker, as NCCL's lazy communicator creation waits for the
-    peer. A wait longer than ``patience`` raises, naming the group, so a regression fails instead of hanging."""
-
-    def __init__(self, directory: Path, patience: float = 20.0) -> None:
-        self.directory, self.patience = directory, patience
-        self.met: set[str] = set()  # groups this process's rank has met its peer on (a forked rank: its own copy)
-        # the class's own entries (pybind11 method descriptors), put back as they were
-        self.original = (dist.ProcessGroup.__dict__["send"], dist.ProcessGroup.__dict__["recv"])
-
-    def __enter__(self) -> NcclLikeFirstOps:
-        dist.ProcessGroup.send = self._first_op_meets(dist.ProcessGroup.send)  # type: ignore[method-assign]
-        dist.ProcessGroup.recv = self._first_op_meets(dist.ProcessGroup.recv)  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        dist.ProcessGroup.send, dist.ProcessGroup.recv = self.original  # type: ignore[method-assign]
-
-    def _first_op_meets(self, op: Any) -> Any:
-        directory, patience, met = self.directory, self.patience, self.met
-
-        def wrapped(group: dist.ProcessGroup, tensors: list[torch.Tensor], peer: int, tag: int = 0) -> Any:
-            name = group.group_name
-            if group.size() == 2 and name not in met:
-                me = dist.get_rank()
-                (directory / f"{name}.{me}").touch()
-                others = [r for r in dist.get_process_group_ranks(group) if r != me]
-                deadline = time.monotonic() + patience
-                while not (directory / f"{name}.{others[0]}").exists():
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"rank {me}: first operation on group {name} waited {patience} s for "
-                                           f"rank {others[0]}'s first operation (NCCL communicator creation)")
-                    time.sleep(0.002)
-                met.add(name)
-            return op(group, tensors, peer, tag)
-
-        return wrapped

@@ -1,12 +1,11 @@
-"""The pipeline's communicators under NCCL's creation rule, on gloo.
+"""The pipeline's communicators under NCCL's creation rule.
 
 NCCL creates a group's point-to-point communicator at a rank's first operation on it and holds the host there
 until the peer's first operation on the same group ([Note: communicator creation]); gloo connects at group
-creation, so a CPU run never shows it. ``NcclLikeFirstOps`` gives gloo that rule: the first send or receive of a
-rank on a two-rank group blocks until the peer's first operation on that group has started (``helpers.
-NcclLikeFirstOps``). Under it, training and evaluation through the Trainer complete because the setup connects
-every communicator in one global order (without that warm-up the receives posted ahead hang at batch 0, as the
-rendezvous model's lazy mode shows); tests/test_no_cache.py runs a tied GPT-2 and a Llama under it too.
+creation, so a plain CPU run never shows it. Under the NCCL emulation ([Note: NCCL emulation]) it does: training
+and evaluation through the Trainer complete because the setup connects every communicator in one global order
+(without that warm-up the receives posted ahead hang at batch 0, as the rendezvous model's lazy mode shows and
+tests/test_nccl_emulation.py catches); tests/test_no_cache.py runs a tied GPT-2 and a Llama under it too.
 """
 
 from __future__ import annotations
@@ -23,11 +22,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_paci.engine import nccl_emulation
 from lightning_paci.engine.comm import DistComm
 from lightning_paci.engine.communicators import create_communicators, warm_communicators
 from lightning_paci.schedules import layout_communicators
 
-from helpers import NcclLikeFirstOps, fit, run_forked_ranks
+from helpers import fit, run_forked_ranks
 from models import SequentialMLP, regression_loader
 
 pytestmark = pytest.mark.distributed
@@ -38,25 +38,26 @@ class _Connected(Callback):
         self.directory = directory
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        record = {"connected": trainer.strategy.p2p_connected, "stage": trainer.strategy.stage_index}
+        emulation = nccl_emulation.emulation()
+        assert emulation is not None
+        record = {"connected": trainer.strategy.p2p_connected, "stage": trainer.strategy.stage_index,
+                  "met": emulation.met}
         (self.directory / f"connected{dist.get_rank()}.json").write_text(json.dumps(record))
 
 
-def test_training_and_evaluation_complete_under_ncclike_communicator_creation(tmp_path):
-    markers = tmp_path / "markers"
-    markers.mkdir()
+def test_training_and_evaluation_complete_under_nccls_communicator_creation(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_PACI_EMULATE_NCCL", "1")
     torch.manual_seed(0)
-    with NcclLikeFirstOps(markers):
-        fit(SequentialMLP(), regression_loader(num_batches=4), devices=4, max_steps=4, microbatches=4,
-            accumulation=2, callbacks=[_Connected(tmp_path)],
-            val_dataloaders=regression_loader(num_batches=2), trainer_kwargs={"limit_val_batches": 2,
-                                                                            "val_check_interval": 2})
+    fit(SequentialMLP(), regression_loader(num_batches=4), devices=4, max_steps=4, microbatches=4,
+        accumulation=2, callbacks=[_Connected(tmp_path)],
+        val_dataloaders=regression_loader(num_batches=2), trainer_kwargs={"limit_val_batches": 2,
+                                                                        "val_check_interval": 2})
     # every rank connected its 4 communicators at setup (both directions to each neighbour; stages 0 and 3 both
-    # directions of the tied exchange, created whether or not the model ties weights): each group met once
-    counts = {json.loads(p.read_text())["stage"]: json.loads(p.read_text())["connected"]
-              for p in tmp_path.glob("connected*.json")}
-    assert counts == {0: 4, 1: 4, 2: 4, 3: 4}
-    assert len(list(markers.iterdir())) == 2 * len(layout_communicators("directed", 4)) == 16
+    # directions of the tied exchange, created whether or not the model ties weights): the first operations met
+    # there, on those 4 and no other pair
+    records = [json.loads(p.read_text()) for p in tmp_path.glob("connected*.json")]
+    assert {r["stage"]: (r["connected"], r["met"]) for r in records} == {s: (4, 4) for s in range(4)}
+    assert sum(r["met"] for r in records) == 2 * len(layout_communicators("directed", 4)) == 16
 
 
 def _staging_worker(rank: int, path: str, errors: Any) -> None:

@@ -38,8 +38,8 @@ def test_gpu_smoke_script_exits_at_once_without_a_device():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_smoke.py"
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == ("gpu_smoke: no CUDA device found; nothing to check (run with --rehearse to "
-                                   "exercise it on the CPU)")
+    assert json.loads(done.stdout) == {"device": None, "note": "gpu_smoke: no CUDA device found; nothing to check "
+                                                               "(run with --rehearse to exercise it on the CPU)"}
 
 
 def test_finetune_pretrained_example_runs_offline_and_exports_a_loadable_directory(tmp_path, capsys):

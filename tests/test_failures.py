@@ -218,5 +218,26 @@ def test_a_stage_hung_inside_an_action_is_named_though_its_heartbeat_goes_on(cap
             partition="parameters", failure_timeout=3.0)
     assert time.monotonic() - start < 60  # far below the sleep and the 60 s process-group timeout
     err = capfd.readouterr().err
-    assert re.search(r"lightning_paci: stage 1 failed: completed no action for \d+ s: inside 1F\d+ while stage "
+    assert re.search(r"lightning_paci: stage 1 failed: made no progress for \d+ s: inside 1F\d+ while stage "
                      r"(0 waits for it at 0RECV_B|2 waits for it at 2RECV_F)\d+", err), err[-2000:]
+
+
+class _HoldRank1InSetup(L.Callback):
+    def setup(self, trainer, pl_module, stage):
+        if trainer.global_rank == 1:
+            time.sleep(120)  # held inside setup (a user hook); the others wait at Lightning's post-setup barrier
+
+
+def test_a_rank_held_at_setup_is_named_by_the_others(capfd):
+    # the watchdog runs from the store's creation on and judges setup too: rank 1 (stage 1 of 3) stays inside its
+    # setup while stages 0 and 2 wait for it at the barrier; setup work is patient (10 x failure_timeout = 30 s)
+    from torch.multiprocessing import ProcessExitedException
+
+    start = time.monotonic()
+    with pytest.raises((ProcessExitedException, ProcessRaisedException)):
+        fit(SequentialMLP(depth=6), regression_loader(), devices=3, partition="parameters", failure_timeout=3.0,
+            callbacks=[_HoldRank1InSetup()])
+    assert time.monotonic() - start < 60
+    err = capfd.readouterr().err
+    assert re.search(r"lightning_paci: stage 1 failed: made no progress for \d+ s: inside setup while stage [02] "
+                     r"waits for it at a barrier #\d+ .*past the patience given to setup", err), err[-2000:]

@@ -1,7 +1,8 @@
 """[Note: no cache across stages]: a transformers model left with ``use_cache=True`` (the config's default) trains
 and evaluates with the same bytes per message and the same losses as with ``use_cache=False``: its ``Cache`` never
-crosses a stage boundary. The runs go under NCCL's communicator-creation rule (``helpers.NcclLikeFirstOps``); the
-GPT-2 ties its embedding and LM head, so the tied-weight exchange is under it too."""
+crosses a stage boundary. The runs go under the NCCL emulation ([Note: NCCL emulation]): the GPU path's wire (headers
+on the host group, payloads on the device groups) and NCCL's rules; the GPT-2 ties its embedding and LM head, so the
+tied-weight exchange is under them too."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from helpers import DumpLastStageLosses, NcclLikeFirstOps, fit
+from helpers import DumpLastStageLosses, fit
 from models import HFCausalLM, token_loader
 
 pytestmark = pytest.mark.distributed
@@ -35,13 +36,11 @@ class _Bytes(Callback):
 
 def _run(tmp_path: Path, kind: str, use_cache: bool) -> tuple[dict[str, object], list[float], dict[str, torch.Tensor]]:
     directory = tmp_path / f"{kind}_{use_cache}"
-    (directory / "markers").mkdir(parents=True)
+    directory.mkdir(parents=True)
     torch.manual_seed(0)
     model = HFCausalLM(kind, layers=3, tied=kind == "gpt2", use_cache=use_cache)
     dumped = DumpLastStageLosses(directory / "losses")
-    with NcclLikeFirstOps(directory / "markers"):  # and NCCL's communicator creation (tests/test_communicators.py)
-        _fit(model, directory, dumped)
-    assert len(list((directory / "markers").iterdir())) == 2 * 6  # each rank met its peer on every communicator
+    _fit(model, directory, dumped)
     sent = {p.name: json.loads(p.read_text()) for p in sorted(directory.glob("bytes*.json"))}
     return sent, list(dumped.values().values()), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -54,7 +53,8 @@ def _fit(model: L.LightningModule, directory: Path, dumped: DumpLastStageLosses)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_a_model_with_its_cache_on_sends_what_it_sends_with_the_cache_off(tmp_path, kind):
+def test_a_model_with_its_cache_on_sends_what_it_sends_with_the_cache_off(tmp_path, monkeypatch, kind):
+    monkeypatch.setenv("LIGHTNING_PACI_EMULATE_NCCL", "1")
     on_bytes, on_losses, on_weights = _run(tmp_path, kind, use_cache=True)
     off_bytes, off_losses, off_weights = _run(tmp_path, kind, use_cache=False)
     assert on_bytes == off_bytes  # every rank: the same messages, byte for byte in size, training and validation

@@ -9,11 +9,13 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import warnings
 
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ModelSummary
 from torch import nn
 
@@ -135,7 +137,16 @@ def test_save_checkpoint_after_fit_resumes_under_the_pipeline_and_on_one_device(
     assert_same_weights(single, expected)
 
 
-def test_a_one_device_checkpoint_resumes_under_the_pipeline(tmp_path):
+def _claim_device(path, device: str, monkeypatch) -> None:
+    """Write ``path`` again with every storage tagged as saved from ``device``, as a checkpoint written on a GPU
+    is (torch records each storage's device and, without ``map_location``, loads it back there)."""
+    checkpoint = torch.load(path, weights_only=False)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag", lambda storage: device)
+        torch.save(checkpoint, path)
+
+
+def test_a_one_device_checkpoint_resumes_under_the_pipeline(tmp_path, monkeypatch):
     loader = regression_loader(num_batches=3)
     torch.manual_seed(42)
     model = Momentum()
@@ -144,10 +155,27 @@ def test_a_one_device_checkpoint_resumes_under_the_pipeline(tmp_path):
     trainer = one_device(1)
     trainer.fit(model, loader)
     trainer.save_checkpoint(tmp_path / "single.ckpt")
+    # as if saved on a GPU: this machine has none, so anything loaded before the host would fail
+    _claim_device(tmp_path / "single.ckpt", "cuda:0", monkeypatch)
+    with pytest.raises(RuntimeError, match="deserialize object on a CUDA device"):
+        torch.load(tmp_path / "single.ckpt", weights_only=False)
     piped = Momentum()
+    # a CheckpointIO that loads where it is told (torch's own default: where each storage was saved): the strategy
+    # tells it the host, then places each stage's part itself
     fit(piped, loader, devices=2, max_steps=-1, schedule="1f1b", microbatches=2, partition="parameters",
-        trainer_kwargs={"max_epochs": 2}, ckpt_path=str(tmp_path / "single.ckpt"))
+        trainer_kwargs={"max_epochs": 2}, ckpt_path=str(tmp_path / "single.ckpt"), checkpoint_io=_LoadsAsTold())
     assert_same_weights(piped, expected)
+
+
+class _LoadsAsTold(CheckpointIO):
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        torch.save(checkpoint, path)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None):
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path):
+        os.remove(path)
 
 
 class _StepRecords(L.Callback):

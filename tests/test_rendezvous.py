@@ -14,15 +14,18 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_paci.engine import nccl_emulation
 from lightning_paci.engine.driver import closing_actions
 from lightning_paci.integration.evaluation import forward_only_actions
 from lightning_paci.schedules import (
     SCHEDULE_NAMES,
     ScheduleError,
     build,
+    check_group_creation,
     check_rendezvous,
     communicator,
     layout_communicators,
+    setup_groups,
     stage_lists_from_text,
     validate,
 )
@@ -151,8 +154,29 @@ def test_bad_layout_and_replicas_are_refused():
         check_rendezvous(build("paci", 2, 2, 2, 1), connect="late")
 
 
+def test_the_setups_group_creation_is_deadlock_free_on_a_bound_world():
+    # [Note: group creation]: every pipeline length and replica count the grid holds (only NCCL runs bind the world)
+    for num_stages, replicas in itertools.product(range(2, 9), range(1, 4)):
+        check_group_creation(setup_groups(num_stages, replicas, "nccl"), num_stages * replicas)
+
+
+def test_per_link_gloo_header_groups_deadlock_at_three_stages_and_more():
+    # the header groups as they were made up to 8b97681: after the NCCL groups, one 2-rank gloo group per link
+    def per_link(num_stages: int) -> list:
+        nccl = [g for g in setup_groups(num_stages, 1, "nccl") if g[0][0] == "p2p"]
+        return nccl + [(("header",) + key[1:], members, "gloo") for key, members, _ in nccl]
+
+    check_group_creation(per_link(2), 2)  # no rank outside a group: why 2-stage runs never showed it
+    for num_stages in (3, 4, 8):
+        with pytest.raises(ScheduleError, match=r"ranks \[2\] wait in the no-color split" if num_stages == 3
+                           else "no-color split"):
+            check_group_creation(per_link(num_stages), num_stages)
+    check_group_creation(per_link(4), 4, bound=False)  # gloo alone (an unbound world) connects them
+
+
 class _WriteGroups(Callback):
-    """Every rank writes the process groups its strategy created for the pipeline's messages."""
+    """Every rank writes the process groups its strategy created for the pipeline's messages, and under the NCCL
+    emulation every group creation it saw."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -162,11 +186,15 @@ class _WriteGroups(Callback):
         groups = {repr(comm): dist.get_process_group_ranks(group) for comm, group in strategy._p2p_groups.items()
                   if dist.get_rank() in dist.get_process_group_ranks(group)}
         ranks = [strategy.rank_of(s) for s in range(strategy.num_stages)]
-        (self.directory / f"groups{dist.get_rank()}.json").write_text(json.dumps({"groups": groups, "ranks": ranks}))
+        emulation = nccl_emulation.emulation()
+        created = [[list(members), backend] for members, backend in emulation.created] if emulation else None
+        (self.directory / f"groups{dist.get_rank()}.json").write_text(
+            json.dumps({"groups": groups, "ranks": ranks, "created": created}))
 
 
 @pytest.mark.distributed
-def test_the_runtime_creates_exactly_the_layout_the_model_proves(tmp_path):
+def test_the_runtime_creates_exactly_the_layout_the_model_proves(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_PACI_EMULATE_NCCL", "1")  # the GPU path: NCCL groups and the host group
     torch.manual_seed(0)
     fit(SequentialMLP(), regression_loader(num_batches=2), devices=3, max_steps=2, microbatches=4,
         callbacks=[_WriteGroups(tmp_path)])
@@ -178,3 +206,6 @@ def test_the_runtime_creates_exactly_the_layout_the_model_proves(tmp_path):
         mine = {repr(comm): sorted(ranks[s] for s in members) for comm, members in expected.items()
                 if rank in {ranks[s] for s in members}}
         assert record["groups"] == mine  # each communicator: its two stages' ranks, nothing shared
+        # the groups created, in order, are the list the group-creation model checks
+        modelled = [[sorted(ranks[m] for m in members), backend] for _, members, backend in setup_groups(3, 1, "nccl")]
+        assert record["created"] == modelled

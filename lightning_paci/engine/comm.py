@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_paci.engine.communicators import HEADER_TAGS
 from lightning_paci.engine.messages import (
     ALIGN,
     FIRST_BYTES,
@@ -80,15 +81,16 @@ class DistComm:
     def __init__(self, ranks: list[int], *, groups: Mapping[Communicator, dist.ProcessGroup] | None = None,
                  layout: str = "directed", replica: int = 0, device: torch.device | None = None,
                  deliver: torch.device | None = None,
-                 headers: Mapping[Communicator, dist.ProcessGroup] | None = None) -> None:
+                 headers: dist.ProcessGroup | None = None) -> None:
         self._ranks = ranks
         self._groups = groups
         self._stage = ranks.index(dist.get_rank()) if groups is not None else -1
         self._layout, self._replica = layout, replica
-        # [Note: headers on a host side channel]: gloo groups of the same layout for the headers (NCCL runs)
+        # [Note: headers on a host side channel]: the gloo group of every rank for the headers, a tag per link
+        # (NCCL runs; [Note: host groups on a bound world])
         self._headers = headers
-        self._routes: dict[tuple[int, int, int, bool], tuple[dist.ProcessGroup, int]] = {}  # (channel, src, dst,
-        # header?) ->
+        # (channel, src, dst, header?) -> (group, the peer's rank in it, tag)
+        self._routes: dict[tuple[int, int, int, bool], tuple[dist.ProcessGroup, int, int]] = {}
         self._device = device or torch.device("cpu")
         self._host = self._device.type == "cpu"  # messages are built and read through NumPy views (see send)
         # received tensors move there (gloo with GPUs: bytes staged through the host, engine/communicators.py)
@@ -100,8 +102,8 @@ class DistComm:
         self._can_post = groups is not None and layout == "directed"
         self.sent_messages = self.sent_bytes = 0  # framed bytes (header + payload) of every message sent
 
-    def _route(self, channel: int, src: int, dst: int, header: bool = False) -> tuple[dist.ProcessGroup, int]:
-        """The process group of a message and the peer's rank in it, looked up once per neighbour and direction
+    def _route(self, channel: int, src: int, dst: int, header: bool = False) -> tuple[dist.ProcessGroup, int, int]:
+        """The process group of a message, the peer's rank in it and the tag, looked up once per link and direction
         (sends and receives are per micro-batch; ``dist.isend``'s checks and rank translation cost ~0.1 ms of cold
         host time per call on the 2-core machine, so messages go to ``ProcessGroup.send``/``recv`` directly)."""
         key = (channel, src, dst, header)
@@ -109,18 +111,23 @@ class DistComm:
         if route is None:
             kind = "T" if channel == 1 else ("F" if src < dst else "B")
             peer = self._ranks[dst if src == self._stage else src]
-            table = self._headers if header else self._groups
-            link = communicator(self._layout, kind, src, dst, self._replica)
-            group = dist.group.WORLD if table is None else table[link]
-            assert group is not None, "DistComm needs an initialised default process group"
-            route = self._routes[key] = (group, peer if table is None else dist.get_group_rank(group, peer))
+            if header:  # one host group of every rank: the peer's global rank, the link's tag
+                assert self._headers is not None
+                route = (self._headers, dist.get_group_rank(self._headers, peer), HEADER_TAGS[kind])
+            else:
+                table = self._groups
+                group = dist.group.WORLD if table is None else table[communicator(self._layout, kind, src, dst,
+                                                                                    self._replica)]
+                assert group is not None, "DistComm needs an initialised default process group"
+                route = (group, peer if table is None else dist.get_group_rank(group, peer), 0)
+            self._routes[key] = route
         return route
 
     def send(self, payload: Any, stage: int, channel: int = 0) -> None:
         """Frame ``payload`` and post it; never blocks. A small message on the host is written into a reused buffer
         through one NumPy view (a handful of operations: after each emulated kernel the caches are cold, and every
         distinct torch call then costs tens of microseconds on the critical path)."""
-        group, peer = self._route(channel, self._stage, stage)
+        group, peer, _ = self._route(channel, self._stage, stage)
         if self._headers is not None:
             return self._send_split(payload, stage, channel, group, peer)
         skeleton, tensors, metas = describe(payload)
@@ -163,9 +170,9 @@ class DistComm:
         """[Note: headers on a host side channel]: the header to the link's gloo group, the payload (if any) to its
         device group; neither waits for the device."""
         frame = frame_split(payload, self._device, what=f"stage {self._stage}: the message to stage {stage}")
-        header_group, header_peer = self._route(channel, self._stage, stage, header=True)
+        header_group, header_peer, tag = self._route(channel, self._stage, stage, header=True)
         for part in frame.header:
-            self._pending.append((header_group.send([part], header_peer, 0), part, False))
+            self._pending.append((header_group.send([part], header_peer, tag), part, False))
         if frame.payload is not None:
             self._pending.append((group.send([frame.payload], peer, 0), frame.payload, False))
         self.sent_messages += 1
@@ -174,14 +181,14 @@ class DistComm:
 
     def _recv_split(self, stage: int, channel: int, group: dist.ProcessGroup, peer: int,
                     first: torch.Tensor | None) -> Any:
-        header_group, header_peer = self._route(channel, stage, self._stage, header=True)
+        header_group, header_peer, tag = self._route(channel, stage, self._stage, header=True)
         if first is None:
             first = torch.empty(FIRST_BYTES, dtype=torch.uint8)
-            header_group.recv([first], header_peer, 0).wait()
+            header_group.recv([first], header_peer, tag).wait()
 
         def rest(count: int) -> torch.Tensor:
             more = torch.empty(count, dtype=torch.uint8)
-            header_group.recv([more], header_peer, 0).wait()
+            header_group.recv([more], header_peer, tag).wait()
             return more
 
         skeleton, host, device_bytes = read_split_header(first, rest)
@@ -211,10 +218,10 @@ class DistComm:
         ([Note: rendezvous]) still holds; on one shared group it could take a message of the other channel."""
         if self._can_post and stage not in self._posted:
             header = self._headers is not None  # then the header is what is posted, on the host
-            group, peer = self._route(0, stage, self._stage, header=header)
+            group, peer, tag = self._route(0, stage, self._stage, header=header)
             buffer = torch.empty(FIRST_BYTES, dtype=torch.uint8, device="cpu" if header else self._device)
             try:
-                self._posted[stage] = (group.recv([buffer], peer, 0), buffer)
+                self._posted[stage] = (group.recv([buffer], peer, tag), buffer)
             except (RuntimeError, ConnectionError) as err:  # a dead peer: told by the receive that takes it, which
                 self._posted[stage] = (err, buffer)  # the runtime reports naming the peer, the action and the step
 
@@ -224,7 +231,7 @@ class DistComm:
         return len(self._posted)
 
     def recv(self, stage: int, channel: int = 0) -> Any:
-        group, peer = self._route(channel, stage, self._stage)
+        group, peer, _ = self._route(channel, stage, self._stage)
         ahead = self._posted.pop(stage, None) if channel == 0 else None
         if ahead is not None:
             work, first = ahead

@@ -9,6 +9,21 @@ there until the peer's first operation: left to the lists, the receives posted a
 which connects when a group is created, the exchange is a few tiny messages at setup.
 
 This module also says where a message's bytes travel (:func:`transport_device`): gloo carries CPU tensors only.
+
+[Note: host groups on a bound world]
+Under NCCL the world is bound to the stage's GPU (``init_process_group(device_id=...)``), and from then on torch 2.13
+makes every ``new_group`` collective over the world's NCCL communicator: a rank outside the new group performs a
+no-color ``ncclCommSplit``, the members of a group with an NCCL part join that split with their color, and the
+members of a plain gloo group do not -- they connect over gloo (``distributed_c10d._new_process_group_helper``). A
+two-rank gloo group made after binding therefore leaves every other rank in a split its members never enter: at 3
+stages or more, setup hangs (pytorch/pytorch#145376). The host side channel ([Note: headers on a host side channel])
+is therefore **one gloo group of every rank** (:attr:`PipelineLinks.host`), with a tag per link: no rank is outside
+it, so nobody splits, and it costs one gloo context instead of one per link. The alternatives were weighed against
+torch's rules: a ``"cpu:gloo,cuda:nccl"`` group per link also satisfies the split, but builds an NCCL communicator per
+header link that is never used (GPU memory and a proxy thread each); creating the gloo groups before binding is not
+possible (a group needs the initialised world); clearing the bound device around their creation relies on torch's
+private state. Checkpoint gathers and the end-of-fit gather go through the same group, so a stage's state never
+passes through GPU memory. ``LIGHTNING_PACI_EMULATE_NCCL=1`` checks the rule on the CPU ([Note: NCCL emulation]).
 """
 
 from __future__ import annotations
@@ -20,9 +35,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightning_paci.schedules.rendezvous import Communicator, layout_communicators
+from lightning_paci.engine.supervision import activity
+from lightning_paci.schedules.rendezvous import HOST_GROUP, Communicator, layout_communicators, setup_groups
 
-__all__ = ["PipelineLinks", "connections_warning", "create_communicators", "transport_device", "warm_communicators"]
+__all__ = ["HEADER_TAGS", "PipelineLinks", "connections_warning", "create_communicators", "new_group",
+           "transport_device", "warm_communicators"]
+
+# the host group's tag of each link's headers ([Note: host groups on a bound world]); 0 stays for object collectives
+HEADER_TAGS = {"F": 1, "B": 2, "T": 3}
 
 
 def create_communicators(num_stages: int, replicas: int, rank_of: Callable[[int, int], int], *, backend: str,
@@ -30,10 +50,17 @@ def create_communicators(num_stages: int, replicas: int, rank_of: Callable[[int,
     """Every communicator of the directed layout as a process group, on every rank, in the layout's order
     (``rank_of(stage, replica)`` is a stage's global rank). A rank outside a group gets a placeholder, as
     ``new_group`` gives it; the dict keeps the layout's order, which :func:`warm_communicators` follows."""
-    return {
-        comm: dist.new_group([rank_of(s, comm[1]) for s in members], backend=backend, timeout=timeout)
-        for comm, members in layout_communicators("directed", num_stages, replicas).items()
-    }
+    groups = {}
+    for comm, members in layout_communicators("directed", num_stages, replicas).items():
+        groups[comm] = new_group([rank_of(s, comm[1]) for s in members], backend=backend, timeout=timeout)
+    return groups
+
+
+def new_group(ranks: list[int], *, backend: str, timeout: timedelta) -> dist.ProcessGroup:
+    """``torch.distributed.new_group``, as the watchdog sees it: a numbered collective of every rank ([Note:
+    judging progress]), so a rank held in one creation while the others wait in the next is named."""
+    with activity.collective("creating process group"):
+        return dist.new_group(ranks, backend=backend, timeout=timeout)
 
 
 def warm_communicators(groups: Mapping[Communicator, dist.ProcessGroup], rank_of: Callable[[int, int], int], *,
@@ -82,21 +109,27 @@ def connections_warning(backend: str, device: torch.device, environ: Mapping[str
 
 @dataclass(frozen=True)
 class PipelineLinks:
-    """A rank's pipeline communicators after setup: every group of the directed layout, the header side channel's
-    gloo groups under NCCL ([Note: headers on a host side channel]; None otherwise), and how many of its own
-    point-to-point communicators it connected."""
+    """A rank's pipeline communicators after setup: every group of the directed layout, the host group of every rank
+    under NCCL ([Note: host groups on a bound world]; None otherwise: the world is already a host group), with
+    replicas its stage's replicas' group and its replica's pipeline group, and how many of its own point-to-point
+    communicators it connected."""
 
     groups: dict[Communicator, dist.ProcessGroup]
-    headers: dict[Communicator, dist.ProcessGroup] | None
+    host: dist.ProcessGroup | None
     connected: int
+    data: dist.ProcessGroup | None = None
+    pipeline: dist.ProcessGroup | None = None
 
     @classmethod
     def setup(cls, num_stages: int, replicas: int, rank_of: Callable[[int, int], int], *, device: torch.device,
-              backend: str, timeout: timedelta) -> PipelineLinks:
-        """Create every group in the layout's order on every rank, then connect this rank's own ones in that order
-        ([Note: communicator creation]); under NCCL also the headers' gloo groups (gloo connects at creation)."""
-        groups = create_communicators(num_stages, replicas, rank_of, backend=backend, timeout=timeout)
+              backend: str, timeout: timedelta, stage: int = 0, replica: int = 0) -> PipelineLinks:
+        """Create every group of ``schedules.setup_groups`` on every rank, in its order ([Note: group creation]:
+        the order the model checks), then connect this rank's point-to-point ones in the layout's order ([Note:
+        communicator creation]). ``stage``/``replica``: this rank's, for its data-parallel groups."""
+        made: dict[Communicator, dist.ProcessGroup] = {}
+        for key, members, kind in setup_groups(num_stages, replicas, backend):
+            ranks = [rank_of(m % num_stages, m // num_stages) for m in members]
+            made[key] = new_group(ranks, backend=kind, timeout=timeout)
+        groups = {key: group for key, group in made.items() if key[0] == "p2p"}
         connected = warm_communicators(groups, rank_of, device=transport_device(backend, device))
-        headers = create_communicators(num_stages, replicas, rank_of, backend="gloo", timeout=timeout) \
-            if backend == "nccl" else None
-        return cls(groups, headers, connected)
+        return cls(groups, made.get(HOST_GROUP), connected, made.get(("dp", stage)), made.get(("pp", replica)))

@@ -4,40 +4,140 @@ A pipeline stage blocked in a receive from a neighbour that died (killed, out of
 the process-group timeout (30 minutes by default). Every stage therefore runs a small watchdog thread that talks to
 the rendezvous store (its own TCP connection, never the training communicators):
 
-* it bumps ``paci/heartbeat/<stage>`` every ``interval`` seconds; a stage whose counter has not moved for
+* it bumps ``paci/<run>/heartbeat/<stage>`` every ``interval`` seconds; a stage whose counter has not moved for
   ``dead_after`` seconds is declared dead ("stopped responding: killed or hung");
-* it publishes what the stage's runtime is doing (``paci/activity/<stage>``: the action, the stage it waits for
-  when the action is a receive, for how long): a stage inside one action other than a receive for ``dead_after``
-  seconds while a neighbour's receive has waited for it as long is declared hung ("completed no action ...").
-  A heartbeat comes from this thread, which goes on beating while the main thread is stuck in a kernel, a
-  collective or a host read that never returns (an NCCL hang): judging the progress of the actions catches that.
-  A stage outside any action (Lightning's loop, the dataloader) is never judged so;
-* a stage whose code raises (the user's step, a non-finite loss, a lost neighbour) writes ``paci/failed`` with
+* it publishes what the process's main thread is doing (``paci/<run>/activity/<stage>``, [Note: judging progress]):
+  a phase of setup, a collective, a gather, a pipeline action, with whom it waits for and for how long. A process
+  that has worked inside one phase past its limit while another waits for it, or that waits for a process which
+  waits for it in something else, is declared hung. A heartbeat comes from this thread, which goes on beating
+  while the main thread is stuck in a kernel, a collective, a group's creation or a host read that never returns
+  (an NCCL hang): judging the progress catches that. A process outside any phase (Lightning's loop, the
+  dataloader) is never judged so;
+* a stage whose code raises (the user's step, a non-finite loss, a lost neighbour) writes ``paci/<run>/failed`` with
   its stage index and exception before Lightning unwinds it;
 * on either, every other stage prints one line naming the failed stage and its reason and exits the process with
   status 1 -- it may be blocked inside a receive that no exception can interrupt. A stage whose own exception
   came after another stage's reported failure (a neighbour's lost connection) reports it in one line too, not as
   a traceback: the failed stage's traceback stays the last one on the screen, the cause last.
 
-Stages that finished cleanly set ``paci/done/<stage>`` and stop their watchdog before the final gather, so a normal
-shutdown is never mistaken for a failure. Heartbeats are counters, not timestamps: no clock agreement is needed
-across machines.
+The watchdog starts before the world's process group exists (:func:`rendezvous_store` makes the store first), so a
+rank held anywhere in setup is named too; a rank that has not beaten yet (still starting, importing) is given
+``PATIENCE * dead_after`` to join.
+
+[Note: judging progress]
+Each process publishes its innermost phase: a label, what it waits for (nothing while it works; a set of watched
+processes, or all of them, while it waits in a receive or a collective), the seconds since it began, and whether
+it is patient. Another process is declared hung when
+
+* it has *worked* inside one phase for ``dead_after`` seconds (``10 * dead_after`` for patient work: setup's
+  building and loading, and every action before a stage's first update, where compilation and autotuning run)
+  while a process has waited for it at least ``dead_after`` seconds; or
+* it has *waited* ``dead_after`` seconds in a phase that needs a process which waits for it, as long, in a
+  phase with another label (two ranks in different collectives, a receive and a collective): neither can go on.
+
+Labels of one collective are the same text on every rank (the group creations are numbered), so ranks waiting
+together in one collective never name each other.
+
+A watchdog that finds a failure publishes it too before it stops its process, so every other stage stops at once.
+Keys are per run (``run``: the how-many-th fit of these processes, counted alike on every rank), so a later fit
+in the same processes (a resume after torchrun's first fit) never reads an earlier one's records.
+
+Stages that finished cleanly set ``paci/<run>/done/<stage>`` and stop their watchdog before the final gather, so a
+normal shutdown is never mistaken for a failure. Heartbeats are counters, not timestamps: no clock agreement is
+needed across machines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["StageFailure", "StageWatchdog", "connect_store", "mark_setup_error", "print_setup_errors_once",
-           "runtime_activity"]
+__all__ = ["ALL", "ProcessActivity", "StageFailure", "StageWatchdog", "activity", "connect_store",
+           "mark_setup_error", "print_setup_errors_once", "rendezvous_store", "runtime_activity"]
 
-FAILED_KEY = "paci/failed"
+PATIENCE = 10  # patient work is judged after PATIENCE * dead_after ([Note: judging progress])
+
+
+class _Everyone:
+    """What a collective of every watched process waits for."""
+
+    def __repr__(self) -> str:
+        return "ALL"
+
+
+ALL = _Everyone()
+Waits = _Everyone | frozenset[int] | None
+# (label, what it waits for, seconds in it, patient)
+Doing = tuple[str, Waits, float, bool]
+
+
+class ProcessActivity:
+    """What this process's main thread is doing, for the watchdog's thread ([Note: judging progress]): a stack of
+    phases (the innermost counts) under an optional base phase (setup), and a source consulted first (a runtime's
+    current action)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._stack: list[tuple[str, Waits, float, bool]] = []
+        self._base: tuple[str, Waits, float, bool] | None = None
+        self.source: Callable[[], Doing | None] | None = None
+        self._numbers: dict[str, int] = {}
+
+    def begin(self, label: str, *, patient: bool = False) -> None:
+        """The base phase, under the stack's: ``label`` (work) until :meth:`end`."""
+        self._base = (label, None, self.clock(), patient)
+
+    def end(self) -> None:
+        self._base = None
+
+    @contextlib.contextmanager
+    def phase(self, label: str, *, waits: Waits = None, patient: bool = False) -> Iterator[None]:
+        """``label`` while the block runs: work (``waits=None``) or a wait for ``waits`` (watched ids, or ALL)."""
+        entry = (label, waits, self.clock(), patient)
+        self._stack.append(entry)
+        try:
+            yield
+        finally:
+            if self._stack and self._stack[-1] is entry:
+                self._stack.pop()
+
+    def collective(self, label: str, waits: Waits = ALL) -> contextlib.AbstractContextManager[None]:
+        """A wait in a collective, numbered per label: the n-th one reads the same on every member, and members
+        in different ones read differently ([Note: judging progress])."""
+        self._numbers[label] = number = self._numbers.get(label, 0) + 1
+        return self.phase(f"{label} #{number}", waits=waits)
+
+    def now(self) -> Doing | None:
+        if self.source is not None and (current := self.source()) is not None:
+            return current
+        top = self._stack[-1] if self._stack else self._base
+        if top is None:
+            return None
+        label, waits, start, patient = top
+        return label, waits, self.clock() - start, patient
+
+
+activity = ProcessActivity()  # this process's (the watchdog of a stage process reads it)
+
+
+def rendezvous_store(environment: Any, rank: int, world: int, timeout: timedelta) -> Any:
+    """The world's TCP store, made before the process group so the watchdog can run from the start of setup.
+    Global rank 0 hosts it (a launcher's agent store when torchelastic provides one) and waits for no one: a rank
+    that never arrives is named by the others' watchdogs, not by a store timeout. Sets MASTER_ADDR/MASTER_PORT as
+    Lightning's own process-group start does."""
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = environment.main_address
+    os.environ["MASTER_PORT"] = str(environment.main_port)
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    return dist.TCPStore(environment.main_address, int(environment.main_port), world, is_master=hosts,
+                         timeout=timeout, wait_for_workers=False, multi_tenant=True)
 
 
 class StageFailure(RuntimeError):
@@ -63,7 +163,7 @@ class StageWatchdog:
 
     def __init__(self, stage: int, num_stages: int, store: Any, *, interval: float = 1.0, dead_after: float = 20.0,
                  exit_fn: Callable[[int], None] = os._exit, name: Callable[[int], str] = "stage {}".format,
-                 store_host: int = 0) -> None:
+                 store_host: int = 0, run: int = 0) -> None:
         # ``stage``/``num_stages``: this process's index among the watched ones and their count -- the stage index
         # of a pure pipeline, the global rank under data parallelism (``name`` then says "stage s (replica r)")
         self.stage = stage
@@ -71,6 +171,7 @@ class StageWatchdog:
         self.name = name
         self.store_host = store_host  # the index of global rank 0, whose process hosts the store
         self.store = store
+        self.prefix = f"paci/{run}/"  # the run's own keys (see the module docstring)
         self.interval = interval
         self.dead_after = dead_after
         self._exit = exit_fn
@@ -78,9 +179,8 @@ class StageWatchdog:
         self._thread = threading.Thread(target=self._run, name=f"paci-watchdog-{stage}", daemon=True)
         self._beats = 0
         self._seen: dict[int, tuple[int, float]] = {}  # stage -> (last counter, local time it last moved)
-        # what this stage's runtime is doing: (action, the watched index it waits for or None, seconds in it);
-        # set once the runtime exists (``runtime_activity``)
-        self.activity: Callable[[], tuple[str, int | None, float] | None] | None = None
+        # what this process is doing ([Note: judging progress]); ``activity.now`` for a stage process
+        self.activity: Callable[[], Doing | None] | None = None
 
     def start(self) -> None:
         self._beat()
@@ -112,15 +212,15 @@ class StageWatchdog:
 
     def _reported(self) -> tuple[int, str] | None:
         """The first failure any stage published (this one's included), or None."""
-        if not self.store.check([FAILED_KEY]):
+        if not self.store.check([self.prefix + "failed"]):
             return None
-        stage, _, reason = self.store.get(FAILED_KEY).decode().partition("\n")
+        stage, _, reason = self.store.get(self.prefix + "failed").decode().partition("\n")
         return int(stage), reason
 
     def stop(self, *, done: bool = True) -> None:
         if done:
             try:
-                self.store.set(f"paci/done/{self.stage}", "1")
+                self.store.set(f"{self.prefix}done/{self.stage}", "1")
             except Exception:
                 pass
         self._stop.set()
@@ -130,17 +230,16 @@ class StageWatchdog:
     def report(self, stage: int, reason: str) -> None:
         """Publish the first failure (later reports, e.g. neighbours that lost it, keep the original)."""
         try:
-            if not self.store.check([FAILED_KEY]):
-                self.store.set(FAILED_KEY, f"{stage}\n{reason}")
+            if not self.store.check([self.prefix + "failed"]):
+                self.store.set(self.prefix + "failed", f"{stage}\n{reason}")
         except Exception:
             pass
 
     def _beat(self) -> None:
         self._beats += 1
-        self.store.set(f"paci/heartbeat/{self.stage}", str(self._beats))
+        self.store.set(f"{self.prefix}heartbeat/{self.stage}", str(self._beats))
         now = self.activity() if self.activity is not None else None
-        self.store.set(f"paci/activity/{self.stage}",
-                       "" if now is None else f"{now[0]}\n{'' if now[1] is None else now[1]}\n{now[2]:.1f}")
+        self.store.set(f"{self.prefix}activity/{self.stage}", "" if now is None else _encode(now))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -152,6 +251,7 @@ class StageWatchdog:
                                             f"if another stage failed first, its message is above")
             if failure is not None and not self._stop.is_set():
                 stage, reason = failure
+                self.report(stage, reason)  # the others stop on it at once (a no-op if one was reported first)
                 print(f"lightning_paci: {self.name(stage)} failed: {reason} -- stopping {self.name(self.stage)}",
                       file=sys.stderr, flush=True)
                 self._exit(1)
@@ -164,52 +264,77 @@ class StageWatchdog:
             return hung
         now = time.monotonic()
         for other in range(self.num_stages):
-            if other == self.stage or self.store.check([f"paci/done/{other}"]):
+            if other == self.stage or self.store.check([f"{self.prefix}done/{other}"]):
                 continue
-            key = f"paci/heartbeat/{other}"
+            key = f"{self.prefix}heartbeat/{other}"
             count = int(self.store.get(key)) if self.store.check([key]) else 0
             last, since = self._seen.get(other, (-1, now))
             if count != last:
                 self._seen[other] = (count, now)
-            elif now - since > self.dead_after:
+            elif count == 0 and now - since > self.dead_after * PATIENCE:  # started, imports, joins: patient
+                return other, (f"never joined: no heartbeat in {now - since:.0f} s since this process started "
+                               f"watching (it did not start, or failed before setup)")
+            elif count > 0 and now - since > self.dead_after:
                 return other, (f"stopped responding (no heartbeat for {now - since:.0f} s: "
                                f"killed, out of memory or hung)")
         return None
 
 
     def _hung(self) -> tuple[int, str] | None:
-        """A stage inside one non-receive action for ``dead_after`` s while a receive has waited for it as long."""
-        doing: dict[int, tuple[str, int | None, float]] = {}
+        """A process that keeps another waiting ([Note: judging progress]), with the reason, or None."""
+        doing: dict[int, Doing] = {}
         for other in range(self.num_stages):
-            key = f"paci/activity/{other}"
+            key = f"{self.prefix}activity/{other}"
             text = self.store.get(key).decode() if self.store.check([key]) else ""
             if text:
-                action, peer, seconds = text.split("\n")
-                doing[other] = (action, int(peer) if peer else None, float(seconds))
-        for waiter, (waits_at, peer, waited) in doing.items():
-            if peer is None or waited < self.dead_after or peer not in doing:
+                doing[other] = _decode(text)
+        for waiter, (waits_at, waits, waited, _) in doing.items():
+            if waits is None or waited < self.dead_after:
                 continue
-            action, its_peer, inside = doing[peer]
-            if its_peer is None and inside >= self.dead_after:
-                return peer, (f"completed no action for {inside:.0f} s: inside {action} while {self.name(waiter)} "
-                              f"waits for it at {waits_at} (hung in a kernel, a collective or a host read)")
+            for held in (range(self.num_stages) if waits is ALL else waits):
+                if held == waiter or held not in doing:
+                    continue
+                label, its_waits, inside, patient = doing[held]
+                if its_waits is None and inside >= self.dead_after * (PATIENCE if patient else 1):
+                    grace = ", past the patience given to setup and first steps" if patient else ""
+                    return held, (f"made no progress for {inside:.0f} s: inside {label} while "
+                                  f"{self.name(waiter)} waits for it at {waits_at} (hung in a kernel, a collective "
+                                  f"or a host read{grace})")
+                if its_waits is not None and label != waits_at and inside >= self.dead_after and \
+                        (its_waits is ALL or waiter in its_waits):
+                    return held, (f"waits at {label} for {inside:.0f} s while {self.name(waiter)} waits for it at "
+                                  f"{waits_at}: each waits for the other")
         return None
 
 
-def runtime_activity(runtime: Any, watched: Callable[[int], int]) -> Callable[[], tuple[str, int | None, float] | None]:
-    """What ``runtime`` (a StageRuntime) is doing, for :attr:`StageWatchdog.activity`: its current action, the
-    watched index (``watched(stage)``) of the stage a receive waits for, and the seconds since it began."""
+def _encode(now: Doing) -> str:
+    label, waits, seconds, patient = now
+    text = "" if waits is None else "*" if waits is ALL else ",".join(map(str, sorted(waits)))
+    return f"{label}\n{text}\n{seconds:.1f}\n{int(patient)}"
+
+
+def _decode(text: str) -> Doing:
+    label, waits, seconds, patient = text.split("\n")
+    parsed: Waits = None if not waits else ALL if waits == "*" else frozenset(int(w) for w in waits.split(","))
+    return label, parsed, float(seconds), patient == "1"
+
+
+def runtime_activity(runtime: Any, watched: Callable[[int], int]) -> Callable[[], Doing | None]:
+    """What ``runtime`` (a StageRuntime) is doing, for :attr:`ProcessActivity.source`: its current action, the
+    watched index (``watched(stage)``) of the stage a receive waits for, the seconds since it began, and whether it
+    is patient (every action before the stage's first update: compilation, autotuning)."""
     from lightning_paci.schedules import RECV_KINDS, message_key  # light, and no cycle: schedules import nothing here
 
-    def activity() -> tuple[str, int | None, float] | None:
+    def now() -> Doing | None:
         current = runtime.current
         if current is None:
             return None
         action, start = current
         key = message_key(action, runtime.num_stages) if action.kind in RECV_KINDS else None
-        return str(action), None if key is None else watched(key[1]), runtime.clock() - start
+        waits = None if key is None else frozenset([watched(key[1])])
+        return str(action), waits, runtime.clock() - start, runtime.version == 0
 
-    return activity
+    return now
 
 
 _SETUP_MARK = "_lightning_paci_setup_error"

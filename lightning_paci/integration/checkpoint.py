@@ -32,10 +32,11 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch import nn
 
 from lightning_paci.engine.pickle_guard import check_no_tensors
+from lightning_paci.engine.supervision import activity
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 
-__all__ = ["PipelineCheckpoints", "Resumed", "atomic_save", "consolidate_checkpoint", "cpu_state", "gather_to_first",
-           "load_sharded", "load_stage_optimizer_state", "merge_parts", "stage_optimizer_state"]
+__all__ = ["PipelineCheckpoints", "Resumed", "atomic_save", "consolidate_checkpoint", "cpu_state", "gather_everywhere",
+           "gather_to_first", "load_sharded", "load_stage_optimizer_state", "merge_parts", "stage_optimizer_state"]
 
 
 def atomic_save(checkpoint: dict[str, Any], path: str | Path) -> None:
@@ -186,26 +187,44 @@ def merge_parts(parts: Sequence[dict[str, Any]], replicas: int = 1) -> dict[str,
     return {k: v for rank in _merge_order(len(parts), replicas) for k, v in parts[rank].items()}
 
 
-def gather_to_first(local: dict[str, Any], replicas: int = 1) -> dict[str, Any] | None:
+def gather_to_first(local: dict[str, Any], replicas: int = 1, group: Any = None) -> dict[str, Any] | None:
     """Every stage's name-keyed dict, merged on global rank 0 (:func:`merge_parts`); None on the other ranks, which
     send their own part and never receive another stage's (their peak memory stays their own stage). Rank 0
     receives the parts one rank at a time and merges each before the next: its peak is the merged whole plus one
     part in transit, where a ``gather_object`` held every part's pickle and its tensors at once (measured on a
-    268 MB model: benchmarks/big_model_memory.py)."""
+    268 MB model: benchmarks/big_model_memory.py). ``group``: the host group of every rank under NCCL ([Note: host
+    groups on a bound world]; None: the world, a host group itself), so no part passes through GPU memory."""
     if not dist.is_available() or not dist.is_initialized():
         return local
     check_no_tensors(local, what="a checkpoint's gather to rank 0", host_tensors=True)
-    if dist.get_rank() != 0:
-        dist.send_object_list([local], dst=0)
-        return None
+    with activity.collective("a checkpoint's gather to rank 0"):
+        if dist.get_rank() != 0:
+            dist.send_object_list([local], dst=0, group=group)
+            return None
+        merged: dict[str, Any] = {}
+        for rank in _merge_order(dist.get_world_size(), replicas):
+            if rank == 0:
+                merged.update(local)
+                continue
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=rank, group=group)
+            merged.update(box.pop())
+        return merged
+
+
+def gather_everywhere(local: dict[str, Any], replicas: int = 1, group: Any = None) -> dict[str, Any]:
+    """Every stage's name-keyed dict merged on every rank (:func:`merge_parts`), one rank's part at a time over
+    ``group`` (see :func:`gather_to_first`): each rank holds the merged whole plus one part in transit."""
+    if not dist.is_available() or not dist.is_initialized():
+        return local
+    check_no_tensors(local, what="the teardown's gather of the stages' weights", host_tensors=True)
     merged: dict[str, Any] = {}
-    for rank in _merge_order(dist.get_world_size(), replicas):
-        if rank == 0:
-            merged.update(local)
-            continue
-        box: list[Any] = [None]
-        dist.recv_object_list(box, src=rank)
-        merged.update(box.pop())
+    me = dist.get_rank()
+    with activity.collective("the end of fit's gather of the weights"):
+        for rank in _merge_order(dist.get_world_size(), replicas):
+            box: list[Any] = [local if rank == me else None]
+            dist.broadcast_object_list(box, src=rank, group=group)
+            merged.update(box.pop())
     return merged
 
 
@@ -224,12 +243,13 @@ class PipelineCheckpoints:
     """
 
     def __init__(self, layout: str, stage: int, num_stages: int, checkpoint_io: CheckpointIO, *,
-                 rank: int = 0, first_replica: bool = True, replicas: int = 1) -> None:
+                 rank: int = 0, first_replica: bool = True, replicas: int = 1, group: Any = None) -> None:
         self.layout, self.stage, self.num_stages = layout, stage, num_stages
         self.checkpoint_io = checkpoint_io
         self.writes = rank == 0
         self.writes_shard = first_replica
         self.replicas = replicas
+        self.group = group  # where the consolidated layout gathers: the host group under NCCL
 
     def _writer(self, storage_options: Any | None) -> Callable[[dict[str, Any], Path], None]:
         io = self.checkpoint_io
@@ -249,7 +269,7 @@ class PipelineCheckpoints:
         local = cpu_state(module, exclude)
         if self.layout == "sharded":
             return local
-        return gather_to_first(local, self.replicas) or {}
+        return gather_to_first(local, self.replicas, self.group) or {}
 
     def optimizer_state(self, optimizer: StageOptimizer, module: nn.Module, *, backwards: int, steps: int,
                         replicas: Sequence[nn.Parameter] = (), window_start: int = 0) -> dict[str, Any]:
@@ -259,7 +279,7 @@ class PipelineCheckpoints:
         local = stage_optimizer_state(optimizer, module, replicas)
         if self.layout == "sharded":
             return {"paci": {**counters, "params": local}}
-        params = gather_to_first(local, self.replicas)
+        params = gather_to_first(local, self.replicas, self.group)
         return {"paci": {**counters, "params": params}} if params is not None else {}
 
     def save(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
@@ -279,12 +299,15 @@ class PipelineCheckpoints:
             write(meta, Path(filepath) / META_FILE)
 
     def load(self, path: str | Path, weights_only: bool | None = None, *, mmap: bool = False) -> dict[str, Any]:
-        """Read a checkpoint (``mmap``: memory-mapped, for a stage that takes only its own tensors)."""
+        """Read a checkpoint (``mmap``: memory-mapped, for a stage that takes only its own tensors) with every tensor
+        on the host, whatever device it was saved from: each stage then places its own part (its parameters' device,
+        the optimizer state beside them), where Lightning's default would put a GPU-saved file whole on the GPU it
+        names, on every rank (and fail where that GPU does not exist)."""
         if Path(path).is_dir():
             return load_sharded(path, weights_only, mmap=mmap)
         if mmap and isinstance(self.checkpoint_io, TorchCheckpointIO) and Path(path).is_file():
             return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
-        return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        return self.checkpoint_io.load_checkpoint(path, map_location="cpu", weights_only=weights_only)
 
     def load_optimizer_state(self, checkpoint: Mapping[str, Any], optimizer: StageOptimizer, module: nn.Module,
                              replicas: Sequence[nn.Parameter] = ()) -> Resumed:

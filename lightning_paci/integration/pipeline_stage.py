@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -22,10 +21,9 @@ from lightning_paci.engine.comm import Comm
 from lightning_paci.engine.data_parallel import GradientAverage
 from lightning_paci.engine.driver import StreamDriver
 from lightning_paci.engine.microbatch import loss_scale_for
-from lightning_paci.engine.pickle_guard import check_no_tensors
 from lightning_paci.engine.recompute import BlockRecompute, recomputes
 from lightning_paci.engine.runtime import StageRuntime
-from lightning_paci.integration.checkpoint import PipelineCheckpoints, cpu_state, merge_parts
+from lightning_paci.integration.checkpoint import PipelineCheckpoints, cpu_state, gather_everywhere
 from lightning_paci.integration.evaluation import PipelineEvaluator
 from lightning_paci.integration.fingerprint import BatchFingerprint
 from lightning_paci.integration.lightning_program import LightningHooks, LightningStageProgram
@@ -175,18 +173,16 @@ class PipelineStage:
         """The last stage's tied-weight replicas (stage 0 owns and steps the weights)."""
         return self.carve.tied_params if self.index == self.plan.num_stages - 1 else []
 
-    def restore_full_model(self, *, gather: bool, replicas: int = 1, materialize: bool = True) -> None:
+    def restore_full_model(self, *, gather: bool, replicas: int = 1, materialize: bool = True,
+                           group: Any = None) -> None:
         """Put the other stages' modules back, holding the complete trained weights (gathered from every stage
-        when ``gather``; a failed gather leaves them as they were at carving, with a warning); with ``materialize``
-        False they come back on the meta device (a model built there: no rank holds more than its stage)."""
+        when ``gather``, one stage at a time through host memory over ``group``, see checkpoint.gather_everywhere;
+        a failed gather leaves them as they were at carving, with a warning); with ``materialize`` False they come
+        back on the meta device (a model built there: no rank holds more than its stage)."""
         full = None
         if gather:
             try:
-                gathered: list[Any] = [None] * dist.get_world_size()
-                state = cpu_state(self.module, self.carve.foreign_buffers)
-                check_no_tensors(state, what="the teardown's gather of the stages' weights", host_tensors=True)
-                dist.all_gather_object(gathered, state)
-                full = merge_parts(gathered, replicas)
+                full = gather_everywhere(cpu_state(self.module, self.carve.foreign_buffers), replicas, group)
             except (RuntimeError, ConnectionError) as err:
                 log.warning(f"lightning_paci: could not gather the full weights at teardown: {err}")
         if self._recompute is not None:

@@ -26,18 +26,23 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_paci.config import PACIConfig
-from lightning_paci.engine.communicators import (
-    PipelineLinks,
-    connections_warning,
-)
+from lightning_paci.engine import nccl_emulation
+from lightning_paci.engine.communicators import PipelineLinks, connections_warning
 from lightning_paci.engine.pickle_guard import check_no_tensors
-from lightning_paci.engine.supervision import StageWatchdog, connect_store, print_setup_errors_once
+from lightning_paci.engine.supervision import (
+    ALL,
+    StageWatchdog,
+    activity,
+    connect_store,
+    print_setup_errors_once,
+    rendezvous_store,
+)
 from lightning_paci.engine.topology import Topology, check_topology, resolve_sizes
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.trainer_glue import share_cpu_cores
 from lightning_paci.schedules import Communicator
 
-__all__ = ["PipelineProcesses"]
+__all__ = ["PipelineProcesses", "start_watchdog"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +62,9 @@ class PipelineProcesses(ParallelStrategy):
         self._num_nodes = 1
         self._p2p_groups: dict[Communicator, dist.ProcessGroup] = {}
         self.p2p_connected = 0  # this rank's point-to-point communicators, connected at setup
-        self._header_groups: dict[Communicator, dist.ProcessGroup] | None = None  # gloo, under NCCL only
+        # a gloo group of every rank under NCCL: message headers, checkpoint and end-of-fit gathers ([Note: host
+        # groups on a bound world]); None where the world itself is a host group
+        self.host_group: dist.ProcessGroup | None = None
         self.device_mesh: Any = None  # torch DeviceMesh ("pp", "dp"), built in setup_environment
         self.dp_group: Any = None  # this rank's stage replicas / replica's pipeline, with config.timeout
         self.pp_group: Any = None
@@ -188,41 +195,40 @@ class PipelineProcesses(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         print_setup_errors_once(self.global_rank)
+        emulated = nccl_emulation.enabled()
+        if emulated:  # [Note: NCCL emulation]: the NCCL branch of everything below, carried over gloo
+            nccl_emulation.install()
         if self._process_group_backend is None:
-            self._process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+            self._process_group_backend = "nccl" if self.root_device.type == "cuda" or emulated else "gloo"
+        # the store first, then the watchdog, then the process groups: a rank held anywhere from here on is named
+        # (a second fit in the same processes, as after torchrun's first, keeps the world and its store)
         kwargs: dict[str, Any] = {"timeout": self.config.timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        api.init_dist_connection(environment, self._process_group_backend, **kwargs)
+        if not api.distributed_is_initialized():
+            kwargs["store"] = rendezvous_store(environment, self.global_rank, topology.world, self.config.timeout)
+        activity.begin("setup", patient=True)  # until the strategy's setup ends: building, loading, user hooks
+        self._watchdog = start_watchdog(topology, self.watch_id, self.watch_name, self.config.failure_timeout)
+        with activity.phase("setup: joining the world's process group", waits=ALL):
+            if self._process_group_backend == "nccl":  # bound: NCCL connects the world eagerly
+                kwargs["device_id"] = self.root_device
+            api.init_dist_connection(environment, self._process_group_backend, **kwargs)
         # pipeline messages on their own communicators, apart from Lightning's collectives: the layout the strict
         # rendezvous model proves deadlock-free under NCCL, connected at setup (engine/communicators.py)
-        links = PipelineLinks.setup(topology.pipeline, topology.data, topology.rank_of, device=self.root_device,
-                                    backend=self._process_group_backend, timeout=self.config.timeout)
-        self._p2p_groups, self._header_groups, self.p2p_connected = links.groups, links.headers, links.connected
+        with activity.phase("setup: creating and connecting the pipeline's process groups", waits=ALL):
+            # every group in schedules.setup_groups' order, the one the group-creation model checks; with replicas
+            # the stages' replicas' and the replicas' pipelines' groups, with the strategy's timeout
+            links = PipelineLinks.setup(topology.pipeline, topology.data, topology.rank_of, device=self.root_device,
+                                        backend=self._process_group_backend, timeout=self.config.timeout,
+                                        stage=self.stage_index, replica=self.replica_index)
+        self._p2p_groups, self.host_group, self.p2p_connected = links.groups, links.host, links.connected
+        self.dp_group, self.pp_group = links.data, links.pipeline
         if (warning := connections_warning(self._process_group_backend, self.root_device, os.environ)) is not None:
             log.warning(warning)
-        if topology.data > 1:
+        if topology.data > 1:  # for users' code that reads the mesh; its groups are NCCL groups of torch's own
             from torch.distributed.device_mesh import DeviceMesh
 
-            mesh = topology.mesh_ranks()
-            self.device_mesh = DeviceMesh(self.root_device.type, torch.tensor(mesh), mesh_dim_names=("pp", "dp"))
-            # our own collectives on groups of the same ranks with the strategy's timeout (the mesh's have torch's
-            # default): every rank creates every group, stages' replicas first, then replicas' pipelines
-            dp = [dist.new_group(ranks, backend=self._process_group_backend, timeout=self.config.timeout)
-                  for ranks in mesh]
-            pp = [dist.new_group(list(ranks), backend=self._process_group_backend, timeout=self.config.timeout)
-                  for ranks in zip(*mesh)]
-            self.dp_group, self.pp_group = dp[self.stage_index], pp[self.replica_index]
-        store = connect_store()
-        if store is not None:
-            self._watchdog = StageWatchdog(
-                self.watch_id, topology.world if topology.data > 1 else topology.pipeline, store,
-                dead_after=self.config.failure_timeout, store_host=0 if topology.data > 1 else topology.stage_of(0),
-                name=self.watch_name)
-            self._watchdog.start()
-        else:
-            log.warning("lightning_paci: no rendezvous store reachable (MASTER_ADDR/MASTER_PORT); a dead stage "
-                        "will only be noticed after the process-group timeout")
+            with activity.phase("setup: creating the device mesh", waits=ALL):
+                self.device_mesh = DeviceMesh(self.root_device.type, torch.tensor(topology.mesh_ranks()),
+                                              mesh_dim_names=("pp", "dp"))
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -238,13 +244,16 @@ class PipelineProcesses(ParallelStrategy):
     def _pipeline_broadcast(self, obj: Any, stage: int) -> Any:
         """Broadcast from ``stage`` of this process's replica to the other stages of that replica."""
         check_no_tensors(obj, what=f"a broadcast from stage {stage}")
-        return _broadcast_object(obj, self.rank_of(stage), None if self.data_parallel_size == 1 else self.pp_group)
+        group = None if self.data_parallel_size == 1 else self.pp_group
+        with activity.collective("a broadcast within the pipeline", _waits(self.topology, group)):
+            return _broadcast_object(obj, self.rank_of(stage), group)
 
     # -- collectives (never per training batch) -------------------------------------------------------------------
     @override
     def barrier(self, name: str | None = None) -> None:
         if api.distributed_is_initialized():
-            dist.barrier()
+            with activity.collective("a barrier"):
+                dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -252,7 +261,8 @@ class PipelineProcesses(ParallelStrategy):
             return obj
         # pickled: a device tensor would come back on the device it left from, on every rank
         check_no_tensors(obj, what="`strategy.broadcast(obj)`", host_tensors=True)
-        return _broadcast_object(obj, src, None)
+        with activity.collective("strategy.broadcast"):
+            return _broadcast_object(obj, src, None)
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
@@ -269,7 +279,8 @@ class PipelineProcesses(ParallelStrategy):
             raise ValueError(f"`reduce_op={reduce_op!r}` is not supported across data-parallel replicas: use "
                              f"'mean', 'sum', 'max' or 'min'.")
         result = tensor.detach().clone() if tensor.is_floating_point() else tensor.detach().double()
-        dist.all_reduce(result, op=ops[op], group=self.dp_group if group is None else group)
+        with activity.collective("a reduction over the replicas", _waits(self.topology, group or self.dp_group)):
+            dist.all_reduce(result, op=ops[op], group=self.dp_group if group is None else group)
         if op in ("mean", "avg"):
             result = result / self.data_parallel_size
         return result if tensor.is_floating_point() or op in ("mean", "avg") else result.to(tensor.dtype)
@@ -279,12 +290,42 @@ class PipelineProcesses(ParallelStrategy):
         if not api.distributed_is_initialized():
             return decision
         value = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        with activity.collective("reduce_boolean_decision"):
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return bool(value == self.world_size) if all else bool(value > 0)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         return api.all_gather_if_available(tensor, group=group, sync_grads=sync_grads)
+
+
+_FITS = [0]  # watchdogs this process started
+
+
+def start_watchdog(topology: Topology, watch_id: int, name: Any, failure_timeout: float) -> StageWatchdog | None:
+    """The failure watchdog of this process, from the start of setup (supervision.py): it judges the whole
+    process, setup's group creations and collectives included, not only the pipeline's actions. None (with a
+    warning) where no store is reachable."""
+    watched = connect_store()
+    if watched is None:
+        log.warning("lightning_paci: no rendezvous store reachable (MASTER_ADDR/MASTER_PORT); a dead stage "
+                    "will only be noticed after the process-group timeout")
+        return None
+    _FITS[0] += 1  # every rank starts one watchdog per fit: the same run number on every rank
+    watchdog = StageWatchdog(watch_id, topology.world if topology.data > 1 else topology.pipeline, watched,
+                             dead_after=failure_timeout, store_host=0 if topology.data > 1 else topology.stage_of(0),
+                             name=name, run=_FITS[0])
+    watchdog.activity = activity.now
+    watchdog.start()
+    return watchdog
+
+
+def _waits(topology: Topology, group: Any) -> Any:
+    """What a collective on ``group`` waits for, as the watchdog's ids (stages in a pure pipeline, global ranks
+    with replicas); ALL for the world (None)."""
+    if group is None:
+        return ALL
+    return frozenset(r if topology.data > 1 else topology.stage_of(r) for r in dist.get_process_group_ranks(group))
 
 
 def _broadcast_object(obj: Any, src: int, group: Any) -> Any:

@@ -35,7 +35,8 @@ class CheckpointingProcesses(PipelineProcesses):
     def _checkpoints(self) -> PipelineCheckpoints:
         return PipelineCheckpoints(self.config.checkpoint_layout, self.stage_index, self.num_stages,
                                    self.checkpoint_io, rank=self.global_rank,
-                                   first_replica=self.replica_index == 0, replicas=self.data_parallel_size)
+                                   first_replica=self.replica_index == 0, replicas=self.data_parallel_size,
+                                   group=self.host_group)
 
     def _keep_after_fit(self, stage: PipelineStage) -> None:
         """At teardown, before the full model is restored: keep what a later ``save_checkpoint`` needs."""

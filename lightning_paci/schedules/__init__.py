@@ -50,9 +50,11 @@ from lightning_paci.schedules.build import SCHEDULE_NAMES, ScheduleName, build
 from lightning_paci.schedules.rendezvous import (
     LAYOUTS,
     Communicator,
+    check_group_creation,
     check_rendezvous,
     communicator,
     layout_communicators,
+    setup_groups,
 )
 from lightning_paci.schedules.validate import stage_lists_from_text, validate
 
@@ -80,6 +82,7 @@ __all__ = [
     "ScheduleName",
     "assign_rounds",
     "build",
+    "check_group_creation",
     "check_rendezvous",
     "communicator",
     "derived_drift_bound",
@@ -89,6 +92,7 @@ __all__ = [
     "layout_communicators",
     "message_key",
     "parse_actions",
+    "setup_groups",
     "stage_lists_from_text",
     "static_drift",
     "static_tied_lags",

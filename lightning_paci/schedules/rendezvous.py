@@ -47,6 +47,15 @@ communicators in ``layout_communicators`` order (``engine.comm.warm_communicator
 which the lowest pending communicator always has all its ranks waiting on it. ``connect="warm"`` (the default)
 models exactly that: the connects first, in that order, then the lists with nothing lazy left.
 
+[Note: group creation]
+On a world bound to a device (``init_process_group(device_id=...)``, what the NCCL runs do) torch 2.13 makes every
+``new_group`` collective over the world's NCCL communicator: each rank outside the new group performs a no-color
+split, the members of a group with an NCCL part join that split with their color, the members of a group without
+one connect over gloo and do not join. :func:`setup_groups` lists every group the setup creates, in its order, with
+members and backend -- ``engine.communicators.PipelineLinks.setup`` creates exactly that list -- and
+:func:`check_group_creation` runs it under the rule: a split that some members never join leaves the ranks outside
+the group waiting forever (the hang of 3+ GPU runs when the header groups were one 2-rank gloo group per link).
+
 The simulation is exact for these rules (every rank's order is fixed, every operation has one partner, so whether
 the run completes does not depend on which rank moves first) and linear in the number of actions.
 """
@@ -59,7 +68,8 @@ from collections.abc import Hashable, Sequence
 from lightning_paci.schedules.actions import OPT, SEND_KINDS, Action, Schedule, ScheduleError, format_grid, message_key
 from lightning_paci.schedules.analysis import assign_rounds
 
-__all__ = ["LAYOUTS", "Communicator", "check_rendezvous", "communicator", "layout_communicators"]
+__all__ = ["HOST_GROUP", "LAYOUTS", "Communicator", "check_group_creation", "check_rendezvous", "communicator",
+           "layout_communicators", "setup_groups"]
 
 LAYOUTS = ("directed", "shared")
 
@@ -90,6 +100,40 @@ def layout_communicators(layout: str, num_stages: int, replicas: int = 1) -> dic
             members = tuple(sorted({src, dst})) if layout == "directed" else tuple(range(num_stages))
             found.setdefault(communicator(layout, channel, src, dst, replica), members)
     return found
+
+
+HOST_GROUP: Communicator = ("host",)  # the gloo group of every rank under NCCL ([Note: host groups on a bound world])
+
+
+def setup_groups(num_stages: int, replicas: int, backend: str) -> list[tuple[Communicator, tuple[int, ...], str]]:
+    """Every process group the pipeline's setup creates, in creation order: (key, members as model ranks
+    ``replica * num_stages + stage``, backend) -- under NCCL the host group first, then the directed layout's
+    point-to-point groups, then with replicas each stage's replicas (``("dp", stage)``) and each replica's pipeline
+    (``("pp", replica)``). [Note: group creation]"""
+    world = num_stages * replicas
+    groups: list[tuple[Communicator, tuple[int, ...], str]] = []
+    if backend == "nccl":
+        groups.append((HOST_GROUP, tuple(range(world)), "gloo"))
+    groups += [(comm, members, backend) for comm, members in _model_members("directed", num_stages, replicas).items()]
+    if replicas > 1:
+        groups += [(("dp", s), tuple(r * num_stages + s for r in range(replicas)), backend) for s in range(num_stages)]
+        groups += [(("pp", r), tuple(r * num_stages + s for s in range(num_stages)), backend) for r in range(replicas)]
+    return groups
+
+
+def check_group_creation(groups: Sequence[tuple[Communicator, Sequence[int], str]], world: int, *,
+                         bound: bool = True) -> None:
+    """Run the creations ``groups`` (every rank creates each, in order) under torch's rule for a ``bound`` world
+    ([Note: group creation]); raise :class:`ScheduleError` naming the first group whose split some ranks wait in
+    forever, and who waits."""
+    for index, (key, members, backend) in enumerate(groups):
+        outside = [r for r in range(world) if r not in members]
+        if bound and outside and "nccl" not in backend:
+            raise ScheduleError(
+                f"Group creation #{index} {key} (members {list(members)}, backend {backend!r}) deadlocks on a "
+                f"device-bound world: ranks {outside} wait in the no-color split of the world's NCCL communicator, "
+                f"which its members never join (they connect over gloo). Give it an NCCL part, create it before "
+                f"binding, or make it a group of every rank ([Note: group creation]).")
 
 
 CONNECTS = ("eager", "lazy", "warm")
