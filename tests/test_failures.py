@@ -3,13 +3,10 @@ where they appear; bad input fails at setup with the argument, the value, the ru
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -25,43 +22,6 @@ from helpers import fit
 from models import LoopTransformer, SequentialMLP, regression_loader, token_loader
 
 pytestmark = pytest.mark.distributed
-
-SCRIPT = Path(__file__).parent / "scripts" / "kill_stage_script.py"
-
-
-def _run_failing_script(tmp_path: Path) -> tuple[subprocess.CompletedProcess, float]:
-    start = time.monotonic()
-    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True,
-                         timeout=150, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    return out, time.monotonic() - start
-
-
-def _assert_no_process_left(tmp_path: Path) -> None:
-    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
-    assert len(pids) == 4
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/stat") as fh:
-                    if fh.read().split()[2] != "Z":  # a zombie has exited already
-                        alive.append(pid)
-            except FileNotFoundError:
-                pass
-        if not alive:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"processes left behind: {alive}")
-
-
-def test_killing_stage_2_stops_every_other_stage_naming_it(tmp_path):
-    out, seconds = _run_failing_script(tmp_path)
-    assert out.returncode != 0
-    assert seconds < 90  # start-up of 4 interpreters included; the failure itself is noticed within seconds
-    assert "from stage 2 failed" in out.stderr  # its neighbours name it (the launcher or watchdog stops the rest)
-    _assert_no_process_left(tmp_path)
-
 
 class _FailsAtBatch3(SequentialMLP):
     def training_step(self, batch, batch_idx):
@@ -184,7 +144,6 @@ assert timedelta
 
 
 def test_a_setup_error_is_printed_in_full_by_rank_0_and_in_one_line_by_the_others(capsys, monkeypatch):
-    import sys
 
     from lightning_paci.engine.supervision import mark_setup_error, print_setup_errors_once
 
@@ -230,12 +189,12 @@ class _HoldRank1InSetup(L.Callback):
 
 def test_a_rank_held_at_setup_is_named_by_the_others(capfd):
     # the watchdog runs from the store's creation on and judges setup too: rank 1 (stage 1 of 3) stays inside its
-    # setup while stages 0 and 2 wait for it at the barrier; setup work is patient (10 x failure_timeout = 30 s)
+    # setup while stages 0 and 2 wait for it at the barrier; setup work is patient (10 x failure_timeout = 20 s)
     from torch.multiprocessing import ProcessExitedException
 
     start = time.monotonic()
     with pytest.raises((ProcessExitedException, ProcessRaisedException)):
-        fit(SequentialMLP(depth=6), regression_loader(), devices=3, partition="parameters", failure_timeout=3.0,
+        fit(SequentialMLP(depth=6), regression_loader(), devices=3, partition="parameters", failure_timeout=2.0,
             callbacks=[_HoldRank1InSetup()])
     assert time.monotonic() - start < 60
     err = capfd.readouterr().err

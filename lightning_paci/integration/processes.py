@@ -314,7 +314,7 @@ def start_watchdog(topology: Topology, watch_id: int, name: Any, failure_timeout
     _FITS[0] += 1  # every rank starts one watchdog per fit: the same run number on every rank
     watchdog = StageWatchdog(watch_id, topology.world if topology.data > 1 else topology.pipeline, watched,
                              dead_after=failure_timeout, store_host=0 if topology.data > 1 else topology.stage_of(0),
-                             name=name, run=_FITS[0])
+                             name=name, run=_FITS[0], interval=min(1.0, failure_timeout / 4))
     watchdog.activity = activity.now
     watchdog.start()
     return watchdog
