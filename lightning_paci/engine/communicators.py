@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_paci.engine.supervision import activity
-from lightning_paci.schedules.rendezvous import HOST_GROUP, Communicator, layout_communicators, setup_groups
+from lightning_paci.schedules.rendezvous import HOST_GROUP, Communicator, setup_groups
 
 __all__ = ["HEADER_TAGS", "PipelineLinks", "connections_warning", "create_communicators", "new_group",
            "transport_device", "warm_communicators"]
@@ -50,10 +50,16 @@ def create_communicators(num_stages: int, replicas: int, rank_of: Callable[[int,
     """Every communicator of the directed layout as a process group, on every rank, in the layout's order
     (``rank_of(stage, replica)`` is a stage's global rank). A rank outside a group gets a placeholder, as
     ``new_group`` gives it; the dict keeps the layout's order, which :func:`warm_communicators` follows."""
-    groups = {}
-    for comm, members in layout_communicators("directed", num_stages, replicas).items():
-        groups[comm] = new_group([rank_of(s, comm[1]) for s in members], backend=backend, timeout=timeout)
-    return groups
+    entries = [entry for entry in setup_groups(num_stages, replicas, backend) if entry[0][0] == "p2p"]
+    return _create(entries, num_stages, rank_of, timeout)
+
+
+def _create(entries: list[tuple[Communicator, tuple[int, ...], str]], num_stages: int,
+            rank_of: Callable[[int, int], int], timeout: timedelta) -> dict[Communicator, dist.ProcessGroup]:
+    """``schedules.setup_groups`` entries (members as model ranks ``replica * num_stages + stage``) as process
+    groups, in their order, on every rank."""
+    return {key: new_group([rank_of(m % num_stages, m // num_stages) for m in members], backend=kind, timeout=timeout)
+            for key, members, kind in entries}
 
 
 def new_group(ranks: list[int], *, backend: str, timeout: timedelta) -> dist.ProcessGroup:
@@ -126,10 +132,7 @@ class PipelineLinks:
         """Create every group of ``schedules.setup_groups`` on every rank, in its order ([Note: group creation]:
         the order the model checks), then connect this rank's point-to-point ones in the layout's order ([Note:
         communicator creation]). ``stage``/``replica``: this rank's, for its data-parallel groups."""
-        made: dict[Communicator, dist.ProcessGroup] = {}
-        for key, members, kind in setup_groups(num_stages, replicas, backend):
-            ranks = [rank_of(m % num_stages, m // num_stages) for m in members]
-            made[key] = new_group(ranks, backend=kind, timeout=timeout)
+        made = _create(setup_groups(num_stages, replicas, backend), num_stages, rank_of, timeout)
         groups = {key: group for key, group in made.items() if key[0] == "p2p"}
         connected = warm_communicators(groups, rank_of, device=transport_device(backend, device))
         return cls(groups, made.get(HOST_GROUP), connected, made.get(("dp", stage)), made.get(("pp", replica)))
