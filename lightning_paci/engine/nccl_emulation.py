@@ -30,7 +30,6 @@ which obeys the same rule.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -102,7 +101,6 @@ class NcclEmulation:
         self.created: list[tuple[tuple[int, ...], str]] = []  # every new_group (members, backend asked), in order
         self._met: set[tuple[str, int]] = set()  # (group, peer) pairs whose first p2p operation has met
         self._issued: dict[str, int] = {}  # collectives issued per group (rule 3)
-        self._lock = threading.Lock()
         self._store: Any = None
         self._originals: list[tuple[Any, str, Any]] = []
 
@@ -315,9 +313,7 @@ class NcclEmulation:
 
     def _in_order(self, known: _Group, group: Any, name: str, tensors: list[torch.Tensor]) -> None:
         me = dist.get_rank()
-        with self._lock:
-            index = self._issued.get(group.group_name, 0) + 1
-            self._issued[group.group_name] = index
+        index = self._issued[group.group_name] = self._issued.get(group.group_name, 0) + 1
         signature = name + "".join(f" {t.dtype}[{t.numel()}]" for t in tensors[:4])
         prefix = f"coll/{group.group_name}"
         self.store.set(f"{prefix}/{index}/{me}", signature)

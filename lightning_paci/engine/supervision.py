@@ -97,9 +97,10 @@ class ProcessActivity:
         self._base = None
 
     @contextlib.contextmanager
-    def phase(self, label: str, *, waits: Waits = None, patient: bool = False) -> Iterator[None]:
-        """``label`` while the block runs: work (``waits=None``) or a wait for ``waits`` (watched ids, or ALL)."""
-        entry = (label, waits, self.clock(), patient)
+    def phase(self, label: str, *, waits: Waits = None) -> Iterator[None]:
+        """``label`` while the block runs: work (``waits=None``) or a wait for ``waits`` (watched ids, or ALL);
+        only the base phase (:meth:`begin`) is patient."""
+        entry = (label, waits, self.clock(), False)
         self._stack.append(entry)
         try:
             yield
