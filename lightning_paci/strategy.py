@@ -42,6 +42,7 @@ from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.lightning_program import LightningHooks
 from lightning_paci.integration.optimizer_layout import OptimizerLayout
 from lightning_paci.integration.pipeline_stage import PipelineStage
+from lightning_paci.integration.setup_probe import Sample, find_relays
 from lightning_paci.integration.stage_build import StageBuilder, StageBuilding
 from lightning_paci.integration.strategy_checkpoints import CheckpointingProcesses
 from lightning_paci.integration.trainer_glue import (
@@ -54,6 +55,7 @@ from lightning_paci.integration.trainer_glue import (
 )
 from lightning_paci.optim.stage_optimizer import optimizer_and_step_schedulers
 from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage
+from lightning_paci.partition.relay import install_relays
 
 __all__ = ["PACIStrategy", "optimizer_and_step_schedulers"]
 
@@ -131,6 +133,7 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
         self._trainer: Trainer | None = None
         self._stage: PipelineStage | None = None
         self._undo_patches: list[Callable[[], None]] = []
+        self._sample: Sample | None = None  # one micro-batch drawn at setup (integration/setup_probe.py)
         self._builder = StageBuilder(self)
 
     @property
@@ -194,8 +197,15 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
                                       headers=self.host_group),
                 eval_context=self.precision_plugin.val_step_context)
         super().setup(trainer)
+        stage = self._stage
+        if stage.relays is None:  # after the move to the device and the precision's conversion: as training runs
+            stage.relays = find_relays(self, module, stage.plan, stage.carve, self._sample)
+            install_relays(module, stage.carve, stage.relays)
+            if stage.relays.relays:
+                rank_zero_info(f"lightning_paci: {stage.relays.describe()}")
+        self._sample = None
         if trainer.state.fn == TrainerFn.FITTING:
-            self._setup_training(trainer, module, self._stage)
+            self._setup_training(trainer, module, stage)
 
     def _setup_training(self, trainer: Trainer, module: LightningModule, stage: PipelineStage) -> None:
         owned = [cfg.scheduler for cfg in self.lr_scheduler_configs if cfg.interval == "step"]

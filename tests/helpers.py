@@ -57,6 +57,8 @@ class DumpStageRecords(Callback):
             "gaps": {str(k): v for k, v in records.version_gaps.items()},
             "peak_inflight": records.peak_inflight,
             "peak_activation_bytes": records.peak_activation_bytes,
+            "peak_relayed_bytes": records.peak_relayed_bytes,
+            "relays": trainer.strategy._stage.relays.describe(),
             "own_param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
             "extra_param_bytes_in_flight": self.extra_bytes,
             "optimizer_shares_storage": self.optimizer_shares_storage,

@@ -286,3 +286,56 @@ class LongSkip(SequentialMLP):
     def forward(self, x):
         h = self.embed(x)
         return self.head(self.net(h) + h)
+
+
+class ReusedEmbedding(LongSkip):
+    """`head(blocks(embed(x)) + embed(x))`: one module called before the container and again after it. The second
+    call is on the last stage, the module's parameters on stage 0, which has ended by then: refused at setup."""
+
+    def forward(self, x):
+        return self.head(self.net(self.embed(x)) + self.embed(x))
+
+
+class InPlaceSkip(LongSkip):
+    """A long skip whose value is changed in place after the embedding made it: every stage would apply the change
+    to the value it holds, so the relayed one would be changed twice -- refused at the first forward."""
+
+    def forward(self, x):
+        h = self.embed(x)
+        skip = h
+        h.mul_(0.5)
+        return self.head(self.net(h) + skip)
+
+
+class HFModel(LightningModule):
+    """Any transformers model wrapped as its model card shows: ``self.model(**batch).loss``, SGD."""
+
+    def __init__(self, model: nn.Module, lr: float = 0.1) -> None:
+        super().__init__()
+        self.model = model
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def dict_loader(batches: list[dict[str, torch.Tensor]]) -> DataLoader:
+    """The given batches, as they are (no collation)."""
+    return DataLoader(batches, batch_size=None, shuffle=False)
+
+
+def hf_model_reference(module: HFModel, batches, num_microbatches: int) -> HFModel:
+    """One device: the mean of the micro-batch losses per step, SGD."""
+    optimizer = module.configure_optimizers()
+    for batch in batches:
+        parts = {k: torch.tensor_split(v, num_microbatches) for k, v in batch.items()}
+        for i in range(num_microbatches):
+            (module.model(**{k: v[i] for k, v in parts.items()}).loss / num_microbatches).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return module

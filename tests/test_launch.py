@@ -67,14 +67,14 @@ def test_sigkill_of_one_rank_under_torchrun_brings_every_rank_down_naming_it(tmp
         assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
-def test_a_refused_long_skip_leaves_the_failing_stages_traceback_last_and_one_line_per_other_stage(tmp_path):
-    script = Path(__file__).parent / "scripts" / "long_skip_script.py"
+def test_a_refused_crossing_leaves_the_failing_stages_traceback_last_and_one_line_per_other_stage(tmp_path):
+    script = Path(__file__).parent / "scripts" / "in_place_skip_script.py"
     out = subprocess.run([sys.executable, str(script), "2"], capture_output=True, text=True, timeout=150,
                          env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
     assert out.returncode != 0
     assert out.stderr.count("Traceback (most recent call last)") == 1, out.stderr[-4000:]  # the cause's only
     cause = out.stderr[out.stderr.index("Traceback (most recent call last)"):]
-    assert "CrossingError: Stage 1 would compute with zeros" in cause
+    assert "CrossingError: Stage 0: the output of `embed` that a later stage reads was modified in place" in cause
     others = [line for line in out.stderr.splitlines() if line.startswith("lightning_paci: stage")
-              and "stage 1 failed" in line]
-    assert others and all("stage 0" in line for line in others)  # stage 0 says in one line who failed
+              and "stage 0 failed" in line]
+    assert others and all("stage 1" in line for line in others)  # stage 1 says in one line who failed

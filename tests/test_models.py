@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from helpers import RecordLosses, fit
-from models import HFCausalLM, hf_reference_accumulation, token_loader
+from helpers import DumpStageRecords, RecordLosses, fit, read_stage_records
+from models import HFCausalLM, HFModel, dict_loader, hf_model_reference, hf_reference_accumulation, token_loader
 
 pytestmark = pytest.mark.distributed
 
@@ -204,3 +204,43 @@ def test_the_tied_replica_lag_is_read_from_the_lists(schedule, accumulation, bou
     recorded = dict(reference.runtimes[-1].records.tied_lags)
     assert recorded == static_tied_lags(schedule_lists.actions[3])
     assert max(recorded.values()) == bound
+
+
+def test_an_encoder_decoder_at_four_stages_relays_the_encoders_output_and_equals_one_device(tmp_path):
+    # T5: the encoder runs on stage 0 (before the decoder's blocks), every decoder block reads its output; stage 0
+    # sends it with the activations, stage 1 passes it on, stage 2 reads it and gives it to stage 3 as a block
+    # input. The shared embedding (encoder, decoder, LM head) is tied between stage 0 and stage 3. float64, SGD.
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(13)
+    config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=4, num_heads=4, dropout_rate=0.0,
+                      use_cache=False, decoder_start_token_id=0, pad_token_id=0)
+    model = HFModel(T5ForConditionalGeneration(config))
+    reference = copy.deepcopy(model).double()
+    batches = [{"input_ids": torch.randint(1, 64, (4, 10)), "labels": torch.randint(1, 64, (4, 7))} for _ in range(3)]
+    fit(model, dict_loader(batches), devices=4, max_steps=-1, schedule="1f1b", microbatches=2, partition="parameters",
+        callbacks=[DumpStageRecords(tmp_path, activation_bytes=True)],
+        trainer_kwargs={"max_epochs": 1, "precision": "64-true"})
+    hf_model_reference(reference, batches, num_microbatches=2)
+    _close(model.double(), reference, rtol=1e-7, atol=1e-9)
+    records = read_stage_records(tmp_path, 4)
+    assert "model.encoder (call 0, tensor 0, (2, 10, 32) float64, 5,120 B) stage 0 -> 2" in records[0]["relays"]
+    assert [r["peak_relayed_bytes"] for r in records] == [2 * 10 * 32 * 8] * 2 + [0, 0]
+
+
+def test_bloom_under_64_true_keeps_every_crossing_tensor_in_float64():
+    # the ALiBi bias is made on every stage from the dtype of the embedding's output, which a placeholder gives on
+    # the stages that do not own it: it must follow the module's conversion to float64 after carving
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(14)
+    config = BloomConfig(vocab_size=64, hidden_size=32, n_layer=4, n_head=4, hidden_dropout=0.0,
+                         attention_dropout=0.0, use_cache=False)
+    model = HFModel(BloomForCausalLM(config))
+    reference = copy.deepcopy(model).double()
+    ids = [torch.randint(0, 64, (4, 12)) for _ in range(3)]
+    batches = [{"input_ids": i, "labels": i} for i in ids]
+    fit(model, dict_loader(batches), devices=2, max_steps=-1, schedule="1f1b", microbatches=2, partition="parameters",
+        trainer_kwargs={"max_epochs": 1, "precision": "64-true"})
+    hf_model_reference(reference, batches, num_microbatches=2)
+    _close(model.double(), reference, rtol=1e-7, atol=1e-9)

@@ -191,10 +191,16 @@ def test_a_short_last_batch_under_paci_equals_the_reference_executor():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
 
 
-def test_a_long_skip_across_the_container_is_refused_naming_the_module():
-    with pytest.raises(ProcessRaisedException, match=r"Stage 1 would compute with zeros.*computed by `embed`, which "
-                                                     r"stage 0 runs.*long skip"):
-        fit(LongSkip(), regression_loader(), devices=2, max_steps=1, partition="parameters")
+def test_a_long_skip_across_the_container_is_relayed_and_trains_as_on_one_device():
+    # head(blocks(h) + h): the embedding's output, made on stage 0, is read on stage 1 after its blocks; it travels
+    # with the activations and its gradient comes back with theirs
+    torch.manual_seed(46)
+    model = LongSkip()
+    expected = copy.deepcopy(model)
+    one_device(1).fit(expected, regression_loader())
+    fit(model, regression_loader(), devices=2, max_steps=-1, schedule="1f1b", microbatches=2, partition="parameters",
+        trainer_kwargs={"max_epochs": 1})
+    assert_same_weights(model, expected)
 
 
 class _NormAfterEmbedding(SequentialMLP):

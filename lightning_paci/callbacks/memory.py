@@ -24,6 +24,9 @@ class MemoryMonitor(StageMonitor):
 
     * ``paci/peak_inflight/stage_<s>``: micro-batches between forward and backward.
     * ``paci/peak_activation_bytes/stage_<s>``: their activation bytes.
+    * ``paci/relayed_bytes/stage_<s>``: bytes of the values this stage relays past the next one in one activation
+      message (an encoder's output, a long skip: [Note: relayed crossings] in partition/relay.py; included in the
+      activation bytes above), the largest seen.
 
     Args:
         logging_interval: Lightning steps per window (default: the Trainer's ``log_every_n_steps``).
@@ -43,4 +46,5 @@ class MemoryMonitor(StageMonitor):
         self._writer.add_scalar(metric_tag("peak_inflight", stage), records.peak_inflight, trainer.global_step)
         self._writer.add_scalar(metric_tag("peak_activation_bytes", stage), records.peak_activation_bytes,
                                 trainer.global_step)
+        self._writer.add_scalar(metric_tag("relayed_bytes", stage), records.peak_relayed_bytes, trainer.global_step)
         self._writer.flush()

@@ -135,6 +135,8 @@ class StageRecords:
         self.peak_inflight = 0
         self.activation_bytes: dict[int, int] = {}  # micro-batch in flight -> bytes (only while measured)
         self.peak_activation_bytes = 0
+        # bytes of values relayed past the next stage in one activation message (partition/relay.py), the largest
+        self.peak_relayed_bytes = 0
         self.tied_fingerprints: deque[str] | None = None
         self.weight_drift = False
         self.activations = False
@@ -168,6 +170,10 @@ class StageRecords:
             output = program.forward(data, *step_args, received=received)
         self.activation_bytes[microbatch] = meter.total(leaves, output.outgoing)
         self.peak_activation_bytes = max(self.peak_activation_bytes, sum(self.activation_bytes.values()))
+        outgoing = output.outgoing
+        if isinstance(outgoing, tuple) and len(outgoing) == 3:  # (args, kwargs, relayed values)
+            relayed = sum(t.numel() * t.element_size() for t in outgoing[2].values())
+            self.peak_relayed_bytes = max(self.peak_relayed_bytes, relayed)
         return output
 
     def add_backward(self, record: BackwardRecord) -> None:

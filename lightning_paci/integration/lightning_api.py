@@ -40,6 +40,7 @@ __all__ = [
     "multiprocessing_launcher",
     "patch_method",
     "should_validate_after_batch",
+    "step_dataloader",
     "training_dataloader",
     "whole_model_summaries",
 ]
@@ -168,10 +169,21 @@ def keep_user_samplers(trainer: Any) -> None:
 
 def training_dataloader(trainer: Any) -> Any:
     """The training dataloader of a fitting Trainer, before the fit loop has iterated it."""
-    source = getattr(trainer.fit_loop, "_data_source", None)
+    return step_dataloader(trainer, "fit_loop")
+
+
+def step_dataloader(trainer: Any, loop: str) -> Any:
+    """The dataloader (or the first of several) that ``trainer.<loop>`` (``fit_loop``, ``validate_loop``,
+    ``test_loop``, ``predict_loop``) will iterate, before it has."""
+    source = getattr(getattr(trainer, loop), "_data_source", None)
     if source is None or not callable(getattr(source, "dataloader", None)):
-        raise _missing("lightning.pytorch.loops.fit_loop._FitLoop._data_source.dataloader", "does not have")
-    return source.dataloader()
+        raise _missing(f"lightning.pytorch.loops.{loop}._data_source.dataloader", "does not have")
+    loaders = source.dataloader()
+    if isinstance(loaders, (list, tuple)):
+        return loaders[0]
+    if isinstance(loaders, dict):
+        return next(iter(loaders.values()))
+    return loaders
 
 
 _warned_validation = False

@@ -59,8 +59,7 @@ class LightningStageProgram:
     def forward(self, data: Any, *step_args: Any, received: Any | None) -> ForwardOutput:
         """Run the step on one micro-batch. ``step_args`` follow the batch (``batch_idx``, ``dataloader_idx``)."""
         boundary = self.carve.boundary
-        boundary.incoming = received
-        boundary.outgoing = None
+        boundary.begin(received)
         records: list[LogRecord] = []
         step = getattr(self.module, self.step_name)
         check, self._check = self._check, None
@@ -75,7 +74,7 @@ class LightningStageProgram:
             outgoing, boundary.outgoing = boundary.outgoing, None
             return ForwardOutput(outgoing=outgoing)
         finally:
-            boundary.incoming = None
+            boundary.end()
             if check is not None:
                 self.carve.foreign_buffers |= check.foreign_buffers
         if not self.carve.is_last:

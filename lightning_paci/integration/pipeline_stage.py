@@ -32,6 +32,7 @@ from lightning_paci.integration.optimizer_layout import OptimizerLayout
 from lightning_paci.optim.lookahead import costly_regime, lookahead_for
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 from lightning_paci.partition import PartitionPlan, StageCarve
+from lightning_paci.partition.relay import RelayPlan
 
 __all__ = ["PipelineStage"]
 
@@ -71,6 +72,7 @@ class PipelineStage:
         self._broadcast = broadcast
         self._resumed_gradients: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.hooks: LightningHooks | None = None
+        self.relays: RelayPlan | None = None  # values relayed past stage boundaries, found once at setup
         self._recompute = BlockRecompute(module.get_submodule(plan.container), plan.blocks(carve.stage)) \
             if recomputes(config.recompute, config.recompute_stages, carve.stage) else None
 

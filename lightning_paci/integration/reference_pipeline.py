@@ -7,6 +7,7 @@ multi-process run against it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,9 +20,12 @@ from lightning_paci.engine.recompute import RECOMPUTE_MODES, BlockRecompute, rec
 from lightning_paci.engine.reference import LocalComm, ReplicaAverage, ReplicaParameterAverage, run_lists
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.integration.lightning_program import LightningStageProgram
+from lightning_paci.integration.setup_probe import Sample, run_sample
+from lightning_paci.integration.trainer_glue import without_side_effects
 from lightning_paci.optim.lookahead import lookahead_for
 from lightning_paci.optim.stage_optimizer import StageOptimizer, optimizer_and_step_schedulers
-from lightning_paci.partition import PartitionPlan, carve_stage
+from lightning_paci.partition import PartitionPlan, StageCarve, carve_stage
+from lightning_paci.partition.relay import RelayPlan, install_relays, plan_relays, probe_crossings
 from lightning_paci.schedules import ActionKind, Schedule, static_drift
 
 __all__ = ["ReferencePipeline"]
@@ -55,13 +59,16 @@ class ReferencePipeline:
         # replica_modules[r][s], replica_runtimes[r][s]; ``modules``/``runtimes``: replica 0's
         self.replica_modules: list[list[LightningModule]] = []
         self.replica_runtimes: list[list[StageRuntime]] = []
+        self._carves: list[list[StageCarve]] = []
+        self.relays: RelayPlan | None = None  # found at the first run, on its first micro-batch
         factory = optimizer_factory or _configured_optimizer
         for replica in range(replicas):
             comms = LocalComm.network(plan.num_stages)
-            modules, runtimes = [], []
+            modules, runtimes, carves = [], [], []
             for stage in range(plan.num_stages):
                 copy_ = copy.deepcopy(module)
                 carve = carve_stage(copy_, plan, stage)
+                carves.append(carve)
                 if recomputes(recompute, recompute_stages, stage):
                     BlockRecompute(copy_.get_submodule(plan.container), plan.blocks(stage))
                 optimizer, schedulers = factory(copy_)
@@ -76,6 +83,7 @@ class ReferencePipeline:
                 runtimes.append(runtime)
             self.replica_modules.append(modules)
             self.replica_runtimes.append(runtimes)
+            self._carves.append(carves)
         self._parameter_averages: list[ReplicaParameterAverage] = []
         for stage in range(plan.num_stages if replicas > 1 else 0):
             group = [runtimes[stage] for runtimes in self.replica_runtimes]
@@ -105,6 +113,8 @@ class ReferencePipeline:
                 f"but the {schedule.name!r} lists were built without tied-weight messages: the replica would never "
                 f"be updated. Build them with `build(..., tied=True)`."
             )
+        if self.relays is None:
+            self._find_relays(split_weighted(per_replica[0][0], schedule.num_microbatches)[0][0])
         scale = loss_scale_for(accumulation_scale or schedule.accumulation)
         base = self.runtimes[0].microbatch_base
         everyone = [runtime for runtimes in self.replica_runtimes for runtime in runtimes]
@@ -120,6 +130,18 @@ class ReferencePipeline:
             average.sync()
         for runtime in everyone:
             runtime.microbatch_base = base + schedule.total_microbatches
+
+    def _find_relays(self, sample: Any) -> None:
+        """The setup probe of every stage on ``sample`` ([Note: relayed crossings] in partition/relay.py)."""
+        probes = {}
+        for stage, (module, carve) in enumerate(zip(self.modules, self._carves[0])):
+            with without_side_effects(module, cuda_devices=[]):
+                probes[stage] = probe_crossings(module, carve, run_sample(module, Sample(sample, 1, "training_step"),
+                                                                         contextlib.nullcontext))
+        self.relays = plan_relays(self.plan, probes)
+        for modules, carves in zip(self.replica_modules, self._carves):
+            for module, carve in zip(modules, carves):
+                install_relays(module, carve, self.relays)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The union of the stages' state dicts: the full model's keys (a tied weight from stage 0, its owner). A

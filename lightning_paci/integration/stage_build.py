@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_paci.integration import lightning_api as api
+from lightning_paci.integration.setup_probe import draw_sample, trace_call_order
 from lightning_paci.integration.trainer_glue import batch_norm_warning, measure_block_costs
 from lightning_paci.partition import PartitionPlan, StageCarve, plan_partition
 from lightning_paci.partition.carve import removed_modules
@@ -202,18 +203,22 @@ class StageBuilding:
         built = self._builder.built
         if built is None and self._builder.on_meta(module):
             built = self._builder.adopt(module, source="weights" if self.config.weights is not None else "empty")
-        measured = None
+        measured = order = None
+        root = self.root_device  # type: ignore[attr-defined]
+        self._sample = draw_sample(trainer, self.num_microbatches, [root.index or 0] if root.type == "cuda" else [])
         if built is None:
             warning = host_memory_warning(module, self.num_processes)  # type: ignore[attr-defined]
             if warning is not None:
                 rank_zero_warn(warning)
-            measured = measure_block_costs(self, trainer) if self.config.partition == "balanced" else None
+            if self.config.partition == "balanced":
+                measured = measure_block_costs(self, trainer, self._sample)
+            order = trace_call_order(self, module, self._sample)
         if whole:  # before carving: the whole model (on meta when built there)
             self._undo_patches += api.whole_model_summaries(trainer, module)  # type: ignore[attr-defined]
         if built is not None:
             return built.plan
         return plan_partition(module, self.num_stages, container=self.config.block_container,
-                              partition=self.config.partition, measured=measured)
+                              partition=self.config.partition, measured=measured, order=order)
 
     def plan_on_meta(self, module: nn.Module) -> PartitionPlan:
         """The partition of a model built on the meta device (no forward to time: parameter counts)."""

@@ -19,7 +19,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 
-from lightning_paci.engine.microbatch import microbatch_size, split_microbatches
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.lightning_program import extract_loss
 from lightning_paci.integration.logs import recording_logs
@@ -138,32 +137,29 @@ def seed_workers_alike(dataloader: Any, replica: int = 0) -> Any:
     return dataloader
 
 
-def measure_block_costs(strategy: Any, trainer: Trainer) -> BlockCosts | None:
-    """Time every block's forward+backward on one sample micro-batch of the training data (the unchanged module,
-    before any carving). Every rank draws the same sample, so a dataloader with side effects stays in step across
-    ranks; rank 0 measures and shares the result, so every rank plans the same split. Measuring leaves no trace
-    (``without_side_effects``): the run that follows is the one it would be without profiling. A dataloader,
-    module or step that cannot be timed falls back to parameter counts (logged)."""
-    if trainer.state.fn != TrainerFn.FITTING:
+def measure_block_costs(strategy: Any, trainer: Trainer, sample: Any) -> BlockCosts | None:
+    """Time every block's forward+backward on the sample micro-batch (setup_probe.Sample: drawn once, the same on
+    every rank) of the training data (the unchanged module, before any carving); rank 0 measures and shares the
+    result, so every rank plans the same split. Measuring leaves no trace (``without_side_effects``): the run that
+    follows is the one it would be without profiling. A module or step that cannot be timed falls back to
+    parameter counts (logged)."""
+    if trainer.state.fn != TrainerFn.FITTING or sample is None:
         return None
     module = strategy.lightning_module
     costs: BlockCosts | None = None
     root = strategy.root_device
     with without_side_effects(module, cuda_devices=[root.index or 0] if root.type == "cuda" else []):
         try:
-            batch = next(iter(api.training_dataloader(trainer)))
-            size = microbatch_size(batch)
-            sample = split_microbatches(batch, max(1, min(strategy.num_microbatches, size)))[0]
-
             def run_step() -> None:
-                with recording_logs(module, [], size, "training_step"), strategy.precision_plugin.train_step_context():
-                    loss = extract_loss(module.training_step(sample, 0), "training_step")
+                with recording_logs(module, [], sample.size, "training_step"), \
+                        strategy.precision_plugin.train_step_context():
+                    loss = extract_loss(module.training_step(sample.data, 0), "training_step")
                 loss.backward()
                 module.zero_grad(set_to_none=True)
 
             if strategy.is_global_zero:
                 costs = profile_block_costs(module, strategy.config.block_container, run_step)
-        except (RuntimeError, ValueError, TypeError, StopIteration) as err:  # an iterable dataset, no grads, ...
+        except (RuntimeError, ValueError, TypeError) as err:  # no grads, ...
             log.warning(f"lightning_paci: block timing not possible ({type(err).__name__}: {err}); balancing by "
                         f"parameter count")
     return strategy.broadcast(costs, src=0)

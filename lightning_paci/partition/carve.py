@@ -31,10 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_paci.engine.messages import flatten, map_tensors
+from lightning_paci.engine.messages import flatten, map_tensors, unflatten
 from lightning_paci.partition.plan import PartitionPlan
 
-__all__ = ["BoundaryState", "StageCarve", "StageDone", "carve_stage", "removed_modules"]
+__all__ = ["BoundaryState", "CrossingError", "StageCarve", "StageDone", "carve_stage", "removed_modules"]
+
+
+class CrossingError(ValueError):
+    """A value computed by a module this stage does not run reaches code it does run, and cannot be relayed."""
 
 
 class StageDone(BaseException):
@@ -54,17 +58,54 @@ class _Placeholder(nn.Module):
     afterwards (its value is replaced at this stage's ingress anyway).
     """
 
-    def __init__(self, owner: str, shadow: nn.Module, *, may_pass_through: bool = False) -> None:
+    def __init__(self, owner: str, shadow: nn.Module, *, may_pass_through: bool = False, name: str = "",
+                 boundary: BoundaryState | None = None) -> None:
         super().__init__()
         self.owner = owner
         # kept outside nn.Module registration: the shadow's meta parameters must not appear in state_dict()
         self.__dict__["_shadow"] = shadow
+        self.__dict__["_boundary"] = boundary
+        self._name = name
         self._may_pass_through = may_pass_through
         self._pass_through = False
 
+    def __getattr__(self, attribute: str) -> Any:
+        """[Note: placeholders answer attribute reads]
+        Code outside a module reads its attributes: torch's ``TransformerDecoder.forward`` reads
+        ``self.layers[0].self_attn.batch_first`` on every stage, transformers reads ``config`` of submodules. A
+        placeholder answers with the real module's structure, kept on the meta device (its submodules, flags and
+        parameter shapes; no values)."""
+        try:
+            return super().__getattr__(attribute)
+        except AttributeError:
+            shadow = self.__dict__.get("_shadow")
+            if shadow is None or attribute.startswith("__"):
+                raise
+            return getattr(shadow, attribute)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> _Placeholder:
+        """``module.to(torch.float64)`` / ``.half()`` / ``.to(device)`` reach the placeholder, not the shadow it
+        keeps unregistered: apply the dtype part to the shadow (it stays on meta), so that the zeros it shapes have
+        the dtype the real module would have under ``precision="64-true"`` or ``"bf16-true"``."""
+        shadow = self.__dict__["_shadow"]
+
+        def dtype_only(tensor: torch.Tensor) -> torch.Tensor:
+            probe = fn(torch.empty(0, dtype=tensor.dtype))  # what fn does to this dtype, away from meta
+            return tensor if probe.dtype == tensor.dtype else tensor.to(probe.dtype)
+
+        shadow._apply(dtype_only)
+        return super()._apply(fn, recurse)  # type: ignore[return-value]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else next(iter(kwargs.values()), None)
-        if self._pass_through:
+        boundary = self.__dict__["_boundary"]
+        relayed: dict[int, torch.Tensor] = {}
+        if boundary is not None:  # count this call; take the real values relayed to it (partition/relay.py)
+            call = boundary.calls.get(self._name, 0)
+            boundary.calls[self._name] = call + 1
+            prefix = f"{self._name}#{call}#"
+            relayed = {int(k[len(prefix):]): v for k, v in boundary.relay_in.items() if k.startswith(prefix)}
+        if self._pass_through and not relayed:
             return first
         shadow = self.__dict__["_shadow"]
         device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
@@ -77,6 +118,10 @@ class _Placeholder(nn.Module):
                 f"device: {err}. Move the code that uses its output into a module on the same stage, or place the "
                 f"module explicitly with `partition=`."
             ) from err
+        if relayed:
+            skeleton, metas = flatten(out)
+            return unflatten(skeleton, [relayed.get(i, torch.zeros(t.shape, dtype=t.dtype, device=device))
+                                        for i, t in enumerate(metas)])
         if self._may_pass_through and isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor) and (
             out.shape == first.shape and out.dtype == first.dtype
         ):
@@ -101,7 +146,47 @@ class BoundaryState:
     """Per-forward state the hooks share with the runtime."""
 
     incoming: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # (args, kwargs) for the first local block
-    outgoing: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # captured (args, kwargs) for the next stage
+    outgoing: tuple[Any, ...] | None = None  # captured (args, kwargs[, relayed]) for the next stage
+    # values relayed past stage boundaries (partition/relay.py), keyed "module#call#leaf": received / to send
+    relay_in: dict[str, torch.Tensor] = field(default_factory=dict)
+    relay_out: dict[str, torch.Tensor] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)  # calls of each placeholder / relayed module this forward
+    sends: tuple[str, ...] = ()  # the relayed keys this stage sends (made here or passed on), in message order
+    versions: dict[str, int] = field(default_factory=dict)  # tensor versions of relay_out at capture
+    probing: bool = False  # a setup probe: the first local block keeps fresh zeros of its own inputs
+
+    def begin(self, received: Any) -> None:
+        """Start a forward with ``received`` (the previous stage's message, None on stage 0)."""
+        self.calls.clear()
+        self.relay_out = {}
+        self.outgoing = None
+        if received is not None and len(received) == 3:
+            self.incoming, self.relay_in = (received[0], received[1]), received[2]
+        else:
+            self.incoming, self.relay_in = received, {}
+
+    def end(self) -> None:
+        self.incoming, self.relay_in, self.relay_out = None, {}, {}
+
+    def relayed(self, stage: int) -> dict[str, torch.Tensor]:
+        """What this stage relays onward (``sends``, in that order): made here, or received and passed on."""
+        out: dict[str, torch.Tensor] = {}
+        for key in self.sends:
+            value = self.relay_out.get(key, self.relay_in.get(key))
+            if value is None:
+                module, call, _ = key.split("#")
+                raise CrossingError(
+                    f"Stage {stage} must relay call {call} of `{module}` to a later stage that reads it, but that "
+                    f"call did not run here before the stage's end: a module called again after its stage ended "
+                    f"(one module used at two places of the model) cannot be relayed. Give each place its own "
+                    f"module, or keep both places on one stage with `partition=`.")
+            if key in self.relay_out and value._version != self.versions[key]:
+                raise CrossingError(
+                    f"Stage {stage}: the output of `{key.split('#')[0]}` that a later stage reads was modified in "
+                    f"place after it was made; the later stage would read another value than this one's code. "
+                    f"Make the in-place operation out of place (e.g. `x = x + y` instead of `x += y`).")
+            out[key] = value
+        return out
 
 
 def _without_caches(args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -214,11 +299,14 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
     removed: dict[str, nn.Module] = {}
     # untie first: stage 0's user keeps the shared Parameter, the last stage's user gets its own copy (a replica
     # that its optimizer skips and that receives stage 0's updates, see [Note: tied weights] in schedules.py)
-    for _, last_name in plan.tied:
+    replicas: dict[str, nn.Parameter] = {}  # one replica per tied weight, under all its last-stage names
+    for first, last_name in plan.tied:
         owner_name, _, attr = last_name.rpartition(".")
         owner = module.get_submodule(owner_name)
         shared = getattr(owner, attr)
-        setattr(owner, attr, nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad))
+        if first not in replicas:
+            replicas[first] = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+        setattr(owner, attr, replicas[first])
 
     def swap(name: str, owner: str, *, is_block: bool = False) -> None:
         parent_name, _, child = name.rpartition(".")
@@ -228,17 +316,20 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
         if isinstance(original, _Placeholder):  # carved before (a model that stays on the meta device after fit)
             original = original.__dict__["_shadow"]
         removed[name] = original.to("meta")
-        parent._modules[child] = _Placeholder(owner, removed[name], may_pass_through=is_block)
+        parent._modules[child] = _Placeholder(owner, removed[name], may_pass_through=is_block, name=name,
+                                              boundary=boundary)
 
+    boundary = BoundaryState()
     for name, (owner, is_block) in removed_modules(plan, stage).items():
         swap(name, f"stage {owner}", is_block=is_block)
 
-    boundary = BoundaryState()
     handles = []
     blocks = plan.blocks(stage)
     if stage > 0:
         def ingress(_module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            if boundary.probing:  # fresh zeros of the block's own inputs: what they hold is received in a real run
+                return map_tensors((args, kwargs), lambda t: torch.zeros(t.shape, dtype=t.dtype, device=t.device))
             if boundary.incoming is None:
                 raise AssertionError(f"stage {stage}: block {blocks.start} ran without a received input")
             return boundary.incoming
@@ -246,13 +337,15 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
         handles.append(container[blocks.start].register_forward_pre_hook(ingress, with_kwargs=True))
     if stage < last:
         def egress(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            boundary.outgoing = _without_caches(tuple(args), dict(kwargs), stage)
+            args, kwargs = _without_caches(tuple(args), dict(kwargs), stage)
+            boundary.outgoing = (args, kwargs, boundary.relayed(stage)) if boundary.sends else (args, kwargs)
             raise StageDone
 
         handles.append(container[blocks.stop].register_forward_pre_hook(egress, with_kwargs=True))
-    names = dict(module.named_parameters())
-    tied_local = [names[first if stage == 0 else last_name] for first, last_name in plan.tied
-                  if stage in (0, last)] if plan.tied else []
+    names = dict(module.named_parameters(remove_duplicate=False))
+    firsts = dict(plan.tied)  # first name -> one of its last-stage names (a weight once, however many names)
+    tied_local = [names[first if stage == 0 else last_name] for first, last_name in firsts.items()
+                  if stage in (0, last)]
     return StageCarve(plan=plan, stage=stage, boundary=boundary, removed=removed, handles=handles,
                       tied_params=tied_local)
 

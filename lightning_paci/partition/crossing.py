@@ -28,13 +28,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_paci.partition.carve import StageCarve
+from lightning_paci.partition.carve import CrossingError, StageCarve
 
 __all__ = ["CrossingCheck", "CrossingError"]
 
-
-class CrossingError(ValueError):
-    """A value computed by a module this stage does not run reaches code it does run."""
+Source = frozenset[str]  # the "module#call#leaf" keys of the placeholder outputs a tensor derives from
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -57,9 +55,10 @@ class _Taint(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        source = next((s for t in _tensors((args, kwargs)) if (s := self.check.source(t)) is not None), None)
+        sources = [s for t in _tensors((args, kwargs)) if (s := self.check.source(t)) is not None]
         out = func(*args, **kwargs)
-        if source is not None:
+        if sources:
+            source = frozenset().union(*sources)
             if self.check.local:
                 self.check.refuse(source, getattr(func, "__name__", str(func)))
             for tensor in _tensors(out):
@@ -68,44 +67,61 @@ class _Taint(TorchFunctionMode):
 
 
 class CrossingCheck:
-    """One watched forward of a carved stage ``s > 0`` (use :meth:`watch` around it)."""
+    """One watched forward of a carved stage ``s > 0`` (use :meth:`watch` around it). With ``collect`` the
+    placeholder outputs its own part reads are gathered in ``needed`` (the setup probe, partition/relay.py)
+    instead of refused."""
 
-    def __init__(self, module: nn.Module, carve: StageCarve, container: nn.Module) -> None:
+    def __init__(self, module: nn.Module, carve: StageCarve, container: nn.Module, *, collect: bool = False) -> None:
         self.module, self.carve, self.container = module, carve, container
+        self.collect = collect
         self.local = False  # after the ingress: this stage's own computation
         self.foreign_buffers: set[str] = set()  # "module.buffer" names whose updates ran on placeholder zeros
-        self._tainted: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+        self.needed: dict[str, torch.Size | tuple[int, ...]] = {}  # key -> shape, dtype (collect)
+        self._made: dict[str, torch.Tensor] = {}  # key -> the placeholder's output tensor (collect: its form)
+        self._tainted: dict[int, tuple[weakref.ref[torch.Tensor], Source]] = {}
 
-    def source(self, tensor: torch.Tensor) -> str | None:
+    def source(self, tensor: torch.Tensor) -> Source | None:
         entry = self._tainted.get(id(tensor))
         return entry[1] if entry is not None and entry[0]() is tensor else None
 
-    def taint(self, tensor: torch.Tensor, source: str) -> None:
+    def taint(self, tensor: torch.Tensor, source: Source) -> None:
         if self.source(tensor) is None:  # keep the first source: the module whose output it really is
             self._tainted[id(tensor)] = (weakref.ref(tensor), source)
 
-    def refuse(self, source: str, op: str) -> None:
+    def refuse(self, source: Source, op: str) -> None:
+        if self.collect:
+            for key in source:
+                made = self._made[key]
+                self.needed[key] = (tuple(made.shape), made.dtype)
+            return
         stage, first = self.carve.stage, self.carve.plan.blocks(self.carve.stage).start
+        name = min(source).split("#")[0]
         raise CrossingError(
             f"Stage {stage} would compute with zeros: `{op}` in its own part of the step (block {first} of "
-            f"`{self.carve.plan.container}` onwards) reads a value computed by `{source}`, which "
-            f"{getattr(self.module.get_submodule(source), 'owner', 'another stage')} runs; this stage holds only a "
-            f"placeholder for it. A value made "
-            f"before the block container and used after it (a long skip such as `head(blocks(h) + h)`), or passed "
-            f"to every block call, cannot cross the pipeline: only the inputs of each stage's first block travel. "
-            f"Compute it inside the blocks (carry it as part of their input and output) or after the container."
+            f"`{self.carve.plan.container}` onwards) reads a value computed by `{name}`, which "
+            f"{getattr(self.module.get_submodule(name), 'owner', 'another stage')} runs; this stage holds only a "
+            f"placeholder for it, and the value was not found as crossing when the stages were set up (the setup "
+            f"probe's forward took another path). Make the step's control flow independent of the data, or "
+            f"compute the value inside the blocks (carry it as part of their input and output)."
         )
 
     @contextlib.contextmanager
     def watch(self) -> Iterator[None]:
         handles = []
 
+        calls: dict[str, int] = {}
+
         def tainting(name: str) -> Any:
             def hook(_module: nn.Module, args: Any, output: Any) -> None:
-                passed = {id(t) for t in _tensors(args)}  # a pass-through block returns its input: not new
-                for tensor in _tensors(output):
-                    if id(tensor) not in passed:
-                        self.taint(tensor, name)
+                call = calls.get(name, 0)
+                calls[name] = call + 1
+                # a pass-through block returns its input, a relayed value is the real one: neither is new
+                real = {id(t) for t in _tensors(args)} | {id(t) for t in self.carve.boundary.relay_in.values()}
+                for leaf, tensor in enumerate(_tensors(output)):
+                    if id(tensor) not in real:
+                        key = f"{name}#{call}#{leaf}"
+                        self._made[key] = tensor
+                        self.taint(tensor, frozenset((key,)))
             return hook
 
         def ingress(*_: Any) -> None:
@@ -124,8 +140,17 @@ class CrossingCheck:
         for name, sub in self.module.named_modules():
             if id(sub) not in inside and any(True for _ in sub.buffers(recurse=False)):
                 handles.append(sub.register_forward_pre_hook(buffered(name), with_kwargs=True))
-        start = self.carve.plan.blocks(self.carve.stage).start
-        handles.append(self.container[start].register_forward_pre_hook(ingress))  # after carve's ingress hook
+        def egress(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            # what the next stage's first block gets is read there: a placeholder's zeros must not travel on
+            sources = [s for t in _tensors((args, kwargs)) if (s := self.source(t)) is not None]
+            if sources:
+                self.refuse(frozenset().union(*sources), "the inputs sent to the next stage")
+
+        blocks = self.carve.plan.blocks(self.carve.stage)
+        handles.append(self.container[blocks.start].register_forward_pre_hook(ingress))  # after carve's ingress
+        if not self.carve.is_last:  # before carve's egress hook, which ends the forward
+            handles.append(self.container[blocks.stop].register_forward_pre_hook(egress, with_kwargs=True,
+                                                                                  prepend=True))
         try:
             with _Taint(self):
                 yield
@@ -133,4 +158,5 @@ class CrossingCheck:
             for handle in handles:
                 handle.remove()
             self._tainted.clear()
+            self._made.clear()
             self.local = False

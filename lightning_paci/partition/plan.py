@@ -2,24 +2,25 @@
 
 A plan is computed once, from the unchanged module, identically on every rank; carving (carve.py) then only
 executes it. Besides the block boundaries it fixes the owners of everything outside the block container: modules
-with parameters registered before it (an embedding) go to stage 0, those registered after it (final norm, LM head)
-to the last stage, parameter-free ones run everywhere. A parameter registered under two names on two stages is
-supported in one shape only -- an embedding tied to an LM head, stage 0 and the last stage -- and the plan records
-that pair so that carving can give the last stage a replica (see [Note: tied weights] in schedules.py).
+with parameters that run before it (an embedding) go to stage 0, those that run after it (final norm, LM head) to
+the last stage, parameter-free ones run everywhere. A parameter registered under two names on two stages is
+supported between stage 0 and the last stage only -- an embedding tied to an LM head, an encoder-decoder's shared
+embedding -- and the plan records those pairs so that carving can give the last stage one replica (see
+[Note: tied weights] in schedules.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
 from lightning_paci.partition.blocks import balanced_boundaries, find_block_container, num_params
 from lightning_paci.partition.profile import BlockCosts, prefer_time_split
 
-__all__ = ["PartitionPlan", "PartitionSpec", "plan_partition"]
+__all__ = ["PartitionPlan", "PartitionSpec", "call_order", "plan_partition"]
 
 PartitionSpec = Literal["balanced", "parameters", "uniform"] | Sequence[int]
 
@@ -35,7 +36,7 @@ class PartitionPlan:
     before: tuple[str, ...]
     after: tuple[str, ...]
     stage_params: tuple[int, ...] = field(default=())
-    tied: tuple[tuple[str, str], ...] = ()  # (name on stage 0, name on the last stage) of each tied weight
+    tied: tuple[tuple[str, str], ...] = ()  # (a name on stage 0, a name on the last stage) of each tied weight
     note: str = ""  # how the split was chosen (measured times), for the setup log line
 
     @property
@@ -57,11 +58,41 @@ class PartitionPlan:
         return "; ".join(parts) + tied + (f" ({self.note})" if self.note else "")
 
 
-def _outside_modules(root: nn.Module, container_path: str) -> tuple[list[str], list[str]]:
-    """Parameterized modules outside the container, split by registration order relative to the path to it."""
+def call_order(module: nn.Module, run_step: Callable[[], Any]) -> tuple[str, ...]:
+    """The dotted names of ``module``'s submodules in the order of their first call while ``run_step`` runs (one
+    step on a sample micro-batch); a module registered under two names is reported under its first."""
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def hook(name: str) -> Callable[..., None]:
+        def first_call(*_: Any) -> None:
+            if name not in seen:
+                seen.add(name)
+                order.append(name)
+        return first_call
+
+    handles = [sub.register_forward_pre_hook(hook(name)) for name, sub in module.named_modules() if name]
+    try:
+        run_step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return tuple(order)
+
+
+def _outside_modules(root: nn.Module, container_path: str,
+                     order: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+    """[Note: outside modules go where they run]
+    Parameterized modules outside the container, split into those that run before its first block (stage 0) and
+    after its last (the last stage). ``order`` (``call_order`` of one step) decides: OPT registers
+    ``decoder.final_layer_norm`` before ``decoder.layers`` and LitGPT ``lm_head`` before ``transformer``, yet both
+    run after the last block. A module the step never calls, and every module when no step could be run (a model
+    built on the meta device), is placed by registration order relative to the path to the container."""
     before: list[str] = []
     after: list[str] = []
     parts = container_path.split(".") if container_path else []
+    called = {name: i for i, name in enumerate(order or ())}
+    first_block = called.get(f"{container_path}.0" if container_path else "0")
     node, prefix = root, ""
     for part in parts:
         if any(True for _ in node.parameters(recurse=False)):
@@ -77,7 +108,9 @@ def _outside_modules(root: nn.Module, container_path: str) -> tuple[list[str], l
                 continue
             if num_params(child) == 0:
                 continue  # parameter-free modules (dropout, rotary tables) run on every stage
-            (after if seen_path else before).append(f"{prefix}{name}")
+            position = called.get(f"{prefix}{name}")
+            runs_after = seen_path if position is None or first_block is None else position > first_block
+            (after if runs_after else before).append(f"{prefix}{name}")
         node = getattr(node, part)
         prefix = f"{prefix}{part}."
     return before, after
@@ -90,6 +123,7 @@ def plan_partition(
     container: str | None = None,
     partition: PartitionSpec = "balanced",
     measured: BlockCosts | None = None,
+    order: Sequence[str] | None = None,
 ) -> PartitionPlan:
     """Plan the split of ``module`` into ``num_stages`` stages.
 
@@ -98,7 +132,8 @@ def plan_partition(
     when that lowers the slowest stage's time by at least ``TIME_BALANCE_MIN_GAIN`` and ``TIME_BALANCE_MIN_SECONDS``
     in every measured repetition (``prefer_time_split``). ``"parameters"`` always
     balances parameter counts; ``"uniform"`` gives equal block counts; a list gives the ``num_stages - 1`` block
-    indices where stages 1..N-1 start.
+    indices where stages 1..N-1 start. ``order``: ``call_order`` of one step, which places the modules outside the
+    container (see [Note: outside modules go where they run]).
     """
     path, blocks = find_block_container(module, container)
     num_blocks = len(blocks)
@@ -108,7 +143,7 @@ def plan_partition(
             f"{num_stages} stages: every stage needs at least one block. Use at most {num_blocks} devices, or a model "
             f"with more blocks."
         )
-    before, after = _outside_modules(module, path)
+    before, after = _outside_modules(module, path, order)
     first_extra = sum(num_params(module.get_submodule(n)) for n in before)
     last_extra = sum(num_params(module.get_submodule(n)) for n in after)
     timing_note = ""
@@ -152,7 +187,7 @@ def plan_partition(
     tied = _find_tied(module, path, bounds, before, after)
     if tied:  # a tied weight counts once, on stage 0
         names = dict(module.named_parameters(remove_duplicate=False))
-        stage_params[-1] -= sum(names[last].numel() for _, last in tied)
+        stage_params[-1] -= sum(names[first].numel() for first in dict(tied))
     return PartitionPlan(container=path, num_blocks=num_blocks, boundaries=tuple(bounds), before=tuple(before),
                          after=tuple(after), stage_params=tuple(stage_params), tied=tied, note=timing_note)
 
@@ -173,8 +208,10 @@ def _owner_stage(name: str, container: str, bounds: Sequence[int], before: Seque
 
 def _find_tied(module: nn.Module, container: str, bounds: Sequence[int], before: Sequence[str],
                after: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    """Parameters registered under several names on different stages. Supported: one user on stage 0 and one on
-    the last stage (an embedding tied to an LM head); see [Note: tied weights] in schedules.py."""
+    """Parameters registered under several names on different stages: (a name on stage 0, a name on the last stage)
+    for every last-stage name. Supported: users on stage 0 and on the last stage only (an embedding tied to an LM
+    head; an encoder-decoder's shared embedding used by both embeddings and the head); see [Note: tied weights] in
+    schedules.py."""
     names: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
@@ -189,12 +226,13 @@ def _find_tied(module: nn.Module, container: str, bounds: Sequence[int], before:
             continue  # every user on one stage: nothing crosses a boundary
         first = [n for n, s in owners.items() if s == 0]
         last = [n for n, s in owners.items() if s == num_stages - 1]
-        if len(group) == 2 and len(first) == 1 and len(last) == 1:
-            tied.append((first[0], last[0]))
+        if first and last and len(first) + len(last) == len(group):
+            tied.extend((first[0], name) for name in last)  # every name on the last stage shares one replica
             continue
+        where = ", ".join(f"{n} (stage {s})" for n, s in owners.items())
         raise ValueError(
-            f"Parameter {group} is used on stages {sorted(s for s in stages if s is not None)}: only weights tied "
-            f"between the first and the last stage (an embedding and an LM head) are supported. Untie it, or choose "
-            f"`partition=` split indices that keep all its users on one stage."
+            f"Parameter {group[0]} is used under the names {where}: weights are tied only between the first and "
+            f"the last stage (an embedding and an LM head, an encoder-decoder's shared embedding). Choose "
+            f"`partition=` split indices that put every user on the first or the last stage, or untie it."
         )
     return tuple(tied)

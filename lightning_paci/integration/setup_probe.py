@@ -1,0 +1,108 @@
+"""One sample micro-batch drawn at setup, and what the strategy learns from running the user's step on it.
+
+Three things are decided from the step as the user wrote it rather than from the module's structure: the block
+times of ``partition="balanced"`` (trainer_glue.measure_block_costs), the order in which modules run (which stage
+an outside module belongs to, [Note: outside modules go where they run] in partition/plan.py), and the values that
+must be relayed past stage boundaries ([Note: relayed crossings] in partition/relay.py). All three use one sample:
+the first micro-batch of the first batch of the dataloader the run is about to iterate, drawn once on every rank
+(a dataloader with side effects stays in step across ranks) with the RNG and the module's buffers restored after
+each use (``without_side_effects``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+from lightning_paci.engine.microbatch import microbatch_size, split_microbatches
+from lightning_paci.integration import lightning_api as api
+from lightning_paci.integration.logs import recording_logs
+from lightning_paci.integration.trainer_glue import without_side_effects
+from lightning_paci.partition import PartitionPlan, StageCarve
+from lightning_paci.partition.plan import call_order
+from lightning_paci.partition.relay import RelayPlan, StageProbe, plan_relays, probe_crossings
+
+__all__ = ["Sample", "draw_sample", "find_relays", "trace_call_order"]
+
+log = logging.getLogger(__name__)
+
+_LOOPS = {TrainerFn.FITTING: ("fit_loop", "training_step"), TrainerFn.VALIDATING: ("validate_loop", "validation_step"),
+          TrainerFn.TESTING: ("test_loop", "test_step"), TrainerFn.PREDICTING: ("predict_loop", "predict_step")}
+
+
+@dataclass
+class Sample:
+    """A micro-batch of the run's first batch, and the step that will run on it."""
+
+    data: Any
+    size: int  # samples in the whole batch (what ``self.log`` is told)
+    step_name: str
+
+
+def draw_sample(trainer: Any, num_microbatches: int, cuda_devices: list[int]) -> Sample | None:
+    """The first micro-batch of the first batch of the dataloader ``trainer`` is about to iterate (the RNG state,
+    which seeds its workers, restored); None where it cannot be drawn (an empty or one-pass iterable), which is
+    logged."""
+    loop, step_name = _LOOPS.get(trainer.state.fn, ("fit_loop", "training_step"))
+    try:
+        with torch.random.fork_rng(devices=cuda_devices):
+            batch = next(iter(api.step_dataloader(trainer, loop)))
+    except (RuntimeError, ValueError, TypeError, StopIteration, api.LightningAPIError) as err:
+        log.warning(f"lightning_paci: no sample batch at setup ({type(err).__name__}: {err}); blocks are not timed, "
+                    f"outside modules are placed by registration order and no value is relayed past a stage")
+        return None
+    size = microbatch_size(batch)
+    return Sample(split_microbatches(batch, max(1, min(num_microbatches, size)))[0], size, step_name)
+
+
+def run_sample(module: nn.Module, sample: Sample, context: Callable[[], Any]) -> Callable[[], Any]:
+    """A function running the user's step once on ``sample`` (its ``self.log`` calls recorded and dropped)."""
+    def run() -> Any:
+        with recording_logs(module, [], sample.size, sample.step_name), context():
+            return getattr(module, sample.step_name)(sample.data, 0)
+    return run
+
+
+def trace_call_order(strategy: Any, module: nn.Module, sample: Sample | None) -> tuple[str, ...] | None:
+    """The order of the modules' first calls in one step of the whole model (rank 0, no gradient; shared)."""
+    order: tuple[str, ...] | None = None
+    if sample is not None and strategy.is_global_zero:
+        root = strategy.root_device
+        try:
+            with without_side_effects(module, cuda_devices=[root.index or 0] if root.type == "cuda" else []), \
+                    torch.no_grad():
+                order = call_order(module, run_sample(module, sample, strategy.precision_plugin.train_step_context))
+        except (RuntimeError, ValueError, TypeError) as err:
+            log.warning(f"lightning_paci: the step could not run on a sample batch ({type(err).__name__}: {err}); "
+                        f"outside modules are placed by registration order")
+    return strategy.broadcast(order, src=0)
+
+
+def find_relays(strategy: Any, module: nn.Module, plan: PartitionPlan, carve: StageCarve,
+                sample: Sample | None) -> RelayPlan:
+    """Probe this stage's part of the step on ``sample`` and combine every stage's needs (one broadcast from each
+    stage of this replica's pipeline); a failed probe is raised on every stage."""
+    probe: StageProbe | str = StageProbe({}, {})
+    if sample is not None:
+        root = strategy.root_device
+        data = strategy.batch_to_device(sample.data)
+        shifted = Sample(data, sample.size, sample.step_name)
+        context = (strategy.precision_plugin.train_step_context if sample.step_name == "training_step"
+                   else strategy.precision_plugin.val_step_context)
+        try:
+            with without_side_effects(module, cuda_devices=[root.index or 0] if root.type == "cuda" else []):
+                probe = probe_crossings(module, carve, run_sample(module, shifted, context))
+        except (RuntimeError, ValueError, TypeError, AttributeError) as err:
+            probe = f"stage {carve.stage}: {type(err).__name__}: {err}"
+    everyone = {s: strategy._pipeline_broadcast(probe, s) for s in range(plan.num_stages)}
+    failed = [n for n in everyone.values() if isinstance(n, str)]
+    if failed:
+        raise RuntimeError(f"lightning_paci: running the step on a sample batch to find the values crossing the "
+                           f"stages failed: {failed[0]}")
+    return plan_relays(plan, {s: n for s, n in everyone.items() if not isinstance(n, str)})

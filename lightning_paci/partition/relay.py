@@ -1,0 +1,190 @@
+"""Values relayed past stage boundaries: found by one probe forward per stage at setup, carried by the stages between.
+
+[Note: relayed crossings]
+What crosses a boundary by construction is the next stage's first block call (carve.py). An unchanged model reads
+more than that from earlier stages: an encoder's output read by every decoder block (T5, BART, ``nn.Transformer``),
+a long skip (``head(blocks(h) + h)``), a bias computed once and passed to every block call. On stage ``s`` such a
+value is the output of a placeholder (zeros), or computed from one. At setup every stage ``s > 0`` runs its part of
+one step on a sample micro-batch under ``CrossingCheck(collect=True)`` (crossing.py), with fresh zeros as its first
+block's inputs: each placeholder output its own code reads is *needed*, named ``module#call#leaf`` (the module's
+dotted name, which of its calls in one forward, which tensor of that call's output). The stages exchange their
+needs (one all-gather) and every stage derives the same :class:`RelayPlan`:
+
+* the owner stage ``o`` of the module captures that output (a forward hook on the real module) and adds it to its
+  activation message as a third element, ``(args, kwargs, {key: tensor})``;
+* every stage between ``o`` and the last reader passes it on, and its placeholder for the module returns it;
+* the readers' placeholders return the received tensor instead of zeros, so the code that reads it (and what is
+  computed from it: a ``* scale``, a dropout) runs on the real value.
+
+Gradients come back the same way with no extra code: a received tensor is a leaf whose gradient the stage sends
+upstream, and a stage that passes a received tensor on also lists it among its outputs, so the gradient it gets
+for it is added to its own reads' gradient before it goes further up. What still cannot cross is refused at the
+first forward with the module's name: a call that runs after its owner's stage has ended (one module used at two
+places), a value changed in place after it was captured, a value the probe's path did not read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_paci.engine.messages import flatten
+from lightning_paci.partition.carve import CrossingError, StageCarve, StageDone, removed_modules
+from lightning_paci.partition.crossing import CrossingCheck
+from lightning_paci.partition.plan import PartitionPlan
+
+__all__ = ["Needs", "Relay", "RelayPlan", "StageProbe", "install_relays", "plan_relays", "probe_crossings"]
+
+Needs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # "module#call#leaf" -> shape, dtype (probe micro-batch)
+
+
+@dataclass(frozen=True)
+class StageProbe:
+    """What one stage's probe forward found: the placeholder outputs its own part reads (``needs``, stages
+    ``s > 0``), and how often each module it runs was called before the stage ended (``calls``)."""
+
+    needs: Needs
+    calls: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Relay:
+    """One value relayed from stage ``owner`` (which runs ``module``) to stage ``last`` (its last reader)."""
+
+    key: str  # "module#call#leaf"
+    owner: int
+    last: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def module(self) -> str:
+        return self.key.split("#")[0]
+
+    @property
+    def call(self) -> int:
+        return int(self.key.split("#")[1])
+
+    @property
+    def leaf(self) -> int:
+        return int(self.key.split("#")[2])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per message at the probe's micro-batch size."""
+        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class RelayPlan:
+    """Every relayed value of a partition, the same on every stage."""
+
+    relays: tuple[Relay, ...] = ()
+
+    def sends(self, stage: int) -> tuple[str, ...]:
+        """The keys stage ``stage``'s activation message carries: made here or received, read further down."""
+        return tuple(r.key for r in self.relays if r.owner <= stage < r.last)
+
+    def bytes_sent(self, stage: int) -> int:
+        """Relayed bytes in one of the stage's activation messages (the probe's micro-batch size)."""
+        return sum(r.nbytes for r in self.relays if r.owner <= stage < r.last)
+
+    def describe(self) -> str:
+        if not self.relays:
+            return ""
+        parts = [f"{r.module} (call {r.call}, tensor {r.leaf}, {tuple(r.shape)} {str(r.dtype).removeprefix('torch.')}"
+                 f", {r.nbytes:,} B) stage {r.owner} -> {r.last}" for r in self.relays]
+        return "relayed per micro-batch: " + "; ".join(parts)
+
+
+def probe_crossings(module: nn.Module, carve: StageCarve, run_step: Callable[[], Any]) -> StageProbe:
+    """Run stage ``carve.stage``'s part of one step (``run_step``: the user's step on a sample micro-batch; no
+    gradient here, the caller undoes side effects) and report what it reads from modules it does not run and how
+    often it calls the modules it does run."""
+    calls: dict[str, int] = {}
+    removed = set(carve.removed)
+
+    def count(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            calls[name] = calls.get(name, 0) + 1
+        return hook
+
+    handles = [sub.register_forward_pre_hook(count(name)) for name, sub in module.named_modules()
+               if name and name not in removed]
+    check = None if carve.is_first else CrossingCheck(module, carve, module.get_submodule(carve.plan.container),
+                                                      collect=True)
+    boundary = carve.boundary
+    boundary.begin(None)
+    boundary.probing = True
+    try:
+        with torch.no_grad(), check.watch() if check is not None else contextlib.nullcontext(), \
+                contextlib.suppress(StageDone):
+            run_step()
+    finally:
+        boundary.probing = False
+        boundary.end()
+        for handle in handles:
+            handle.remove()
+    return StageProbe(dict(check.needed) if check is not None else {}, calls)
+
+
+def plan_relays(plan: PartitionPlan, probes: Mapping[int, StageProbe]) -> RelayPlan:
+    """Combine every stage's probe (``probes[stage]``) into one plan: a value read on several stages travels once,
+    to the last of them. A value its owner does not make before its stage ends is refused here, naming it."""
+    found: dict[str, Relay] = {}
+    for stage in sorted(probes):
+        owners = removed_modules(plan, stage)
+        for key, (shape, dtype) in sorted(probes[stage].needs.items()):
+            name, call = key.split("#")[0], int(key.split("#")[1])
+            owner = owners[name][0]
+            if owner > stage:
+                raise CrossingError(
+                    f"Stage {stage} reads the output of `{name}`, which the partition places on the later stage "
+                    f"{owner}: it runs before the code that reads it. Place it earlier with `partition=` split "
+                    f"indices, or compute it inside the blocks.")
+            made = probes[owner].calls.get(name, 0) if owner in probes else call + 1
+            if call >= made:
+                raise CrossingError(
+                    f"Stage {stage} reads call {call} of `{name}` (a module used at {call + 1} places), but `{name}` "
+                    f"lives on stage {owner}, which ends after {made} call(s) of it: a module called again after its "
+                    f"stage has ended cannot have its output relayed. Give each place its own module, or keep both "
+                    f"places on one stage with `partition=`.")
+            previous = found.get(key)
+            found[key] = Relay(key, owner, max(stage, previous.last if previous else stage), tuple(shape), dtype)
+    return RelayPlan(tuple(found[k] for k in sorted(found, key=_order)))
+
+
+def _order(key: str) -> tuple[str, int, int]:
+    name, call, leaf = key.split("#")
+    return name, int(call), int(leaf)
+
+
+def install_relays(module: nn.Module, carve: StageCarve, relays: RelayPlan) -> None:
+    """Make stage ``carve.stage`` send, pass on and capture its part of ``relays``: capture hooks on the modules
+    it runs whose outputs travel (removed with the carve's other hooks)."""
+    stage, boundary = carve.stage, carve.boundary
+    boundary.sends = relays.sends(stage)
+    wanted: dict[str, dict[int, list[Relay]]] = {}
+    for relay in relays.relays:
+        if relay.owner == stage:
+            wanted.setdefault(relay.module, {}).setdefault(relay.call, []).append(relay)
+    for name, calls in wanted.items():
+        carve.handles.append(module.get_submodule(name).register_forward_hook(_capture(boundary, name, calls)))
+
+
+def _capture(boundary: Any, name: str, calls: dict[int, list[Relay]]) -> Callable[..., None]:
+    def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+        call = boundary.calls.get(name, 0)
+        boundary.calls[name] = call + 1
+        for relay in calls.get(call, ()):
+            tensors = flatten(output)[1]
+            tensor = tensors[relay.leaf]
+            boundary.relay_out[relay.key] = tensor
+            boundary.versions[relay.key] = tensor._version
+    return hook

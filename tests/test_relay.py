@@ -1,0 +1,94 @@
+"""Values relayed past stage boundaries, outside modules placed where they run, placeholders that answer: in one
+process, with the reference executor, against one device."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_paci.integration.reference_pipeline import ReferencePipeline
+from lightning_paci.partition import carve_stage, plan_partition
+from lightning_paci.partition.carve import CrossingError
+from lightning_paci.partition.plan import call_order
+from lightning_paci.schedules import build
+
+from models import LongSkip, ReusedEmbedding, SequentialMLP, reference_accumulation, regression_loader
+
+
+def _batches(count: int = 3):
+    return list(regression_loader(num_batches=count))
+
+
+def test_a_long_skip_travels_through_every_stage_between_and_trains_as_on_one_device():
+    # 4 stages: the embedding's output is made on stage 0 and read on stage 3, so stages 1 and 2 pass it on (and
+    # pass its gradient back, added to nothing of their own)
+    torch.manual_seed(50)
+    model = LongSkip()
+    expected = reference_accumulation(copy.deepcopy(model), _batches(), num_microbatches=2, num_steps=3)
+    pipeline = ReferencePipeline(model, plan_partition(model, 4, partition="parameters"))
+    pipeline.run(build("1f1b", 4, 2, 2, 3), _batches())
+    for key, value in expected.state_dict().items():
+        torch.testing.assert_close(pipeline.state_dict()[key], value, msg=lambda m: f"{key}: {m}")
+    (relay,) = pipeline.relays.relays
+    assert (relay.key, relay.owner, relay.last) == ("embed#0#0", 0, 3)
+    assert relay.nbytes == 4 * 16 * 4  # a micro-batch of 4 rows of 16 float32
+    assert [pipeline.relays.bytes_sent(s) for s in range(4)] == [256, 256, 256, 0]
+    assert "embed (call 0, tensor 0, (4, 16) float32, 256 B) stage 0 -> 3" in pipeline.relays.describe()
+
+
+def test_a_module_used_on_two_stages_is_refused_at_setup_naming_it():
+    model = ReusedEmbedding()
+    pipeline = ReferencePipeline(model, plan_partition(model, 2, partition="parameters"))
+    with pytest.raises(CrossingError, match=r"Stage 1 reads call 1 of `embed`.*lives on stage 0, which ends after 1 "
+                                            r"call\(s\) of it"):
+        pipeline.run(build("1f1b", 2, 2, 2, 1), _batches(1))
+
+
+class _HeadRegisteredFirst(SequentialMLP):
+    """LitGPT's order: the head is registered before the blocks it runs after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.net
+        self.head = nn.Linear(16, 4)
+        self.embed = nn.Linear(8, 16)
+        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+
+    def forward(self, x):
+        return self.head(self.net(self.embed(x)))
+
+
+def test_outside_modules_go_to_the_stage_where_they_run_not_where_they_were_registered():
+    model = _HeadRegisteredFirst()
+    x, _ = _batches(1)[0]
+    with torch.no_grad():
+        order = call_order(model, lambda: model(x))
+    assert order.index("head") > order.index("net.3")
+    plan = plan_partition(model, 2, partition="parameters", order=order)
+    assert (plan.before, plan.after) == (("embed",), ("head",))
+    assert "stage 1: net[2:4] + head" in plan.describe()
+    # without a step to run (a model built on the meta device): registration order
+    assert plan_partition(model, 2, partition="parameters").before == ("head", "embed")
+
+
+def test_a_placeholder_answers_attribute_reads_and_follows_the_models_dtype():
+    # torch's TransformerDecoder reads `self.layers[0].self_attn.batch_first` on every stage; `precision="64-true"`
+    # converts the module after carving, and the zeros a placeholder returns must have the real module's dtype
+    model = nn.Sequential(nn.Linear(8, 16), nn.TransformerEncoderLayer(16, 2, 32, batch_first=True),
+                          nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), nn.Linear(16, 4))
+    plan = plan_partition(model, 2, container="", partition=[2])
+    carve = carve_stage(model, plan, 1)
+    placeholder = model[1]
+    assert type(placeholder).__name__ == "_Placeholder"
+    assert placeholder.self_attn.batch_first is True
+    assert placeholder.linear1.weight.shape == (32, 16) and placeholder.linear1.weight.is_meta
+    assert not list(placeholder.parameters())  # the structure answers, the state dict stays the stage's own
+    model.double()
+    out = model[0](torch.randn(3, 8, dtype=torch.float64))  # stage 0's embedding, a placeholder here
+    assert out.dtype == torch.float64 and out.shape == (3, 16)
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        placeholder.no_such_attribute  # noqa: B018
+    carve.restore(model)
