@@ -28,7 +28,6 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -42,7 +41,6 @@ from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.lightning_program import LightningHooks
 from lightning_paci.integration.optimizer_layout import OptimizerLayout
 from lightning_paci.integration.pipeline_stage import PipelineStage
-from lightning_paci.integration.setup_probe import Sample, find_relays
 from lightning_paci.integration.stage_build import StageBuilder, StageBuilding
 from lightning_paci.integration.strategy_checkpoints import CheckpointingProcesses
 from lightning_paci.integration.trainer_glue import (
@@ -55,7 +53,6 @@ from lightning_paci.integration.trainer_glue import (
 )
 from lightning_paci.optim.stage_optimizer import optimizer_and_step_schedulers
 from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage
-from lightning_paci.partition.relay import install_relays
 
 __all__ = ["PACIStrategy", "optimizer_and_step_schedulers"]
 
@@ -133,7 +130,6 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
         self._trainer: Trainer | None = None
         self._stage: PipelineStage | None = None
         self._undo_patches: list[Callable[[], None]] = []
-        self._sample: Sample | None = None  # one micro-batch drawn at setup (integration/setup_probe.py)
         self._builder = StageBuilder(self)
 
     @property
@@ -181,10 +177,7 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
         check_trainer(trainer, module, self.num_stages)
         same_data_on_every_stage(trainer, self.broadcast, self.data_parallel_size)
         if self._stage is None:
-            plan = self._plan_stages(trainer, module)
-            rank_zero_info(f"lightning_paci: {self.topology.describe()}, schedule={self.config.schedule!r}, "
-                           f"microbatches={self.num_microbatches}, accumulation={self.accumulation}; "
-                           f"{plan.describe()}")
+            plan = self._plan_stages(trainer, module)  # and logged
             layout = OptimizerLayout.of(module) if trainer.state.fn == TrainerFn.FITTING else None
             carve = carve_stage(module, plan, self.stage_index)
             self._builder.materialize(module, carve, has_checkpoint=trainer.ckpt_path is not None)
@@ -197,15 +190,9 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
                                       headers=self.host_group),
                 eval_context=self.precision_plugin.val_step_context)
         super().setup(trainer)
-        stage = self._stage
-        if stage.relays is None:  # after the move to the device and the precision's conversion: as training runs
-            stage.relays = find_relays(self, module, stage.plan, stage.carve, self._sample)
-            install_relays(module, stage.carve, stage.relays)
-            if stage.relays.relays:
-                rank_zero_info(f"lightning_paci: {stage.relays.describe()}")
-        self._sample = None
+        self._stage.prepare_relays(self, self._builder.take_sample())  # on the device, in the step's precision
         if trainer.state.fn == TrainerFn.FITTING:
-            self._setup_training(trainer, module, stage)
+            self._setup_training(trainer, module, self._stage)
 
     def _setup_training(self, trainer: Trainer, module: LightningModule, stage: PipelineStage) -> None:
         owned = [cfg.scheduler for cfg in self.lr_scheduler_configs if cfg.interval == "step"]
@@ -213,10 +200,10 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
                              hooks=LightningHooks(module, trainer, stage.index),
                              train_context=self.precision_plugin.train_step_context)
         if self.data_parallel_size > 1:
-            names = {id(p): name for name, p in module.named_parameters()}
             join_replicas(stage.runtime, stage.driver, self.dp_group, self.data_parallel_size,
                           self.replica_index, local_sgd_steps=self.config.local_sgd_steps,
-                          last_stage=stage.index == self.num_stages - 1, names=names)
+                          last_stage=stage.index == self.num_stages - 1,
+                          names={id(p): name for name, p in module.named_parameters()})
         self._undo_patches += patch_for_pipeline(trainer, module, owned)
         watched = (lambda s: s) if self.data_parallel_size == 1 else self.rank_of  # [Note: judging progress]
         activity.source = runtime_activity(stage.runtime, watched)

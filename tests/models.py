@@ -339,3 +339,51 @@ def hf_model_reference(module: HFModel, batches, num_microbatches: int) -> HFMod
         optimizer.step()
         optimizer.zero_grad()
     return module
+
+
+class _FormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.forms: list[list[tuple[str, tuple[int, ...], bool]]] | None = None  # set: record the inputs here
+
+    def forward(self, h, *, bias, mask, positions):
+        if self.forms is not None:  # inside the block: after a stage's ingress replaced its inputs
+            self.forms.append([(str(t.dtype), tuple(t.shape), t.requires_grad) for t in (h, bias, mask, positions)])
+        return torch.tanh(self.linear(h) + bias) * mask.unsqueeze(-1) + positions.unsqueeze(-1) * 0
+
+
+class CrossingForms(LightningModule):
+    """Block inputs of every kind a stage boundary carries: hidden states, a bias made from the dtype of the
+    embedding's output (as BLOOM's ALiBi), a bool mask and int positions (no gradient). ``forms`` records what the
+    blocks at ``watch`` receive, (dtype, shape, requires_grad) per input: on stage 1 of a split at 2, block 2's
+    inputs are received, block 3's made on the stage from what a placeholder returned."""
+
+    def __init__(self, watch: tuple[int, ...] = (2, 3)) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(_FormBlock() for _ in range(4))
+        self.head = nn.Linear(16, 4)
+        self.forms: list[list[tuple[str, tuple[int, ...], bool]]] = []
+        for index in watch:
+            self.blocks[index].forms = self.forms
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.embed(x)  # (B, T, 16)
+        bias = torch.full(h.shape[-1:], 0.1, dtype=h.dtype, device=h.device)
+        mask = x[..., 0] > -10
+        positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+        for block in self.blocks:
+            h = block(h, bias=bias, mask=mask, positions=positions)
+        return F.mse_loss(self.head(h).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def sequence_loader(num_batches: int = 2, batch_size: int = 4) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(num_batches * batch_size, 5, 8, generator=g)
+    return DataLoader(TensorDataset(x, torch.randn(num_batches * batch_size, 5, 4, generator=g)),
+                      batch_size=batch_size)

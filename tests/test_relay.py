@@ -4,7 +4,9 @@ process, with the reference executor, against one device."""
 from __future__ import annotations
 
 import copy
+import json
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
@@ -15,7 +17,16 @@ from lightning_paci.partition.carve import CrossingError
 from lightning_paci.partition.plan import call_order
 from lightning_paci.schedules import build
 
-from models import LongSkip, ReusedEmbedding, SequentialMLP, reference_accumulation, regression_loader
+from helpers import fit, one_device
+from models import (
+    CrossingForms,
+    LongSkip,
+    ReusedEmbedding,
+    SequentialMLP,
+    reference_accumulation,
+    regression_loader,
+    sequence_loader,
+)
 
 
 def _batches(count: int = 3):
@@ -65,9 +76,9 @@ def test_outside_modules_go_to_the_stage_where_they_run_not_where_they_were_regi
     model = _HeadRegisteredFirst()
     x, _ = _batches(1)[0]
     with torch.no_grad():
-        order = call_order(model, lambda: model(x))
-    assert order.index("head") > order.index("net.3")
-    plan = plan_partition(model, 2, partition="parameters", order=order)
+        trace = call_order(model, lambda: model(x))
+    assert trace.order.index("head") > trace.order.index("net.3")
+    plan = plan_partition(model, 2, partition="parameters", trace=trace)
     assert (plan.before, plan.after) == (("embed",), ("head",))
     assert "stage 1: net[2:4] + head" in plan.describe()
     # without a step to run (a model built on the meta device): registration order
@@ -82,7 +93,7 @@ def test_a_placeholder_answers_attribute_reads_and_follows_the_models_dtype():
     plan = plan_partition(model, 2, container="", partition=[2])
     carve = carve_stage(model, plan, 1)
     placeholder = model[1]
-    assert type(placeholder).__name__ == "_Placeholder"
+    assert type(placeholder).__name__ == "Placeholder"
     assert placeholder.self_attn.batch_first is True
     assert placeholder.linear1.weight.shape == (32, 16) and placeholder.linear1.weight.is_meta
     assert not list(placeholder.parameters())  # the structure answers, the state dict stays the stage's own
@@ -92,3 +103,29 @@ def test_a_placeholder_answers_attribute_reads_and_follows_the_models_dtype():
     with pytest.raises(AttributeError, match="no_such_attribute"):
         placeholder.no_such_attribute  # noqa: B018
     carve.restore(model)
+
+
+class _KeepForms(L.Callback):
+    """Stage 1 writes what its blocks received in its training forward."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.strategy.stage_index == 1:
+            self.path.write_text(json.dumps(pl_module.forms[-2:]))  # (the setup's sample steps came first)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("precision", ["32-true", "64-true", "bf16-mixed", "bf16-true"])
+def test_every_crossing_tensor_keeps_its_dtype_shape_and_requires_grad(tmp_path, precision):
+    # block 2 (stage 1's first) gets what stage 0 sent; block 3 gets values stage 1 made itself, some from the form
+    # of a placeholder's output: under bf16-mixed the embedding's output is bfloat16 on one device (autocast)
+    expected = CrossingForms()
+    one_device(1, precision=precision, max_steps=1).fit(expected, sequence_loader())
+    model = CrossingForms()
+    fit(model, sequence_loader(), devices=2, max_steps=1, microbatches=1, partition=[2],
+        callbacks=[_KeepForms(tmp_path / "forms.json")], trainer_kwargs={"precision": precision})
+    received = [[(dtype, tuple(shape), grad) for dtype, shape, grad in block]
+                for block in json.loads((tmp_path / "forms.json").read_text())]
+    assert received == expected.forms

@@ -29,10 +29,11 @@ from lightning_paci.integration.fingerprint import BatchFingerprint
 from lightning_paci.integration.lightning_program import LightningHooks, LightningStageProgram
 from lightning_paci.integration.logs import LogRelay
 from lightning_paci.integration.optimizer_layout import OptimizerLayout
+from lightning_paci.integration.setup_probe import Sample, find_relays
 from lightning_paci.optim.lookahead import costly_regime, lookahead_for
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 from lightning_paci.partition import PartitionPlan, StageCarve
-from lightning_paci.partition.relay import RelayPlan
+from lightning_paci.partition.relay import RelayPlan, install_relays
 
 __all__ = ["PipelineStage"]
 
@@ -79,6 +80,16 @@ class PipelineStage:
     @property
     def index(self) -> int:
         return self.carve.stage
+
+    def prepare_relays(self, strategy: Any, sample: Sample | None) -> None:
+        """Find the values this pipeline relays past stage boundaries on ``sample`` (with every other stage) and
+        install this stage's part (see [Note: relayed crossings] in partition/relay.py); once per carve."""
+        if self.relays is not None:
+            return
+        self.relays = find_relays(strategy, self.module, self.plan, self.carve, sample)
+        install_relays(self.module, self.carve, self.relays)
+        if self.relays.relays:
+            rank_zero_info(f"lightning_paci: {self.relays.describe()}")
 
     def start_training(self, optimizers: list[torch.optim.Optimizer], *, schedulers: list[Any], accumulation: int,
                        hooks: LightningHooks | None, train_context: _Context) -> None:

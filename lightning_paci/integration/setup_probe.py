@@ -25,7 +25,7 @@ from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.logs import recording_logs
 from lightning_paci.integration.trainer_glue import without_side_effects
 from lightning_paci.partition import PartitionPlan, StageCarve
-from lightning_paci.partition.plan import call_order
+from lightning_paci.partition.plan import CallTrace, call_order
 from lightning_paci.partition.relay import RelayPlan, StageProbe, plan_relays, probe_crossings
 
 __all__ = ["Sample", "draw_sample", "find_relays", "trace_call_order"]
@@ -69,9 +69,10 @@ def run_sample(module: nn.Module, sample: Sample, context: Callable[[], Any]) ->
     return run
 
 
-def trace_call_order(strategy: Any, module: nn.Module, sample: Sample | None) -> tuple[str, ...] | None:
-    """The order of the modules' first calls in one step of the whole model (rank 0, no gradient; shared)."""
-    order: tuple[str, ...] | None = None
+def trace_call_order(strategy: Any, module: nn.Module, sample: Sample | None) -> CallTrace | None:
+    """The order of the modules' first calls in one step of the whole model, and their counts (rank 0, no
+    gradient; shared)."""
+    order: CallTrace | None = None
     if sample is not None and strategy.is_global_zero:
         root = strategy.root_device
         try:
@@ -91,7 +92,7 @@ def find_relays(strategy: Any, module: nn.Module, plan: PartitionPlan, carve: St
     probe: StageProbe | str = StageProbe({}, {})
     if sample is not None:
         root = strategy.root_device
-        data = strategy.batch_to_device(sample.data)
+        data = strategy.precision_plugin.convert_input(strategy.batch_to_device(sample.data))  # as the loops do
         shifted = Sample(data, sample.size, sample.step_name)
         context = (strategy.precision_plugin.train_step_context if sample.step_name == "training_step"
                    else strategy.precision_plugin.val_step_context)

@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_paci.integration import lightning_api as api
-from lightning_paci.integration.setup_probe import draw_sample, trace_call_order
+from lightning_paci.integration.setup_probe import Sample, draw_sample, trace_call_order
 from lightning_paci.integration.trainer_glue import batch_norm_warning, measure_block_costs
 from lightning_paci.partition import PartitionPlan, StageCarve, plan_partition
 from lightning_paci.partition.carve import removed_modules
@@ -70,6 +70,12 @@ class StageBuilder:
         self.strategy = strategy
         self.built: MetaBuild | None = None
         self.weights_report: WeightsFile | None = None
+        self.sample: Sample | None = None  # one micro-batch drawn at setup (integration/setup_probe.py)
+
+    def take_sample(self) -> Sample | None:
+        """The setup's sample micro-batch, once: it is not kept past setup."""
+        sample, self.sample = self.sample, None
+        return sample
 
     @contextlib.contextmanager
     def context(self, empty_init: bool | None, base: Callable[[], contextlib.AbstractContextManager[Any]]
@@ -203,22 +209,26 @@ class StageBuilding:
         built = self._builder.built
         if built is None and self._builder.on_meta(module):
             built = self._builder.adopt(module, source="weights" if self.config.weights is not None else "empty")
-        measured = order = None
+        measured = trace = None
         root = self.root_device  # type: ignore[attr-defined]
-        self._sample = draw_sample(trainer, self.num_microbatches, [root.index or 0] if root.type == "cuda" else [])
+        sample = draw_sample(trainer, self.num_microbatches, [root.index or 0] if root.type == "cuda" else [])
+        self._builder.sample = sample
         if built is None:
             warning = host_memory_warning(module, self.num_processes)  # type: ignore[attr-defined]
             if warning is not None:
                 rank_zero_warn(warning)
             if self.config.partition == "balanced":
-                measured = measure_block_costs(self, trainer, self._sample)
-            order = trace_call_order(self, module, self._sample)
+                measured = measure_block_costs(self, trainer, sample)
+            trace = trace_call_order(self, module, sample)
         if whole:  # before carving: the whole model (on meta when built there)
             self._undo_patches += api.whole_model_summaries(trainer, module)  # type: ignore[attr-defined]
-        if built is not None:
-            return built.plan
-        return plan_partition(module, self.num_stages, container=self.config.block_container,
-                              partition=self.config.partition, measured=measured, order=order)
+        plan = built.plan if built is not None else plan_partition(
+            module, self.num_stages, container=self.config.block_container, partition=self.config.partition,
+            measured=measured, trace=trace)
+        rank_zero_info(f"lightning_paci: {self.topology.describe()}, schedule={self.config.schedule!r}, "  # type: ignore
+                       f"microbatches={self.num_microbatches}, accumulation={self.accumulation}; "  # type: ignore
+                       f"{plan.describe()}")
+        return plan
 
     def plan_on_meta(self, module: nn.Module) -> PartitionPlan:
         """The partition of a model built on the meta device (no forward to time: parameter counts)."""

@@ -3,7 +3,7 @@
 [Note: stage boundaries are block inputs]
 A model's ``forward`` is left as the user wrote it. Stage ``s`` owns the blocks ``start .. end-1`` of the repeated-
 block container (an ``nn.Sequential``, or an ``nn.ModuleList`` that ``forward`` loops over); every other block is
-replaced by a parameter-free ``_Placeholder`` so that the union of the stages' state dicts is the full state dict.
+replaced by a parameter-free ``Placeholder`` so that the union of the stages' state dicts is the full state dict.
 Two forward pre-hooks mark the boundaries:
 
 * ingress (stage ``s > 0``, on block ``start``): replaces that block's ``(args, kwargs)`` by the ones received from
@@ -12,11 +12,12 @@ Two forward pre-hooks mark the boundaries:
   first block would get and ends the forward by raising ``StageDone``.
 
 What crosses a boundary is therefore exactly what the next block is called with: hidden states, attention masks,
-rotary position embeddings, ints -- but never a key/value cache ([Note: no cache across stages]). Modules with
-parameters registered before the container (an embedding) live on stage 0, those registered after it (final norm,
-LM head) on the last stage; parameter-free modules stay everywhere. On other stages every removed module is a
-placeholder that returns zeros of the real output's form (a block whose output has its input's form passes the
-input through), which the ingress hook then replaces::
+rotary position embeddings, ints -- but never a key/value cache ([Note: no cache across stages]) -- plus the values
+relayed past the boundary ([Note: relayed crossings] in relay.py). Modules with parameters that run before the
+container (an embedding) live on stage 0, those that run after it (final norm, LM head) on the last stage;
+parameter-free modules stay everywhere. On other stages every removed module is a placeholder (placeholder.py) that
+returns zeros of the real output's form (a block whose output has its input's form passes the input through), which
+the ingress hook then replaces::
 
     stage 0:  embed -> [b0 b1] -> (egress: capture args of b2, stop)
     stage 1:  (placeholder) -> [pass pass] -> (ingress: args of b2) b2 b3 -> norm -> head -> loss
@@ -31,14 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_paci.engine.messages import flatten, map_tensors, unflatten
+from lightning_paci.engine.messages import flatten, map_tensors
+from lightning_paci.partition.placeholder import BoundaryState, CrossingError, Placeholder
 from lightning_paci.partition.plan import PartitionPlan
 
 __all__ = ["BoundaryState", "CrossingError", "StageCarve", "StageDone", "carve_stage", "removed_modules"]
-
-
-class CrossingError(ValueError):
-    """A value computed by a module this stage does not run reaches code it does run, and cannot be relayed."""
 
 
 class StageDone(BaseException):
@@ -46,147 +44,6 @@ class StageDone(BaseException):
 
     A ``BaseException`` so that a user's ``except Exception`` cannot swallow it.
     """
-
-
-class _Placeholder(nn.Module):
-    """Parameter-free stand-in for a module another stage owns.
-
-    It must return what the real module would return in *form* (structure, shapes, dtypes), or the user's code
-    between it and this stage's first block may fail (an embedding's output dtype feeds mask construction, a block
-    may return a tuple). It runs the original module on the meta device -- no compute, no memory -- and returns
-    zeros of that form. A block whose output has the form of its first argument is learned once and passed through
-    afterwards (its value is replaced at this stage's ingress anyway).
-    """
-
-    def __init__(self, owner: str, shadow: nn.Module, *, may_pass_through: bool = False, name: str = "",
-                 boundary: BoundaryState | None = None) -> None:
-        super().__init__()
-        self.owner = owner
-        # kept outside nn.Module registration: the shadow's meta parameters must not appear in state_dict()
-        self.__dict__["_shadow"] = shadow
-        self.__dict__["_boundary"] = boundary
-        self._name = name
-        self._may_pass_through = may_pass_through
-        self._pass_through = False
-
-    def __getattr__(self, attribute: str) -> Any:
-        """[Note: placeholders answer attribute reads]
-        Code outside a module reads its attributes: torch's ``TransformerDecoder.forward`` reads
-        ``self.layers[0].self_attn.batch_first`` on every stage, transformers reads ``config`` of submodules. A
-        placeholder answers with the real module's structure, kept on the meta device (its submodules, flags and
-        parameter shapes; no values)."""
-        try:
-            return super().__getattr__(attribute)
-        except AttributeError:
-            shadow = self.__dict__.get("_shadow")
-            if shadow is None or attribute.startswith("__"):
-                raise
-            return getattr(shadow, attribute)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> _Placeholder:
-        """``module.to(torch.float64)`` / ``.half()`` / ``.to(device)`` reach the placeholder, not the shadow it
-        keeps unregistered: apply the dtype part to the shadow (it stays on meta), so that the zeros it shapes have
-        the dtype the real module would have under ``precision="64-true"`` or ``"bf16-true"``."""
-        shadow = self.__dict__["_shadow"]
-
-        def dtype_only(tensor: torch.Tensor) -> torch.Tensor:
-            probe = fn(torch.empty(0, dtype=tensor.dtype))  # what fn does to this dtype, away from meta
-            return tensor if probe.dtype == tensor.dtype else tensor.to(probe.dtype)
-
-        shadow._apply(dtype_only)
-        return super()._apply(fn, recurse)  # type: ignore[return-value]
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        first = args[0] if args else next(iter(kwargs.values()), None)
-        boundary = self.__dict__["_boundary"]
-        relayed: dict[int, torch.Tensor] = {}
-        if boundary is not None:  # count this call; take the real values relayed to it (partition/relay.py)
-            call = boundary.calls.get(self._name, 0)
-            boundary.calls[self._name] = call + 1
-            prefix = f"{self._name}#{call}#"
-            relayed = {int(k[len(prefix):]): v for k, v in boundary.relay_in.items() if k.startswith(prefix)}
-        if self._pass_through and not relayed:
-            return first
-        shadow = self.__dict__["_shadow"]
-        device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
-        try:
-            with torch.no_grad():
-                out = shadow(*map_tensors(args, _to_meta), **map_tensors(kwargs, _to_meta))
-        except Exception as err:  # e.g. an op without a meta kernel: the output form is unknown, so stop and say why
-            raise RuntimeError(
-                f"Could not infer the output form of {type(shadow).__name__} (owned by {self.owner}) on the meta "
-                f"device: {err}. Move the code that uses its output into a module on the same stage, or place the "
-                f"module explicitly with `partition=`."
-            ) from err
-        if relayed:
-            skeleton, metas = flatten(out)
-            return unflatten(skeleton, [relayed.get(i, torch.zeros(t.shape, dtype=t.dtype, device=device))
-                                        for i, t in enumerate(metas)])
-        if self._may_pass_through and isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor) and (
-            out.shape == first.shape and out.dtype == first.dtype
-        ):
-            self._pass_through = True
-            return first
-        return map_tensors(out, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device))
-
-    def extra_repr(self) -> str:
-        return f"lives on {self.owner}"
-
-
-def _to_meta(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("meta")
-
-
-def _tensors(structure: Any) -> list[torch.Tensor]:
-    return flatten(structure)[1]
-
-
-@dataclass
-class BoundaryState:
-    """Per-forward state the hooks share with the runtime."""
-
-    incoming: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # (args, kwargs) for the first local block
-    outgoing: tuple[Any, ...] | None = None  # captured (args, kwargs[, relayed]) for the next stage
-    # values relayed past stage boundaries (partition/relay.py), keyed "module#call#leaf": received / to send
-    relay_in: dict[str, torch.Tensor] = field(default_factory=dict)
-    relay_out: dict[str, torch.Tensor] = field(default_factory=dict)
-    calls: dict[str, int] = field(default_factory=dict)  # calls of each placeholder / relayed module this forward
-    sends: tuple[str, ...] = ()  # the relayed keys this stage sends (made here or passed on), in message order
-    versions: dict[str, int] = field(default_factory=dict)  # tensor versions of relay_out at capture
-    probing: bool = False  # a setup probe: the first local block keeps fresh zeros of its own inputs
-
-    def begin(self, received: Any) -> None:
-        """Start a forward with ``received`` (the previous stage's message, None on stage 0)."""
-        self.calls.clear()
-        self.relay_out = {}
-        self.outgoing = None
-        if received is not None and len(received) == 3:
-            self.incoming, self.relay_in = (received[0], received[1]), received[2]
-        else:
-            self.incoming, self.relay_in = received, {}
-
-    def end(self) -> None:
-        self.incoming, self.relay_in, self.relay_out = None, {}, {}
-
-    def relayed(self, stage: int) -> dict[str, torch.Tensor]:
-        """What this stage relays onward (``sends``, in that order): made here, or received and passed on."""
-        out: dict[str, torch.Tensor] = {}
-        for key in self.sends:
-            value = self.relay_out.get(key, self.relay_in.get(key))
-            if value is None:
-                module, call, _ = key.split("#")
-                raise CrossingError(
-                    f"Stage {stage} must relay call {call} of `{module}` to a later stage that reads it, but that "
-                    f"call did not run here before the stage's end: a module called again after its stage ended "
-                    f"(one module used at two places of the model) cannot be relayed. Give each place its own "
-                    f"module, or keep both places on one stage with `partition=`.")
-            if key in self.relay_out and value._version != self.versions[key]:
-                raise CrossingError(
-                    f"Stage {stage}: the output of `{key.split('#')[0]}` that a later stage reads was modified in "
-                    f"place after it was made; the later stage would read another value than this one's code. "
-                    f"Make the in-place operation out of place (e.g. `x = x + y` instead of `x += y`).")
-            out[key] = value
-        return out
 
 
 def _without_caches(args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -313,11 +170,13 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
         parent = module.get_submodule(parent_name) if parent_name else module
         original = parent._modules[child]
         assert original is not None
-        if isinstance(original, _Placeholder):  # carved before (a model that stays on the meta device after fit)
+        if isinstance(original, Placeholder):  # carved before (a model that stays on the meta device after fit)
             original = original.__dict__["_shadow"]
+        device = next((t.device for t in [*original.parameters(), *original.buffers()] if not t.is_meta),
+                      next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu")))
         removed[name] = original.to("meta")
-        parent._modules[child] = _Placeholder(owner, removed[name], may_pass_through=is_block, name=name,
-                                              boundary=boundary)
+        parent._modules[child] = Placeholder(owner, removed[name], may_pass_through=is_block, name=name,
+                                              boundary=boundary, device=device)
 
     boundary = BoundaryState()
     for name, (owner, is_block) in removed_modules(plan, stage).items():
@@ -337,6 +196,13 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
         handles.append(container[blocks.start].register_forward_pre_hook(ingress, with_kwargs=True))
     if stage < last:
         def egress(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if boundary.grad_at_begin and not torch.is_grad_enabled():
+                raise CrossingError(
+                    f"Stage {stage} ends at block {blocks.stop} of `{plan.container}`, which runs without gradients "
+                    f"although the step began with them: the blocks run inside an autograd Function (a reversible "
+                    f"residual stack computing its own backward, as Reformer's) or a `torch.no_grad()` block, and no "
+                    f"gradient could come back across the boundary. Such a model trains on one device or with data "
+                    f"parallelism; a container whose blocks autograd sees can be named with `block_container=`.")
             args, kwargs = _without_caches(tuple(args), dict(kwargs), stage)
             boundary.outgoing = (args, kwargs, boundary.relayed(stage)) if boundary.sends else (args, kwargs)
             raise StageDone

@@ -55,6 +55,7 @@ class _Taint(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        self.check.refuse_foreign_weights(func, (args, kwargs))
         sources = [s for t in _tensors((args, kwargs)) if (s := self.check.source(t)) is not None]
         out = func(*args, **kwargs)
         if sources:
@@ -79,6 +80,7 @@ class CrossingCheck:
         self.needed: dict[str, torch.Size | tuple[int, ...]] = {}  # key -> shape, dtype (collect)
         self._made: dict[str, torch.Tensor] = {}  # key -> the placeholder's output tensor (collect: its form)
         self._tainted: dict[int, tuple[weakref.ref[torch.Tensor], Source]] = {}
+        self._foreign: dict[int, tuple[str, str]] = {}  # id of a placeholder's meta tensor -> (owner, dotted name)
 
     def source(self, tensor: torch.Tensor) -> Source | None:
         entry = self._tainted.get(id(tensor))
@@ -87,6 +89,24 @@ class CrossingCheck:
     def taint(self, tensor: torch.Tensor, source: Source) -> None:
         if self.source(tensor) is None:  # keep the first source: the module whose output it really is
             self._tainted[id(tensor)] = (weakref.ref(tensor), source)
+
+    def refuse_foreign_weights(self, func: Any, arguments: Any) -> None:
+        """An op computing with a parameter or buffer read off a placeholder (a meta tensor of a module another
+        stage owns, [Note: placeholders answer attribute reads] in carve.py) next to real tensors: stop, naming it."""
+        if self.carve.boundary.in_shadow:
+            return  # a placeholder finding its output's form: every tensor there is meant to be meta
+        tensors = list(_tensors(arguments))
+        if not any(t.is_meta for t in tensors) or all(t.is_meta for t in tensors):
+            return
+        name = next((self._foreign[id(t)] for t in tensors if t.is_meta and id(t) in self._foreign), None)
+        if name is None:
+            return
+        owner, tensor = name
+        raise CrossingError(
+            f"Stage {self.carve.stage} computes with `{tensor}` (in `{getattr(func, '__name__', func)}`), a "
+            f"parameter or buffer of a module that {owner} runs: this stage holds only its form. Call the module "
+            f"and use its output (which can cross stages) instead of reading its weights, or keep the code that reads "
+            f"them on the same stage with `partition=` split indices.")
 
     def refuse(self, source: Source, op: str) -> None:
         if self.collect:
@@ -135,6 +155,10 @@ class CrossingCheck:
             return hook
 
         inside = {id(m) for m in self.container.modules()}
+        for name, shadow in self.carve.removed.items():
+            owner = getattr(self.module.get_submodule(name), "owner", "another stage")
+            for tensor_name, tensor in [*shadow.named_parameters(), *shadow.named_buffers()]:
+                self._foreign[id(tensor)] = (owner, f"{name}.{tensor_name}")
         for name in self.carve.removed:
             handles.append(self.module.get_submodule(name).register_forward_hook(tainting(name)))
         for name, sub in self.module.named_modules():
@@ -159,4 +183,5 @@ class CrossingCheck:
                 handle.remove()
             self._tainted.clear()
             self._made.clear()
+            self._foreign.clear()
             self.local = False

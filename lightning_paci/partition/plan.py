@@ -20,7 +20,7 @@ from torch import nn
 from lightning_paci.partition.blocks import balanced_boundaries, find_block_container, num_params
 from lightning_paci.partition.profile import BlockCosts, prefer_time_split
 
-__all__ = ["PartitionPlan", "PartitionSpec", "call_order", "plan_partition"]
+__all__ = ["CallTrace", "PartitionPlan", "PartitionSpec", "call_order", "plan_partition"]
 
 PartitionSpec = Literal["balanced", "parameters", "uniform"] | Sequence[int]
 
@@ -58,18 +58,23 @@ class PartitionPlan:
         return "; ".join(parts) + tied + (f" ({self.note})" if self.note else "")
 
 
-def call_order(module: nn.Module, run_step: Callable[[], Any]) -> tuple[str, ...]:
-    """The dotted names of ``module``'s submodules in the order of their first call while ``run_step`` runs (one
-    step on a sample micro-batch); a module registered under two names is reported under its first."""
-    order: list[str] = []
-    seen: set[str] = set()
+@dataclass(frozen=True)
+class CallTrace:
+    """The submodules of a module in the order of their first call in one step, and how often each was called."""
+
+    order: tuple[str, ...]
+    counts: dict[str, int]
+
+
+def call_order(module: nn.Module, run_step: Callable[[], Any]) -> CallTrace:
+    """Trace the calls of ``module``'s submodules while ``run_step`` runs (one step on a sample micro-batch); a
+    module registered under two names is reported under its first."""
+    counts: dict[str, int] = {}
 
     def hook(name: str) -> Callable[..., None]:
-        def first_call(*_: Any) -> None:
-            if name not in seen:
-                seen.add(name)
-                order.append(name)
-        return first_call
+        def called(*_: Any) -> None:
+            counts[name] = counts.get(name, 0) + 1
+        return called
 
     handles = [sub.register_forward_pre_hook(hook(name)) for name, sub in module.named_modules() if name]
     try:
@@ -77,7 +82,7 @@ def call_order(module: nn.Module, run_step: Callable[[], Any]) -> tuple[str, ...
     finally:
         for handle in handles:
             handle.remove()
-    return tuple(order)
+    return CallTrace(tuple(counts), counts)  # a dict keeps the order of first insertion: of first calls
 
 
 def _outside_modules(root: nn.Module, container_path: str,
@@ -108,7 +113,8 @@ def _outside_modules(root: nn.Module, container_path: str,
                 continue
             if num_params(child) == 0:
                 continue  # parameter-free modules (dropout, rotary tables) run on every stage
-            position = called.get(f"{prefix}{name}")
+            full = f"{prefix}{name}"  # the first call of it or of anything inside it (a ModuleList is not called)
+            position = min((i for n, i in called.items() if n == full or n.startswith(full + ".")), default=None)
             runs_after = seen_path if position is None or first_block is None else position > first_block
             (after if runs_after else before).append(f"{prefix}{name}")
         node = getattr(node, part)
@@ -123,7 +129,7 @@ def plan_partition(
     container: str | None = None,
     partition: PartitionSpec = "balanced",
     measured: BlockCosts | None = None,
-    order: Sequence[str] | None = None,
+    trace: CallTrace | None = None,
 ) -> PartitionPlan:
     """Plan the split of ``module`` into ``num_stages`` stages.
 
@@ -132,8 +138,8 @@ def plan_partition(
     when that lowers the slowest stage's time by at least ``TIME_BALANCE_MIN_GAIN`` and ``TIME_BALANCE_MIN_SECONDS``
     in every measured repetition (``prefer_time_split``). ``"parameters"`` always
     balances parameter counts; ``"uniform"`` gives equal block counts; a list gives the ``num_stages - 1`` block
-    indices where stages 1..N-1 start. ``order``: ``call_order`` of one step, which places the modules outside the
-    container (see [Note: outside modules go where they run]).
+    indices where stages 1..N-1 start. ``trace``: ``call_order`` of one step, which places the modules outside the
+    container (see [Note: outside modules go where they run]) and refuses blocks run more than once per step.
     """
     path, blocks = find_block_container(module, container)
     num_blocks = len(blocks)
@@ -143,7 +149,16 @@ def plan_partition(
             f"{num_stages} stages: every stage needs at least one block. Use at most {num_blocks} devices, or a model "
             f"with more blocks."
         )
-    before, after = _outside_modules(module, path, order)
+    repeated = {name: n for name, n in (trace.counts if trace else {}).items()
+                if n > 1 and name.startswith(f"{path}.") and name[len(path) + 1:].isdigit()}
+    if repeated:
+        name, times = next(iter(repeated.items()))
+        raise ValueError(
+            f"Block `{name}` of `{path}` runs {times} times in one step of {type(module).__name__} (a looped, "
+            f"recurrent-depth or weight-shared model): pipeline stages run each block once per micro-batch, in the "
+            f"container's order. Train it on one device or with data parallelism, or name a container whose blocks "
+            f"run once each with `block_container=`.")
+    before, after = _outside_modules(module, path, trace.order if trace else None)
     first_extra = sum(num_params(module.get_submodule(n)) for n in before)
     last_extra = sum(num_params(module.get_submodule(n)) for n in after)
     timing_note = ""

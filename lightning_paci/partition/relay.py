@@ -104,8 +104,8 @@ class RelayPlan:
 
 
 def probe_crossings(module: nn.Module, carve: StageCarve, run_step: Callable[[], Any]) -> StageProbe:
-    """Run stage ``carve.stage``'s part of one step (``run_step``: the user's step on a sample micro-batch; no
-    gradient here, the caller undoes side effects) and report what it reads from modules it does not run and how
+    """Run stage ``carve.stage``'s part of one step (``run_step``: the user's step on a sample micro-batch, no
+    backward; the caller undoes side effects) and report what it reads from modules it does not run and how
     often it calls the modules it does run."""
     calls: dict[str, int] = {}
     removed = set(carve.removed)
@@ -123,8 +123,8 @@ def probe_crossings(module: nn.Module, carve: StageCarve, run_step: Callable[[],
     boundary.begin(None)
     boundary.probing = True
     try:
-        with torch.no_grad(), check.watch() if check is not None else contextlib.nullcontext(), \
-                contextlib.suppress(StageDone):
+        # with gradients on, as the training step runs: a stage boundary inside an autograd Function shows here
+        with check.watch() if check is not None else contextlib.nullcontext(), contextlib.suppress(StageDone):
             run_step()
     finally:
         boundary.probing = False
