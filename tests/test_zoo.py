@@ -173,6 +173,9 @@ def test_lightnings_demo_transformer_trains_as_on_one_device_at_four_stages():
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(pipeline.state_dict()[key], value, msg=lambda m: f"{key}: {m}")
     assert pipeline.relays.relays[0].module == "model.transformer.encoder"  # stage 0 -> 2, through stage 1
+    pipeline.run(build("paci", 4, 2, 2, 4), [batch] * 4)
+    losses = pipeline.runtimes[-1].records.losses
+    assert losses[max(losses)] < losses[min(losses)]
 
 
 def test_litgpt_trains_as_on_one_device():

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_paci.engine.microbatch import microbatch_size, split_microbatches
@@ -53,7 +54,8 @@ def draw_sample(trainer: Any, num_microbatches: int, cuda_devices: list[int]) ->
     try:
         with torch.random.fork_rng(devices=cuda_devices):
             batch = next(iter(api.step_dataloader(trainer, loop)))
-    except (RuntimeError, ValueError, TypeError, StopIteration, api.LightningAPIError) as err:
+    except (RuntimeError, ValueError, TypeError, StopIteration, api.LightningAPIError,
+            MisconfigurationException) as err:
         log.warning(f"lightning_paci: no sample batch at setup ({type(err).__name__}: {err}); blocks are not timed, "
                     f"outside modules are placed by registration order and no value is relayed past a stage")
         return None
