@@ -24,7 +24,7 @@ from torch import nn
 from lightning_paci.engine.microbatch import microbatch_size, split_microbatches
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.logs import recording_logs
-from lightning_paci.integration.trainer_glue import without_side_effects
+from lightning_paci.integration.trainer_glue import cuda_devices, without_side_effects
 from lightning_paci.partition import PartitionPlan, StageCarve
 from lightning_paci.partition.plan import CallTrace, call_order
 from lightning_paci.partition.relay import RelayPlan, StageProbe, plan_relays, probe_crossings
@@ -76,10 +76,8 @@ def trace_call_order(strategy: Any, module: nn.Module, sample: Sample | None) ->
     gradient; shared)."""
     order: CallTrace | None = None
     if sample is not None and strategy.is_global_zero:
-        root = strategy.root_device
         try:
-            with without_side_effects(module, cuda_devices=[root.index or 0] if root.type == "cuda" else []), \
-                    torch.no_grad():
+            with without_side_effects(module, cuda_devices=cuda_devices(strategy.root_device)), torch.no_grad():
                 order = call_order(module, run_sample(module, sample, strategy.precision_plugin.train_step_context))
         except (RuntimeError, ValueError, TypeError) as err:
             log.warning(f"lightning_paci: the step could not run on a sample batch ({type(err).__name__}: {err}); "
@@ -93,13 +91,12 @@ def find_relays(strategy: Any, module: nn.Module, plan: PartitionPlan, carve: St
     stage of this replica's pipeline); a failed probe is raised on every stage."""
     probe: StageProbe | str = StageProbe({}, {})
     if sample is not None:
-        root = strategy.root_device
         data = strategy.precision_plugin.convert_input(strategy.batch_to_device(sample.data))  # as the loops do
         shifted = Sample(data, sample.size, sample.step_name)
         context = (strategy.precision_plugin.train_step_context if sample.step_name == "training_step"
                    else strategy.precision_plugin.val_step_context)
         try:
-            with without_side_effects(module, cuda_devices=[root.index or 0] if root.type == "cuda" else []):
+            with without_side_effects(module, cuda_devices=cuda_devices(strategy.root_device)):
                 probe = probe_crossings(module, carve, run_sample(module, shifted, context))
         except (RuntimeError, ValueError, TypeError, AttributeError) as err:
             probe = f"stage {carve.stage}: {type(err).__name__}: {err}"

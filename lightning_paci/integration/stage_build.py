@@ -31,7 +31,7 @@ from torch import nn
 
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.setup_probe import Sample, draw_sample, trace_call_order
-from lightning_paci.integration.trainer_glue import batch_norm_warning, measure_block_costs
+from lightning_paci.integration.trainer_glue import batch_norm_warning, cuda_devices, measure_block_costs
 from lightning_paci.partition import PartitionPlan, StageCarve, plan_partition
 from lightning_paci.partition.carve import removed_modules
 from lightning_paci.partition.stage_init import (
@@ -210,8 +210,7 @@ class StageBuilding:
         if built is None and self._builder.on_meta(module):
             built = self._builder.adopt(module, source="weights" if self.config.weights is not None else "empty")
         measured = trace = None
-        root = self.root_device  # type: ignore[attr-defined]
-        sample = draw_sample(trainer, self.num_microbatches, [root.index or 0] if root.type == "cuda" else [])
+        sample = draw_sample(trainer, self.num_microbatches, cuda_devices(self.root_device))  # type: ignore[attr-defined]
         self._builder.sample = sample
         if built is None:
             warning = host_memory_warning(module, self.num_processes)  # type: ignore[attr-defined]

@@ -24,7 +24,7 @@ from lightning_paci.integration.lightning_program import extract_loss
 from lightning_paci.integration.logs import recording_logs
 from lightning_paci.partition import BlockCosts, profile_block_costs
 
-__all__ = ["SUPPORTED_PRECISION", "check_trainer", "ends_epoch", "measure_block_costs", "must_drain",
+__all__ = ["SUPPORTED_PRECISION", "check_trainer", "cuda_devices", "ends_epoch", "measure_block_costs", "must_drain",
            "patch_for_pipeline", "same_data_on_every_stage", "seed_workers_alike",
            "without_side_effects"]
 
@@ -147,8 +147,7 @@ def measure_block_costs(strategy: Any, trainer: Trainer, sample: Any) -> BlockCo
         return None
     module = strategy.lightning_module
     costs: BlockCosts | None = None
-    root = strategy.root_device
-    with without_side_effects(module, cuda_devices=[root.index or 0] if root.type == "cuda" else []):
+    with without_side_effects(module, cuda_devices=cuda_devices(strategy.root_device)):
         try:
             def run_step() -> None:
                 with recording_logs(module, [], sample.size, "training_step"), \
@@ -163,6 +162,11 @@ def measure_block_costs(strategy: Any, trainer: Trainer, sample: Any) -> BlockCo
             log.warning(f"lightning_paci: block timing not possible ({type(err).__name__}: {err}); balancing by "
                         f"parameter count")
     return strategy.broadcast(costs, src=0)
+
+
+def cuda_devices(device: torch.device) -> list[int]:
+    """The CUDA devices whose RNG a side-effect-free run on ``device`` forks (none on the CPU)."""
+    return [device.index or 0] if device.type == "cuda" else []
 
 
 @contextlib.contextmanager

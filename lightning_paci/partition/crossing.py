@@ -77,7 +77,7 @@ class CrossingCheck:
         self.collect = collect
         self.local = False  # after the ingress: this stage's own computation
         self.foreign_buffers: set[str] = set()  # "module.buffer" names whose updates ran on placeholder zeros
-        self.needed: dict[str, torch.Size | tuple[int, ...]] = {}  # key -> shape, dtype (collect)
+        self.needed: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # key -> shape, dtype (collect)
         self._made: dict[str, torch.Tensor] = {}  # key -> the placeholder's output tensor (collect: its form)
         self._tainted: dict[int, tuple[weakref.ref[torch.Tensor], Source]] = {}
         self._foreign: dict[int, tuple[str, str]] = {}  # id of a placeholder's meta tensor -> (owner, dotted name)
@@ -92,7 +92,8 @@ class CrossingCheck:
 
     def refuse_foreign_weights(self, func: Any, arguments: Any) -> None:
         """An op computing with a parameter or buffer read off a placeholder (a meta tensor of a module another
-        stage owns, [Note: placeholders answer attribute reads] in carve.py) next to real tensors: stop, naming it."""
+        stage owns, [Note: placeholders answer attribute reads] in placeholder.py) next to real tensors: stop, naming
+        it."""
         if self.carve.boundary.in_shadow:
             return  # a placeholder finding its output's form: every tensor there is meant to be meta
         tensors = list(_tensors(arguments))

@@ -30,9 +30,10 @@ class Placeholder(nn.Module):
 
     It must return what the real module would return in *form* (structure, shapes, dtypes), or the user's code
     between it and this stage's first block may fail (an embedding's output dtype feeds mask construction, a block
-    may return a tuple). It runs the original module on the meta device -- no compute, no memory -- and returns
-    zeros of that form. A block whose output has the form of its first argument is learned once and passed through
-    afterwards (its value is replaced at this stage's ingress anyway).
+    may return a tuple). It runs the original module on the meta device (on fake tensors under autocast) -- no
+    compute, no memory -- and returns zeros of that form, or the real values relayed to it. A block whose output
+    has the form of its first argument, or cannot be run on meta, passes its input through (its value is replaced
+    at this stage's ingress anyway).
     """
 
     def __init__(self, owner: str, shadow: nn.Module, *, may_pass_through: bool = False, name: str = "",
@@ -153,10 +154,6 @@ def _output_form(shadow: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         fake_args, fake_kwargs = map_tensors((args, kwargs), lambda t: torch.empty(t.shape, dtype=t.dtype,
                                                                                    device=device))
         return functional_call(shadow, state, tuple(fake_args), dict(fake_kwargs))
-
-
-def _tensors(structure: Any) -> list[torch.Tensor]:
-    return flatten(structure)[1]
 
 
 @dataclass

@@ -8,7 +8,7 @@ value is the output of a placeholder (zeros), or computed from one. At setup eve
 one step on a sample micro-batch under ``CrossingCheck(collect=True)`` (crossing.py), with fresh zeros as its first
 block's inputs: each placeholder output its own code reads is *needed*, named ``module#call#leaf`` (the module's
 dotted name, which of its calls in one forward, which tensor of that call's output). The stages exchange their
-needs (one all-gather) and every stage derives the same :class:`RelayPlan`:
+needs (one broadcast from each stage) and every stage derives the same :class:`RelayPlan`:
 
 * the owner stage ``o`` of the module captures that output (a forward hook on the real module) and adds it to its
   activation message as a third element, ``(args, kwargs, {key: tensor})``;
@@ -18,9 +18,9 @@ needs (one all-gather) and every stage derives the same :class:`RelayPlan`:
 
 Gradients come back the same way with no extra code: a received tensor is a leaf whose gradient the stage sends
 upstream, and a stage that passes a received tensor on also lists it among its outputs, so the gradient it gets
-for it is added to its own reads' gradient before it goes further up. What still cannot cross is refused at the
-first forward with the module's name: a call that runs after its owner's stage has ended (one module used at two
-places), a value changed in place after it was captured, a value the probe's path did not read.
+for it is added to its own reads' gradient before it goes further up. What still cannot cross is refused with the
+module's name: at setup, a call that runs after its owner's stage has ended (one module used at two places); at the
+first forward, a value changed in place after it was captured, or one the probe's path did not read.
 """
 
 from __future__ import annotations
