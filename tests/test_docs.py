@@ -51,3 +51,13 @@ def test_no_numbered_work_periods_and_issue_numbers_only_in_the_changelog() -> N
             if period.search(line) or (path.name != "CHANGELOG.md" and issue.search(line)):
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
     assert not found, "\n".join(found[:40]) + (f"\n... {len(found) - 40} more" if len(found) > 40 else "")
+
+
+def test_ci_runs_the_readmes_two_set_up_commands() -> None:
+    # .ci/run installs as the README says and runs its test command (tests, linter, type checker), nothing else
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    ci = [line for line in lines if line and not line.startswith(("#", "set ", "cd "))]
+    block = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
+    readme = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    assert ci[0] == readme[0].replace("pip install", "python3 -m pip install")
+    assert ci[1] == readme[1] == "python3 -m pytest && python3 -m ruff check . && python3 -m mypy"

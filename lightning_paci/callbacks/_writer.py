@@ -43,7 +43,7 @@ def metric_tag(figure: str, stage: int) -> str:
 
 def monitor_directory(trainer: L.Trainer) -> str:
     global _warned
-    directory = None
+    directory: str | None = None
     if trainer.is_global_zero:
         logger = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
         if logger is not None:
@@ -56,7 +56,7 @@ def monitor_directory(trainer: L.Trainer) -> str:
                     f"go to {directory!r}. Pass `logger=TensorBoardLogger(...)` to write beside your other logs."
                 )
                 _warned = True
-    return trainer.strategy.broadcast(directory, src=0)
+    return str(trainer.strategy.broadcast(directory, src=0))  # rank 0 always has one
 
 
 def stage_writer(directory: str, stage: int, replica: int = 0) -> Any:
@@ -88,7 +88,8 @@ class StageMonitor(Callback, ABC):
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if trainer.global_step % (self.logging_interval or trainer.log_every_n_steps) == 0:
+        every = self.logging_interval or trainer.log_every_n_steps  # type: ignore[attr-defined]  # set in __init__
+        if trainer.global_step % every == 0:
             self._log(trainer)
 
     @override

@@ -140,7 +140,7 @@ class DistComm:
         self.sent_bytes += total
         if self._host and total <= FIRST_BYTES and all(t.device.type == "cpu" for t in tensors):
             buffer = self._spare.pop() if self._spare else torch.empty(FIRST_BYTES, dtype=torch.uint8)
-            raw = buffer.numpy()
+            raw: Any = buffer.numpy()  # an ndarray: a buffer (numpy declares `__buffer__` for Python >= 3.12 only)
             struct.pack_into("<QQ", raw, 0, len(blob), data_bytes)
             raw[16:head] = np.frombuffer(blob, dtype=np.uint8)
             for meta, tensor in zip(metas, tensors):
@@ -246,7 +246,8 @@ class DistComm:
             first = torch.empty(FIRST_BYTES, dtype=torch.uint8, device=self._device)
             work = group.recv([first], peer, 0)
         work.wait()
-        raw = first.numpy() if self._host else first.cpu().numpy()  # CUDA: the first part's host copy (the header)
+        # CUDA: the first part's host copy (the header); an ndarray, a buffer (see above)
+        raw: Any = first.numpy() if self._host else first.cpu().numpy()
         blob_bytes, data_bytes = struct.unpack_from("<QQ", raw)
         head = 16 + blob_bytes
         start = -(-head // ALIGN) * ALIGN
@@ -258,7 +259,8 @@ class DistComm:
             raw = whole.numpy() if self._host else raw
         else:
             whole = first
-        skeleton = pickle.loads(raw[16:head] if self._host or head <= FIRST_BYTES else whole[16:head].cpu().numpy())
+        blob: Any = raw[16:head] if self._host or head <= FIRST_BYTES else whole[16:head].cpu().numpy()
+        skeleton = pickle.loads(blob)
         tensors = []
         for meta in metas_of(skeleton):
             a, b = start + meta.offset, start + meta.offset + meta.nbytes

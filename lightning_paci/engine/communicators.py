@@ -92,7 +92,7 @@ def warm_communicators(groups: Mapping[Communicator, dist.ProcessGroup], rank_of
     return count
 
 
-def transport_device(backend: str, device: torch.device) -> torch.device:
+def transport_device(backend: str | None, device: torch.device) -> torch.device:
     """Where a message's bytes live on the wire: the device itself under NCCL, the host under gloo, whose
     send/recv take CPU tensors only. With GPUs over gloo (several processes sharing one GPU, where NCCL cannot run
     two ranks) each message is staged through host memory: ``DistComm(device=<this>, deliver=<the GPU>)`` copies

@@ -110,7 +110,7 @@ def _periodic_lag(key: _Key, horizon: int, first: int) -> int:
     for s in range(n):
         for action, rnd in zip(lists[s], rounds[s]):
             if action.kind in RECV_KINDS and horizon - 1 - period <= rnd <= horizon - 2:
-                lag = max(lag, rnd - posted[message_key(action, n)])  # type: ignore[index]
+                lag = max(lag, rnd - posted[message_key(action, n)])
     return lag
 
 

@@ -29,6 +29,7 @@ which obeys the same rule.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -119,13 +120,13 @@ class NcclEmulation:
         init = self._init_process_group(c10d.init_process_group)
         self._originals.append((dist, "init_process_group", dist.init_process_group))
         self._originals.append((c10d, "init_process_group", c10d.init_process_group))
-        dist.init_process_group = c10d.init_process_group = init  # type: ignore[assignment]
+        dist.init_process_group = c10d.init_process_group = init
         patch(c10d, "_new_group_with_tag", self._new_group)
         patch(dist.ProcessGroup, "send", lambda op: self._p2p(op, "send"))
         patch(dist.ProcessGroup, "recv", lambda op: self._p2p(op, "recv"))
         for name in _COLLECTIVES:
             if hasattr(dist.ProcessGroup, name):
-                patch(dist.ProcessGroup, name, lambda op, name=name: self._collective(op, name))
+                patch(dist.ProcessGroup, name, functools.partial(self._collective, name=name))
 
     def uninstall(self) -> None:
         for owner, name, original in reversed(self._originals):

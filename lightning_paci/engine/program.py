@@ -64,7 +64,9 @@ class BackwardHooks(Protocol):
 class StageProgram(Protocol):
     """Runs one micro-batch's forward through this stage's part of the model."""
 
-    module: nn.Module  # the stage's module: its parameters are named in errors and are not activations
+    @property
+    def module(self) -> nn.Module:  # the stage's module: its parameters are named in errors and are not activations
+        ...
 
     def forward(self, data: Any, *step_args: Any, received: Any | None) -> ForwardOutput: ...
 

@@ -66,7 +66,7 @@ class BlockRecompute:
     def __init__(self, container: nn.Module, blocks: Sequence[int]) -> None:
         self._blocks = [container[i] for i in blocks]  # type: ignore[index]
         for block in self._blocks:
-            block.forward = _checkpointed(block.forward)  # type: ignore[method-assign]
+            block.forward = _checkpointed(block.forward)
 
     def remove(self) -> None:
         for block in self._blocks:

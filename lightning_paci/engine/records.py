@@ -46,7 +46,7 @@ def _after(kept: list[_V], total: int, count: int) -> list[_V]:
     return kept[max(0, len(kept) - (total - count)):]
 
 
-class RecentDict(dict, Generic[_K, _V]):  # type: ignore[type-arg]
+class RecentDict(dict, Generic[_K, _V]):
     """A dict that keeps its ``retention`` most recently inserted keys (insertion order, oldest evicted first)."""
 
     def __init__(self, retention: int) -> None:
@@ -121,7 +121,9 @@ class StageRecords:
         if retention < 1:
             raise ValueError(f"`retention` must be >= 1 micro-batches, got {retention}.")
         self.clock = clock
-        self.losses: RecentDict[int, float] = RecentDict(retention)  # micro-batch -> loss (last stage: its own)
+        # micro-batch -> loss (last stage: its own); a 0-dim device tensor on an accelerator ([Note: no host sync
+        # per micro-batch] in program.py)
+        self.losses: RecentDict[int, float | torch.Tensor] = RecentDict(retention)
         self.version_gaps: RecentDict[int, int] = RecentDict(retention)
         self.tied_lags: RecentDict[int, int] = RecentDict(retention)  # last stage: tied updates a forward was behind
         self._backwards: deque[BackwardRecord] = deque(maxlen=retention)

@@ -83,11 +83,11 @@ class ReplicaAverage:
                 continue
             if present != len(grads):
                 raise ReplicaMismatchError(f"a parameter has a gradient on {present} of {len(grads)} replicas")
-            total = grads[0].clone()  # type: ignore[union-attr]
+            total = grads[0].clone()
             for grad in grads[1:]:
                 total += grad
             for p in same:
-                p.grad.copy_(total).div_(len(grads))  # type: ignore[union-attr]
+                p.grad.copy_(total).div_(len(grads))
 
 
 class ReplicaParameterAverage:

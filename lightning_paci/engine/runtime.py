@@ -209,7 +209,7 @@ class StageRuntime:
         padding = weight == 0.0
         if weight != 1.0 and not padding:
             self.loss_weights[mb] = weight
-        ahead = _NO_CONTEXT
+        ahead: contextlib.AbstractContextManager[Any] = _NO_CONTEXT
         if self.lookahead is not None and not padding:
             ahead = self.lookahead.moved(self.crossings(mb), max(0.0, 1.0 - self.window_backwards * self.loss_scale))
         context = padding_forward(self.program.module) if padding else ahead
@@ -270,9 +270,9 @@ class StageRuntime:
             elif outputs:
                 torch.autograd.backward(outputs, grads)
             self.logs[key] = own_values(payload["logs"])
-            loss = next((r.value for r in self.logs[key] if r.name == LOSS_KEY), None)
-            if loss is not None:
-                self.records.losses[key] = loss
+            carried = next((r.value for r in self.logs[key] if r.name == LOSS_KEY), None)
+            if carried is not None:
+                self.records.losses[key] = carried
         if self.stage > 0:
             self.input_grads[mb] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in held.leaves]
         self.window_backwards += 1

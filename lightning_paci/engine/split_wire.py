@@ -78,7 +78,7 @@ def frame_split(payload: Any, device: torch.device, *, what: str) -> SplitFrame:
     start = -(-(24 + len(blob)) // ALIGN) * ALIGN
     total = start + host_offset
     header = torch.zeros(max(total, FIRST_BYTES), dtype=torch.uint8)
-    raw = header.numpy()
+    raw: Any = header.numpy()  # an ndarray: a buffer (numpy declares `__buffer__` for Python >= 3.12 only)
     struct.pack_into("<QQQ", raw, 0, len(blob), host_offset, device_offset)
     raw[24:24 + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
     for meta, tensor in host:
@@ -98,7 +98,7 @@ def read_split_header(first: torch.Tensor, rest: Any) -> tuple[Any, list[torch.T
     """Parse a received header: ``first`` is its first ``FIRST_BYTES`` (host), ``rest(n)`` receives the remaining
     ``n`` bytes. Returns the skeleton, the host tensors in order (None for a device tensor) and the payload's
     byte count."""
-    raw = first.numpy()
+    raw: Any = first.numpy()  # an ndarray: a buffer (see above)
     blob_bytes, host_bytes, device_bytes = struct.unpack_from("<QQQ", raw)
     start = -(-(24 + blob_bytes) // ALIGN) * ALIGN
     total = start + host_bytes

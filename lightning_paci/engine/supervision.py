@@ -292,7 +292,7 @@ class StageWatchdog:
         for waiter, (waits_at, waits, waited, _) in doing.items():
             if waits is None or waited < self.dead_after:
                 continue
-            for held in (range(self.num_stages) if waits is ALL else waits):
+            for held in (range(self.num_stages) if isinstance(waits, _Everyone) else waits):
                 if held == waiter or held not in doing:
                     continue
                 label, its_waits, inside, patient = doing[held]
@@ -302,7 +302,7 @@ class StageWatchdog:
                                   f"{self.name(waiter)} waits for it at {waits_at} (hung in a kernel, a collective "
                                   f"or a host read{grace})")
                 if its_waits is not None and label != waits_at and inside >= self.dead_after and \
-                        (its_waits is ALL or waiter in its_waits):
+                        (isinstance(its_waits, _Everyone) or waiter in its_waits):
                     return held, (f"waits at {label} for {inside:.0f} s while {self.name(waiter)} waits for it at "
                                   f"{waits_at}: each waits for the other")
         return None
@@ -310,7 +310,7 @@ class StageWatchdog:
 
 def _encode(now: Doing) -> str:
     label, waits, seconds, patient = now
-    text = "" if waits is None else "*" if waits is ALL else ",".join(map(str, sorted(waits)))
+    text = "" if waits is None else "*" if isinstance(waits, _Everyone) else ",".join(map(str, sorted(waits)))
     return f"{label}\n{text}\n{seconds:.1f}\n{int(patient)}"
 
 

@@ -99,7 +99,7 @@ def multiprocessing_launcher(strategy: Any, start_method: str, *, send: Callable
     only around the launch in the main process, so without it a failing forked stage was noticed by the others only
     when its heartbeat stopped (20 s), and named as "stopped responding" instead of by its error."""
 
-    class PipelineLauncher(MultiProcessingLauncher):  # type: ignore[misc, valid-type]
+    class PipelineLauncher(MultiProcessingLauncher):
         # through a file, as Lightning sends the weights: the main process reads the result queue only after the
         # workers exit, so a message larger than the pipe's buffer would block rank 0 forever
         def _wrapping_function(self, *args: Any, **kwargs: Any) -> Any:

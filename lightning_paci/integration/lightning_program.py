@@ -54,7 +54,7 @@ class LightningStageProgram:
         # the first training forward of a stage > 0 is watched for values crossing from placeholders (crossing.py)
         self._check: CrossingCheck | None = None
         if step_name == "training_step" and not carve.is_first:
-            self._check = CrossingCheck(module, carve, module.get_submodule(carve.plan.container))
+            self._check = CrossingCheck(module, carve)
 
     def forward(self, data: Any, *step_args: Any, received: Any | None) -> ForwardOutput:
         """Run the step on one micro-batch. ``step_args`` follow the batch (``batch_idx``, ``dataloader_idx``)."""

@@ -79,7 +79,7 @@ def host_records(records: list[LogRecord]) -> list[LogRecord]:
     return [r._replace(value=float(r.value)) if isinstance(r.value, torch.Tensor) else r for r in records]
 
 
-def replay_logs(module: LightningModule, records: list[LogRecord]) -> float | None:
+def replay_logs(module: LightningModule, records: list[LogRecord]) -> float | torch.Tensor | None:
     """Call the real ``self.log`` once per key with the micro-batches' values combined as Lightning combines values
     of one key (``reduce_fx``): the batch-size-weighted mean (the default), the sum, the max or the min -- what one
     device computing the whole batch would have logged. Returns the loss record's mean."""
@@ -87,7 +87,8 @@ def replay_logs(module: LightningModule, records: list[LogRecord]) -> float | No
     for record in records:
         options = dict(record.options)
         if METRIC_OPTION in options:
-            module.log(record.name, module.get_submodule(options.pop(METRIC_OPTION)), **options)
+            metric: Any = module.get_submodule(options.pop(METRIC_OPTION))  # the torchmetrics Metric logged
+            module.log(record.name, metric, **options)
             continue
         fx = options.get("reduce_fx", "mean")
         if fx not in _REDUCTIONS:
@@ -102,8 +103,12 @@ def replay_logs(module: LightningModule, records: list[LogRecord]) -> float | No
         size = sum(r.batch_size for r in group)
         if how == "mean":
             value = sum(r.value * r.batch_size for r in group) / size
+        elif how == "sum":
+            value = sum(r.value for r in group)
+        elif how == "max":
+            value = max(r.value for r in group)
         else:
-            value = {"sum": sum, "max": max, "min": min}[how](r.value for r in group)
+            value = min(r.value for r in group)
         if name == LOSS_KEY:
             loss = value
             continue
@@ -121,7 +126,8 @@ class LogRelay:
     def __init__(self, num_microbatches: int) -> None:
         self.num_microbatches = num_microbatches
         # the mean loss of the last mini-batch replayed here, and that mini-batch's index in the run (-1: none yet)
-        self.last_loss, self.last_minibatch = 0.0, -1
+        self.last_loss: float | torch.Tensor = 0.0
+        self.last_minibatch = -1
 
     def emit(self, module: LightningModule, pending: dict[int, list[LogRecord]]) -> None:
         m = self.num_microbatches

@@ -78,7 +78,7 @@ class OptimizerLayout:
                 f"(`Model.load_from_checkpoint`)."
             )
         out: dict[str, Any] = {}
-        for names, group in zip(self.groups, saved_groups):
+        for names, group in zip(self.groups, saved_groups or ()):
             hyper = {k: v for k, v in group.items() if k != "params"}
             for name, index in zip(names, group["params"]):
                 out[name] = {"state": dict(entry["state"].get(index, {})), "group": hyper, "grad": None}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -121,7 +121,7 @@ class PipelineStage:
                                    on_drain=lambda: self.fingerprint.check(self._broadcast))
 
     def train(self, batch: Any, batch_idx: int, *, label: str, drain: bool, accumulation: int,
-              close_window: bool = False) -> tuple[float, int]:
+              close_window: bool = False) -> tuple[float | torch.Tensor, int]:
         """Feed one Lightning batch (``accumulation``: the current window, used when the batch opens a stream);
         replay the logs of every mini-batch complete here; return the mean loss of the last mini-batch replayed on
         this rank and its index in the run: on the last stage (global rank 0) the batch just fed; on the stages
@@ -159,7 +159,7 @@ class PipelineStage:
             entry.update(self.layout.to_torch(entry["paci"]["params"]))
         return entry
 
-    def load_optimizer_state(self, checkpoints: PipelineCheckpoints, checkpoint: dict[str, Any]) -> None:
+    def load_optimizer_state(self, checkpoints: PipelineCheckpoints, checkpoint: Mapping[str, Any]) -> None:
         """Resume the optimizer state and the counters, so the next step falls where the saved run's would."""
         runtime = self.runtime
         assert runtime is not None and runtime.optimizer is not None

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import nn
 
 from lightning_paci.engine.microbatch import microbatch_size, split_microbatches
 from lightning_paci.integration import lightning_api as api
@@ -63,7 +63,7 @@ def draw_sample(trainer: Any, num_microbatches: int, cuda_devices: list[int]) ->
     return Sample(split_microbatches(batch, max(1, min(num_microbatches, size)))[0], size, step_name)
 
 
-def run_sample(module: nn.Module, sample: Sample, context: Callable[[], Any]) -> Callable[[], Any]:
+def run_sample(module: LightningModule, sample: Sample, context: Callable[[], Any]) -> Callable[[], Any]:
     """A function running the user's step once on ``sample`` (its ``self.log`` calls recorded and dropped)."""
     def run() -> Any:
         with recording_logs(module, [], sample.size, sample.step_name), context():
@@ -71,7 +71,7 @@ def run_sample(module: nn.Module, sample: Sample, context: Callable[[], Any]) ->
     return run
 
 
-def trace_call_order(strategy: Any, module: nn.Module, sample: Sample | None) -> CallTrace | None:
+def trace_call_order(strategy: Any, module: LightningModule, sample: Sample | None) -> CallTrace | None:
     """The order of the modules' first calls in one step of the whole model, and their counts (rank 0, no
     gradient; shared)."""
     order: CallTrace | None = None
@@ -85,7 +85,7 @@ def trace_call_order(strategy: Any, module: nn.Module, sample: Sample | None) ->
     return strategy.broadcast(order, src=0)
 
 
-def find_relays(strategy: Any, module: nn.Module, plan: PartitionPlan, carve: StageCarve,
+def find_relays(strategy: Any, module: LightningModule, plan: PartitionPlan, carve: StageCarve,
                 sample: Sample | None) -> RelayPlan:
     """Probe this stage's part of the step on ``sample`` and combine every stage's needs (one broadcast from each
     stage of this replica's pipeline); a failed probe is raised on every stage."""

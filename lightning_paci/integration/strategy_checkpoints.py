@@ -99,12 +99,13 @@ class CheckpointingProcesses(PipelineProcesses):
     def _send_after_fit(self, trainer: Trainer) -> Any:
         """To the main process of a fork/spawn run, for a ``trainer.save_checkpoint`` there after ``fit``: the
         optimizer and scheduler states, the fit loop's progress (epoch, step) and the callbacks' states."""
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Trainer.__init__, not declared
         return {"states": self._after_fit, "fit_loop": trainer.fit_loop.state_dict(),
-                "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks}}
+                "callbacks": {cb.state_key: cb.state_dict() for cb in callbacks}}
 
     def _receive_after_fit(self, trainer: Trainer, sent: Any) -> None:
         self._after_fit = sent["states"]
         trainer.fit_loop.load_state_dict(sent["fit_loop"])
-        for callback in trainer.callbacks:
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Trainer.__init__, not declared
             if sent["callbacks"].get(callback.state_key):
                 callback.load_state_dict(sent["callbacks"][callback.state_key])

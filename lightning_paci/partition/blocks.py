@@ -53,7 +53,7 @@ def find_block_container(module: nn.Module, path: str | None = None) -> tuple[st
         )
     best = max(num_params(sub) for _, sub in candidates)
     name, container = min(((n, c) for n, c in candidates if num_params(c) == best), key=lambda nc: nc[0].count("."))
-    return name, container  # type: ignore[return-value]
+    return name, container
 
 
 def balanced_boundaries(costs: Sequence[float], first_extra: float, last_extra: float, num_stages: int) -> list[int]:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from lightning_paci.engine.messages import flatten, map_tensors
+from lightning_paci.partition.blocks import find_block_container
 from lightning_paci.partition.placeholder import BoundaryState, CrossingError, Placeholder
 from lightning_paci.partition.plan import PartitionPlan
 
@@ -81,7 +82,7 @@ def _without_caches(args: tuple[Any, ...], kwargs: dict[str, Any],
     return tuple(drop(a) for a in args), {k: drop(v) for k, v in kwargs.items()}
 
 
-def _cache_type() -> type | None:
+def _cache_type() -> type[Any] | None:
     """transformers' ``Cache`` base class if transformers is loaded (a model built with it imports it first)."""
     module = sys.modules.get("transformers.cache_utils")
     return getattr(module, "Cache", None) if module is not None else None
@@ -151,7 +152,7 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
 
     Removed modules are moved to the meta device (their memory is freed) and kept for :meth:`StageCarve.restore`.
     """
-    container = module.get_submodule(plan.container)
+    _, container = find_block_container(module, plan.container)
     last = plan.num_stages - 1
     removed: dict[str, nn.Module] = {}
     # untie first: stage 0's user keeps the shared Parameter, the last stage's user gets its own copy (a replica
@@ -159,11 +160,11 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
     replicas: dict[str, nn.Parameter] = {}  # one replica per tied weight, under all its last-stage names
     for first, last_name in plan.tied:
         owner_name, _, attr = last_name.rpartition(".")
-        owner = module.get_submodule(owner_name)
-        shared = getattr(owner, attr)
+        holder = module.get_submodule(owner_name)
+        shared = getattr(holder, attr)
         if first not in replicas:
             replicas[first] = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
-        setattr(owner, attr, replicas[first])
+        setattr(holder, attr, replicas[first])
 
     def swap(name: str, owner: str, *, is_block: bool = False) -> None:
         parent_name, _, child = name.rpartition(".")

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_paci.partition.blocks import find_block_container
 from lightning_paci.partition.carve import CrossingError, StageCarve
 
 __all__ = ["CrossingCheck", "CrossingError"]
@@ -72,8 +73,9 @@ class CrossingCheck:
     placeholder outputs its own part reads are gathered in ``needed`` (the setup probe, partition/relay.py)
     instead of refused."""
 
-    def __init__(self, module: nn.Module, carve: StageCarve, container: nn.Module, *, collect: bool = False) -> None:
-        self.module, self.carve, self.container = module, carve, container
+    def __init__(self, module: nn.Module, carve: StageCarve, *, collect: bool = False) -> None:
+        self.module, self.carve = module, carve
+        _, self.container = find_block_container(module, carve.plan.container)
         self.collect = collect
         self.local = False  # after the ingress: this stage's own computation
         self.foreign_buffers: set[str] = set()  # "module.buffer" names whose updates ran on placeholder zeros

@@ -85,7 +85,7 @@ class Placeholder(nn.Module):
 
         shadow._apply(dtype_only)
         self.__dict__["_device"] = fn(torch.empty(0, device=device)).device
-        return super()._apply(fn, recurse)  # type: ignore[return-value]
+        return super()._apply(fn, recurse)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else next(iter(kwargs.values()), None)

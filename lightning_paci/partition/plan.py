@@ -231,7 +231,7 @@ def _find_tied(module: nn.Module, container: str, bounds: Sequence[int], before:
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     num_stages = len(bounds) - 1
-    tied = []
+    tied: list[tuple[str, str]] = []
     for group in names.values():
         if len(group) < 2:
             continue

@@ -117,8 +117,7 @@ def probe_crossings(module: nn.Module, carve: StageCarve, run_step: Callable[[],
 
     handles = [sub.register_forward_pre_hook(count(name)) for name, sub in module.named_modules()
                if name and name not in removed]
-    check = None if carve.is_first else CrossingCheck(module, carve, module.get_submodule(carve.plan.container),
-                                                      collect=True)
+    check = None if carve.is_first else CrossingCheck(module, carve, collect=True)
     boundary = carve.boundary
     boundary.begin(None)
     boundary.probing = True

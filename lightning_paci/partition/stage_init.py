@@ -69,7 +69,8 @@ class Recording:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        handle = register_module_parameter_registration_hook(self._hook)
+        # torch types the hook as returning None; the documented hook may return a replacement Parameter
+        handle = register_module_parameter_registration_hook(self._hook)  # type: ignore[arg-type]
         try:
             yield
         finally:
@@ -170,7 +171,8 @@ def replay(recorded: Sequence[nn.Parameter], keep: set[int], device: torch.devic
             return None
         return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
-    handle = register_module_parameter_registration_hook(hook)
+    # torch types the hook as returning None; the documented hook may return a replacement Parameter
+    handle = register_module_parameter_registration_hook(hook)  # type: ignore[arg-type]
     try:
         scratch = _Scratch(device)
         with _meta_skipping_inits(scratch), _ScratchMode(scratch):
@@ -207,19 +209,22 @@ def generator_states() -> Callable[[], None]:
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     py = random.getstate()
+    numpy_random: Any = None
     try:
-        import numpy as np
-        np_state: Any = np.random.get_state()
+        import numpy
+
+        numpy_random = numpy.random
+        np_state: Any = numpy_random.get_state()
     except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
-        np, np_state = None, None
+        np_state = None
 
     def restore() -> None:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
         random.setstate(py)
-        if np is not None:
-            np.random.set_state(np_state)
+        if numpy_random is not None:
+            numpy_random.set_state(np_state)
     return restore
 
 

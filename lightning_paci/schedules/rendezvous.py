@@ -63,7 +63,8 @@ the run completes does not depend on which rank moves first) and linear in the n
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from lightning_paci.schedules.actions import OPT, SEND_KINDS, Action, Schedule, ScheduleError, format_grid, message_key
 from lightning_paci.schedules.analysis import assign_rounds
@@ -73,7 +74,7 @@ __all__ = ["HOST_GROUP", "LAYOUTS", "Communicator", "check_group_creation", "che
 
 LAYOUTS = ("directed", "shared")
 
-Communicator = tuple[Hashable, ...]
+Communicator = tuple[Any, ...]  # plain values: a kind, then replica, channel and stages (``communicator``)
 
 
 def communicator(layout: str, channel: str, src: int, dst: int, replica: int = 0) -> Communicator:
@@ -142,7 +143,7 @@ CONNECTS = ("eager", "lazy", "warm")
 class _Op:
     __slots__ = ("rank", "comm", "key", "sends", "partners", "step", "done")
 
-    def __init__(self, rank: int, comm: Communicator, key: Hashable, sends: bool, partners: tuple[int, ...],
+    def __init__(self, rank: int, comm: Communicator, key: tuple[Any, ...], sends: bool, partners: tuple[int, ...],
                  step: int) -> None:
         self.rank, self.comm, self.key, self.sends, self.partners, self.step = rank, comm, key, sends, partners, step
         self.done = False
@@ -221,16 +222,16 @@ def _programs(calls: Sequence[Sequence[_Call]], layout: str, replicas: int, conn
             for call in stage_calls:
                 ops: list[_Op | None] = []
                 for step, action in call:
-                    key = message_key(action, n) if action is not None else None
-                    if key is None:
+                    message = message_key(action, n) if action is not None else None
+                    if message is None:
                         ops.append(None)
                         continue
-                    channel, src, dst, _ = key
-                    comm = comms.get((channel, src, dst, replica))
-                    if comm is None:
-                        comm = comms[(channel, src, dst, replica)] = communicator(layout, channel, src, dst, replica)
+                    channel, src, dst, _ = message
+                    if (channel, src, dst, replica) not in comms:
+                        comms[(channel, src, dst, replica)] = communicator(layout, channel, src, dst, replica)
+                    comm = comms[(channel, src, dst, replica)]
                     sends = action.kind in SEND_KINDS  # type: ignore[union-attr]
-                    ops.append(_Op(rank, comm, key, sends, (replica * n + (dst if sends else src),), step))
+                    ops.append(_Op(rank, comm, message, sends, (replica * n + (dst if sends else src),), step))
                 ahead: dict[str, deque[_Op]] = {"F": deque(), "B": deque()}
                 if posted_ahead:
                     for op in ops:
@@ -324,9 +325,10 @@ def check_rendezvous(actions: Sequence[Sequence[Action | None]] | Schedule, *, l
                     stream_waits[rank] = op
         while candidates:
             rank, comm = candidates.popleft()
-            op = head(rank, comm)
-            if op is None:
+            found = head(rank, comm)
+            if found is None:
                 continue
+            op = found
             if op.collective:
                 heads = [head(member, comm) for member in op.partners]
                 if all(h is not None and h.key == op.key for h in heads):

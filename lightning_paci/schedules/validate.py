@@ -81,7 +81,7 @@ def validate(actions: Sequence[Sequence[Action | None]] | Schedule, *, rendezvou
                 if stage < last and (RECV_B, mb) not in received:
                     raise _fail(lists, stage, step,
                                 f"backward of micro-batch {mb} runs before its gradient is received (RECV_B).")
-                backwards.add(mb)  # type: ignore[arg-type]
+                backwards.add(mb)
             elif kind in (RECV_F, RECV_B):
                 if (kind == RECV_F and stage == 0) or (kind == RECV_B and stage == last):
                     raise _fail(lists, stage, step,

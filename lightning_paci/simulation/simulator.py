@@ -156,6 +156,8 @@ def simulate(
     ready = deque(range(n))
     # local names: LOAD_FAST instead of LOAD_GLOBAL in the loop below (about 20% faster)
     k_f, k_b, k_opt, k_send_f, k_send_b, k_recv_f, k_recv_b = F, B, OPT, SEND_F, SEND_B, RECV_F, RECV_B
+    # a message or compute action always carries its micro-batch (only OPT's is None): the `type: ignore`s below
+    # say so without a check per simulated action
     while ready:
         s = ready.popleft()
         now = clock[s]
@@ -173,12 +175,12 @@ def simulate(
                 record(now)
                 now += b_cost
             elif kind is k_send_f:
-                key = (action[2] * n + s + 1) * 2
+                key = (action[2] * n + s + 1) * 2  # type: ignore[operator]
                 arrival[key] = now + comm_cost
                 if key in waiting:
                     ready.append(waiting.pop(key))
             elif kind is k_send_b:
-                key = (action[2] * n + s - 1) * 2 + 1
+                key = (action[2] * n + s - 1) * 2 + 1  # type: ignore[operator]
                 arrival[key] = now + comm_cost
                 if key in waiting:
                     ready.append(waiting.pop(key))
@@ -186,7 +188,7 @@ def simulate(
                 record(now)
                 now += optimizer_cost
             elif kind is k_recv_f or kind is k_recv_b:
-                key = (action[2] * n + s) * 2 + (kind is k_recv_b)
+                key = (action[2] * n + s) * 2 + (kind is k_recv_b)  # type: ignore[operator]
                 t = arrival.get(key)
                 if t is None:
                     waiting[key] = s
@@ -197,13 +199,13 @@ def simulate(
             else:  # tied-weight messages between the first and last stage: rare, keyed as in the validator
                 tkey = message_key(action, n)
                 if kind is SEND_T:
-                    arrival[tkey] = now + comm_cost  # type: ignore[index]
+                    arrival[tkey] = now + comm_cost
                     if tkey in waiting:
-                        ready.append(waiting.pop(tkey))  # type: ignore[arg-type]
+                        ready.append(waiting.pop(tkey))
                 else:
-                    t = arrival.get(tkey)  # type: ignore[arg-type]
+                    t = arrival.get(tkey)
                     if t is None:
-                        waiting[tkey] = s  # type: ignore[index]
+                        waiting[tkey] = s
                         blocked = action
                         break
                     if t > now:  # noqa: PLR1730 -- as above
@@ -212,7 +214,7 @@ def simulate(
         clock[s] = now
     stuck = [s for s in range(n) if pending[s] is not None]
     if stuck:  # cannot happen for built schedules; hand-written lists should go through validate() first
-        step = lists[stuck[0]].index(pending[stuck[0]])  # type: ignore[arg-type]
+        step = lists[stuck[0]].index(pending[stuck[0]])
         grid = format_grid(lists, error_stage=stuck[0], error_step=step)
         raise ValueError("Schedule deadlocks in simulation:\n" + grid)
 
@@ -231,10 +233,10 @@ def _phases(starts: list[float], ends: list[float], t0: float, t_end: float, num
     busy = _busy_within(starts, ends, t0, t_end)
     idle = (t_end - t0) - busy
     lo = hi = t0
-    boundaries = (first_backward, last_forward_end, first_forward_mb1, first_forward_last_mb)
-    if num_minibatches >= 3 and None not in boundaries:
-        lo = max(first_backward, first_forward_mb1)  # type: ignore[type-var]
-        hi = min(last_forward_end, first_forward_last_mb)  # type: ignore[type-var]
+    if num_minibatches >= 3 and first_backward is not None and last_forward_end is not None and \
+            first_forward_mb1 is not None and first_forward_last_mb is not None:
+        lo = max(first_backward, first_forward_mb1)
+        hi = min(last_forward_end, first_forward_last_mb)
     if hi <= lo:
         return 0.0, idle, 0.0, idle / (t_end - t0) if t_end > t0 else 0.0
     startup_idle = (lo - t0) - _busy_within(starts, ends, t0, lo)
@@ -279,7 +281,7 @@ def _stage_report(schedule: Schedule, s: int, starts: list[float], f_cost: float
         if kind is F:
             busy += f_cost
             ends.append(start + f_cost)
-            at_forward[mb] = version
+            at_forward[mb] = version  # type: ignore[index]
             held += 1
             if held > peak:  # noqa: PLR1730 -- once per simulated action: no max() call
                 peak = held
@@ -291,7 +293,7 @@ def _stage_report(schedule: Schedule, s: int, starts: list[float], f_cost: float
         elif kind is B:
             busy += b_cost
             ends.append(start + b_cost)
-            drift[mb] = version - at_forward[mb]
+            drift[mb] = version - at_forward[mb]  # type: ignore[index]
             held -= 1
             if first_b is None:
                 first_b = start
