@@ -3,7 +3,8 @@
 ``import lightning_paci`` registers ``Trainer(strategy="paci")``, ``"paci_fork"`` and ``"paci_spawn"``. The public
 names below are loaded on first use, so the pure tools (``python -m lightning_paci.simulate``, the schedule
 builders) start without importing torch or Lightning; the strategy itself is imported, and registered, at once
-unless the package is being imported only to run one of its command-line modules.
+unless the package is being imported only to run one of its own command-line modules (``python -m
+lightning_paci.simulate``); any other launch form registers it (``python -m pkg.train`` included).
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *__all__])
 
 
+def _running_own_tool() -> bool:
+    """Whether this import is ``python -m lightning_paci.<tool>`` importing its own package first: only then is the
+    strategy left unimported. ``python -m pkg.train`` whose ``pkg/__init__.py`` imports lightning_paci is also
+    imported while ``sys.argv[0] == "-m"``, and must register ``"paci"``: the module run is read from the command
+    line itself (``sys.orig_argv``)."""
+    if sys.argv[:1] != ["-m"]:
+        return False
+    argv = getattr(sys, "orig_argv", [])
+    target = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    return target == "lightning_paci" or target.startswith("lightning_paci.")
+
+
 if TYPE_CHECKING:
     from lightning_paci.callbacks import BubbleMonitor, DriftMonitor, MemoryMonitor, SavePretrained, TimelineMonitor
     from lightning_paci.config import PACIConfig
@@ -76,5 +89,5 @@ if TYPE_CHECKING:
     from lightning_paci.schedules import Action, Schedule, ScheduleError, build, drift_bound, validate
     from lightning_paci.simulation import SimulationResult, simulate
     from lightning_paci.strategy import PACIStrategy
-elif sys.argv[:1] != ["-m"]:  # `python -m lightning_paci.<tool>` imports the package first with argv[0] == "-m"
+elif not _running_own_tool():
     from lightning_paci.strategy import PACIStrategy  # registers "paci", "paci_fork", "paci_spawn"

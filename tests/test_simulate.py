@@ -142,3 +142,15 @@ def test_pure_modules_import_neither_torch_nor_lightning():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_package_run_with_dash_m_that_imports_lightning_paci_gets_the_strategy_registered(tmp_path):
+    # `python -m pkg.train`: runpy imports `pkg` (whose __init__ imports lightning_paci) while sys.argv[0] == "-m";
+    # only lightning_paci's own tools skip importing the strategy
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("import lightning_paci  # noqa: F401\n")
+    (tmp_path / "pkg" / "train.py").write_text(
+        "from lightning.pytorch.strategies import StrategyRegistry\nprint('paci' in StrategyRegistry)\n")
+    out = subprocess.run([sys.executable, "-m", "pkg.train"], capture_output=True, text=True, cwd=tmp_path,
+                         check=True)
+    assert out.stdout.strip() == "True"

@@ -234,8 +234,7 @@ class PipelineProcesses(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        # Lightning sets the rank on the decorator function itself, an attribute its stubs do not declare
-        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # as Lightning
 
     @override
     def model_to_device(self) -> None:
