@@ -26,7 +26,7 @@ what is left of the 6-minute budget (a check that would start past it is reporte
 
 What one GPU cannot show: two NCCL ranks (one GPU cannot host both ends of a communicator), so NCCL's point-to-point
 and group-creation rules are checked on the CPU under ``LIGHTNING_PACI_EMULATE_NCCL=1`` (docs/launching.md) and by
-the rendezvous model; workers are killed when their time is up. Without CUDA (and without ``--rehearse``) it prints
+the deadlock model; workers are killed when their time is up. Without CUDA (and without ``--rehearse``) it prints
 that no device was found and exits 0 at once.
 """
 

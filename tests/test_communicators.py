@@ -4,7 +4,7 @@ NCCL creates a group's point-to-point communicator at a rank's first operation o
 until the peer's first operation on the same group ([Note: communicator creation]); gloo connects at group
 creation, so a plain CPU run never shows it. Under the NCCL emulation ([Note: NCCL emulation]) it does: training
 and evaluation through the Trainer complete because the setup connects every communicator in one global order
-(without that warm-up the receives posted ahead hang at batch 0, as the rendezvous model's lazy mode shows and
+(without that warm-up the receives posted ahead hang at batch 0, as the deadlock model's lazy mode shows and
 tests/test_nccl_emulation.py catches); tests/test_no_cache.py runs a tied GPT-2 and a Llama under it too.
 """
 

@@ -45,7 +45,7 @@ from lightning_paci.engine.messages import (
 from lightning_paci.engine.pickle_guard import guarded_dumps
 from lightning_paci.engine.split_wire import frame_split, read_split_header, unpack_split
 from lightning_paci.schedules.actions import RECV_B, RECV_F, Action
-from lightning_paci.schedules.rendezvous import Communicator, communicator
+from lightning_paci.schedules.deadlock import Communicator, communicator
 
 __all__ = ["Comm", "DistComm", "ReceivesAhead", "StageMismatchError"]
 
@@ -73,7 +73,7 @@ class DistComm:
 
     ``groups`` maps each communicator of ``layout`` (``schedules.layout_communicators``) to its process group: with
     the ``"directed"`` layout activations and gradients of each neighbour pair travel on their own communicators,
-    which the strict rendezvous model proves deadlock-free under NCCL ([Note: rendezvous]). Without ``groups``
+    which the strict deadlock model proves deadlock-free under NCCL ([Note: deadlock model]). Without ``groups``
     every message uses the default group (buffered gloo only: tests and benchmarks of the transport itself).
     ``device`` is where the wire's bytes live (the host under gloo); ``deliver``, where received tensors go when
     that is another device (GPUs over gloo: every message staged through host memory)."""
@@ -215,7 +215,7 @@ class DistComm:
         taken by the same call: none is left between streams, where an evaluation uses the same process groups.
         Only with the ``"directed"`` layout: each link's communicator then carries nothing but this sequence of
         messages, in order, so a receive issued early changes no order on any communicator and the rendezvous proof
-        ([Note: rendezvous]) still holds; on one shared group it could take a message of the other channel."""
+        ([Note: deadlock model]) still holds; on one shared group it could take a message of the other channel."""
         if self._can_post and stage not in self._posted:
             header = self._headers is not None  # then the header is what is posted, on the host
             group, peer, tag = self._route(0, stage, self._stage, header=header)

@@ -5,7 +5,7 @@ over the world) in ``schedules.layout_communicators`` order, then connects its o
 one small exchange each (:func:`warm_communicators`), before any action list runs. That second step exists for
 NCCL, which creates a group's point-to-point communicator at a rank's first operation on it and holds the host
 there until the peer's first operation: left to the lists, the receives posted ahead deadlock at batch 0 (see
-[Note: communicator creation] in schedules/rendezvous.py, where the model checks the warm-up order too). On gloo,
+[Note: communicator creation] in schedules/deadlock.py, where the model checks the warm-up order too). On gloo,
 which connects when a group is created, the exchange is a few tiny messages at setup.
 
 This module also says where a message's bytes travel (:func:`transport_device`): gloo carries CPU tensors only.
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_paci.engine.supervision import activity
-from lightning_paci.schedules.rendezvous import HOST_GROUP, Communicator, setup_groups
+from lightning_paci.schedules.deadlock import HOST_GROUP, Communicator, setup_groups
 
 __all__ = ["HEADER_TAGS", "PipelineLinks", "connections_warning", "create_communicators", "new_group",
            "transport_device", "warm_communicators"]

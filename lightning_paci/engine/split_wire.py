@@ -16,7 +16,7 @@ The sender packs the device tensors with device-to-device copies and posts both 
 for the header only (its sender's host posted it when it got there, ahead of its device), then allocates the payload
 on the device and posts its receive, which the compute stream waits for without the host. A CPU tensor in a message
 (a leaf the user keeps on the host) arrives on the host. Headers repeat a link's structure message after message;
-a header costs a few hundred bytes on a host socket. The payload communicators keep the rendezvous model's order
+a header costs a few hundred bytes on a host socket. The payload communicators keep the deadlock model's order
 (a header is sent just before its payload and received just before it, so it waits only where the payload would).
 """
 

@@ -12,7 +12,7 @@ stage of replica 0, which computes the loss (see [Note: the logging rank]).
 A :class:`torch.distributed.device_mesh.DeviceMesh` with dimensions ``("pp", "dp")`` holds the layout;
 ``mesh["dp"]`` of a rank is its stage's replicas (the gradient reduction), ``mesh["pp"]`` its replica's pipeline
 (broadcasts of one pipeline: data fingerprints, evaluation logs). The pipeline's messages use their own
-point-to-point groups, one per neighbour pair and direction ([Note: rendezvous]).
+point-to-point groups, one per neighbour pair and direction ([Note: deadlock model]).
 """
 
 from __future__ import annotations

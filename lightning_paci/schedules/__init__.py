@@ -9,7 +9,7 @@ The package keeps one concept per module and re-exports all of them here, so imp
 * :mod:`~lightning_paci.schedules.build`: the builder (compute order, lowering, tied-weight exchange),
 * :mod:`~lightning_paci.schedules.analysis`: facts read off the lists (drift, in-flight depth, call rounds),
 * :mod:`~lightning_paci.schedules.validate`: the validator and its step x stage grid,
-* :mod:`~lightning_paci.schedules.rendezvous`: the strict model of NCCL messaging and the communicator layouts.
+* :mod:`~lightning_paci.schedules.deadlock`: the strict model of NCCL messaging and the communicator layouts.
 
 Importing this package imports neither torch nor lightning: the simulator and the command line stay light.
 """
@@ -47,11 +47,11 @@ from lightning_paci.schedules.analysis import (
     static_tied_lags,
 )
 from lightning_paci.schedules.build import SCHEDULE_NAMES, ScheduleName, build
-from lightning_paci.schedules.rendezvous import (
+from lightning_paci.schedules.deadlock import (
     LAYOUTS,
     Communicator,
+    check_deadlock_free,
     check_group_creation,
-    check_rendezvous,
     communicator,
     layout_communicators,
     setup_groups,
@@ -83,7 +83,7 @@ __all__ = [
     "assign_rounds",
     "build",
     "check_group_creation",
-    "check_rendezvous",
+    "check_deadlock_free",
     "communicator",
     "derived_drift_bound",
     "drift_bound",

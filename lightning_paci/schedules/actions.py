@@ -4,7 +4,7 @@ Everything that reads or writes action lists (the builder, the validator, the ru
 monitors) shares these types, so they live apart from any one algorithm over them. The message identity of a
 send or receive (``message_key``) is here too: it is what pairs a ``SEND`` on one stage with a ``RECV`` on another,
 and both the validator and the executors must agree on it. So is the step x stage grid (``format_grid``) that
-every error about a list draws, the validator's, the rendezvous model's and the simulator's alike.
+every error about a list draws, the validator's, the deadlock model's and the simulator's alike.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from lightning_paci.schedules.actions import (
     message_key,
     parse_actions,
 )
-from lightning_paci.schedules.rendezvous import check_rendezvous
+from lightning_paci.schedules.deadlock import check_deadlock_free
 
 __all__ = ["stage_lists_from_text", "validate"]
 
@@ -45,7 +45,7 @@ def validate(actions: Sequence[Sequence[Action | None]] | Schedule, *, rendezvou
     """Reject impossible lists: backward before forward, a micro-batch run twice, an unmatched send or receive,
     and any circular wait (deadlock) under the runtime's semantics (sends never block, receives do).
 
-    ``rendezvous``: also run the lists under the strict model of NCCL ([Note: rendezvous]) with that communicator
+    ``rendezvous``: also run the lists under the strict model of NCCL ([Note: deadlock model]) with that communicator
     layout (``"directed"``, what the runtime uses, or ``"shared"``, 0.1's) and ``replicas`` data-parallel
     replicas per stage, whose gradient all-reduce precedes every ``OPT``.
 
@@ -137,7 +137,7 @@ def validate(actions: Sequence[Sequence[Action | None]] | Schedule, *, rendezvou
         cycle = ", ".join(f"stage {s} waits at {lists[s][position[s]]}" for s in stuck)
         raise _fail(lists, stuck[0], position[stuck[0]], f"deadlock: {cycle}.")
     if rendezvous is not None:
-        check_rendezvous(lists, layout=rendezvous, replicas=replicas)
+        check_deadlock_free(lists, layout=rendezvous, replicas=replicas)
 
 
 def stage_lists_from_text(rows: Mapping[int, str] | Iterable[str]) -> list[list[Action]]:

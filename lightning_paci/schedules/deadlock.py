@@ -1,6 +1,6 @@
-"""The strict rendezvous model of NCCL messaging, the communicator layouts, and the check of lists against both.
+"""The strict deadlock model of NCCL messaging, the communicator layouts, and the check of lists against both.
 
-[Note: rendezvous]
+[Note: deadlock model]
 gloo buffers a send, so a CPU run cannot show the deadlock NCCL can. Under NCCL a point-to-point send completes
 only when the peer's matching receive runs, and each communicator runs its operations in issue order on one stream
 per rank. torch also orders each operation after the work the rank's current stream already waits for: a receive
@@ -15,7 +15,7 @@ per rank. torch also orders each operation after the work the rank's current str
 
 Under this model 1F1B's steady state deadlocks on one shared communicator: stage ``s`` posts ``SEND_F(i)`` then
 ``RECV_B(j)``, stage ``s+1`` posts ``SEND_B(j)`` then ``RECV_F(i)``; each receive queues behind the rank's own
-send, and each send waits for the other's receive. :func:`check_rendezvous` finds that cycle in the layout 0.1
+send, and each send waits for the other's receive. :func:`check_deadlock_free` finds that cycle in the layout 0.1
 used (``"shared"``: activations and gradients on one communicator) and proves the ``"directed"`` layout free of it
 for every list it is given: one communicator per neighbour pair *and direction*, so a communicator has one sender
 and one receiver and its queue on each side holds only sends or only receives, in the same message order.
@@ -69,7 +69,7 @@ from typing import Any
 from lightning_paci.schedules.actions import OPT, SEND_KINDS, Action, Schedule, ScheduleError, format_grid, message_key
 from lightning_paci.schedules.analysis import assign_rounds
 
-__all__ = ["HOST_GROUP", "LAYOUTS", "Communicator", "check_group_creation", "check_rendezvous", "communicator",
+__all__ = ["HOST_GROUP", "LAYOUTS", "Communicator", "check_group_creation", "check_deadlock_free", "communicator",
            "layout_communicators", "setup_groups"]
 
 LAYOUTS = ("directed", "shared")
@@ -264,9 +264,9 @@ def _model_members(layout: str, num_stages: int, replicas: int) -> dict[Communic
             for comm, stages in layout_communicators(layout, num_stages, replicas).items()}
 
 
-def check_rendezvous(actions: Sequence[Sequence[Action | None]] | Schedule, *, layout: str = "directed",
+def check_deadlock_free(actions: Sequence[Sequence[Action | None]] | Schedule, *, layout: str = "directed",
                      replicas: int = 1, connect: str = "warm", posted_ahead: bool | None = None) -> None:
-    """Run the lists under the strict rendezvous model ([Note: rendezvous]) with ``layout``'s communicators and
+    """Run the lists under the strict deadlock model ([Note: deadlock model]) with ``layout``'s communicators and
     ``replicas`` data-parallel replicas; raise :class:`ScheduleError` naming the cycle if they can deadlock, or a
     communicator whose messages would be received in another order than they were sent (NCCL would pair them).
 
@@ -361,7 +361,7 @@ def check_rendezvous(actions: Sequence[Sequence[Action | None]] | Schedule, *, l
         step = waits.step if waits is not None and waits.step >= 0 else _first_step(lists[first % n])
         raise ScheduleError(
             f"Stage {first % n}, step {step}: deadlock under strict rendezvous with the {layout!r} communicator "
-            f"layout and {connect!r} communicator creation ([Note: rendezvous]):\n  " + "\n  ".join(lines) + "\n"
+            f"layout and {connect!r} communicator creation ([Note: deadlock model]):\n  " + "\n  ".join(lines) + "\n"
             + format_grid(lists, error_stage=first % n, error_step=step))
 
 

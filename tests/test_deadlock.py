@@ -1,4 +1,4 @@
-"""The strict rendezvous model of NCCL messaging ([Note: rendezvous]): it finds 0.1's deadlock and the batch-0 hang
+"""The strict deadlock model of NCCL messaging ([Note: deadlock model]): it finds 0.1's deadlock and the batch-0 hang
 of lazily created communicators ([Note: communicator creation]), and proves the communicator layout and setup the
 runtime uses free of both for every list the builder makes (no process group needed)."""
 
@@ -21,8 +21,8 @@ from lightning_paci.schedules import (
     SCHEDULE_NAMES,
     ScheduleError,
     build,
+    check_deadlock_free,
     check_group_creation,
-    check_rendezvous,
     communicator,
     layout_communicators,
     setup_groups,
@@ -41,7 +41,7 @@ def test_one_shared_communicator_deadlocks_in_the_1f1b_steady_state(name, num_st
     schedule = build(name, num_stages, 8, 8, 2)
     validate(schedule)  # the buffered-send model accepts it
     with pytest.raises(ScheduleError, match="deadlock under strict rendezvous with the 'shared'") as info:
-        check_rendezvous(schedule, layout="shared")
+        check_deadlock_free(schedule, layout="shared")
     # the cycle named: a stage's gradient receive queued behind its own activation send
     assert "waits for RECV_B" in str(info.value) and "first in its communicators: SEND_F" in str(info.value)
     assert "<-- ERROR HERE" in str(info.value)
@@ -49,7 +49,7 @@ def test_one_shared_communicator_deadlocks_in_the_1f1b_steady_state(name, num_st
 
 def test_gpipe_alone_survives_the_shared_communicator():
     # all forwards, then all backwards: no stage ever has a send and a receive to opposite sides pending
-    check_rendezvous(build("gpipe", 4, 8, 8, 2), layout="shared")
+    check_deadlock_free(build("gpipe", 4, 8, 8, 2), layout="shared")
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
@@ -58,15 +58,15 @@ def test_lazily_created_communicators_deadlock_at_batch_0_with_receives_posted_a
     # NCCL left to itself ([Note: communicator creation]): stage 0 posts its first RECV_B on B(1->0) and waits
     # there for stage 1, which posted its first RECV_F on F(0->1) and waits for stage 0
     schedule = build(name, num_stages, 8, 4, 3)
-    check_rendezvous(schedule, connect="eager")  # gloo's groups, connected when created: no deadlock
-    check_rendezvous(schedule, connect="lazy", posted_ahead=False)  # the lists alone meet in order
+    check_deadlock_free(schedule, connect="eager")  # gloo's groups, connected when created: no deadlock
+    check_deadlock_free(schedule, connect="lazy", posted_ahead=False)  # the lists alone meet in order
     with pytest.raises(ScheduleError, match="deadlock under strict rendezvous with the 'directed' communicator "
                                             "layout and 'lazy' communicator creation") as info:
-        check_rendezvous(schedule, connect="lazy")
+        check_deadlock_free(schedule, connect="lazy")
     text = str(info.value)
     assert "stage 0 waits for the creation of communicator ('p2p', 0, 'B', 1, 0)" in text
     assert "stage 1 waits for the creation of communicator ('p2p', 0, 'F', 0, 1)" in text
-    check_rendezvous(schedule, connect="warm")  # the runtime: all connected at setup, in the layout's order
+    check_deadlock_free(schedule, connect="warm")  # the runtime: all connected at setup, in the layout's order
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
@@ -75,8 +75,8 @@ def test_lazily_created_tied_communicators_deadlock_even_without_posting(name):
     # sent yet
     schedule = build(name, 4, 8, 8, 3, tied=True)
     with pytest.raises(ScheduleError, match=r"stage 0 waits for the creation of communicator \('p2p', 0, 'T', 0, 3\)"):
-        check_rendezvous(schedule, connect="lazy", posted_ahead=False)
-    check_rendezvous(schedule, connect="warm")
+        check_deadlock_free(schedule, connect="lazy", posted_ahead=False)
+    check_deadlock_free(schedule, connect="warm")
 
 
 def test_every_built_list_set_is_deadlock_free_under_the_directed_layout():
@@ -87,7 +87,7 @@ def test_every_built_list_set_is_deadlock_free_under_the_directed_layout():
         schedule = build(name, n, m, a, 2, tied=n > 1)
         lists = [list(actions) + closing_actions(s, n, tied=n > 1) for s, actions in enumerate(schedule.actions)]
         # as the runtime runs them: communicators connected at setup, receives posted ahead
-        check_rendezvous(lists, layout="directed", replicas=2 if (m + a) % 2 else 1, connect="warm",
+        check_deadlock_free(lists, layout="directed", replicas=2 if (m + a) % 2 else 1, connect="warm",
                          posted_ahead=True)
         checked += 1
     assert checked == 3 * 8 * 16 * 16
@@ -105,7 +105,7 @@ def test_streams_after_a_drain_and_replicas_are_deadlock_free(replicas, offset):
 def test_lists_cut_into_the_runtimes_calls_are_deadlock_free(replicas):
     # a Schedule is posted ahead per call (its rounds), as ReceivesAhead does within each Lightning call
     for name, n, m, a in itertools.product(SCHEDULE_NAMES, (2, 3, 8), (1, 4, 8), (1, 3, 8)):
-        check_rendezvous(build(name, n, m, a, 4, tied=True), replicas=replicas)
+        check_deadlock_free(build(name, n, m, a, 4, tied=True), replicas=replicas)
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 8])
@@ -122,7 +122,7 @@ def test_messages_received_in_another_order_than_sent_are_refused():
     ])
     validate(lists)
     with pytest.raises(ScheduleError, match="NCCL would pair them, the messages are in different orders"):
-        check_rendezvous(lists)
+        check_deadlock_free(lists)
 
 
 def test_replicas_reductions_are_modelled_where_the_runtime_issues_them():
@@ -132,10 +132,10 @@ def test_replicas_reductions_are_modelled_where_the_runtime_issues_them():
         "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1OPT",
     ])
     for replicas in (1, 2, 3):
-        check_rendezvous(lists, replicas=replicas)
+        check_deadlock_free(lists, replicas=replicas)
     # a stage that is missing its partner's message is reported with every replica's wait
     with pytest.raises(ScheduleError, match=r"stage 1 \(replica 1\) waits for RECV_F1 \(0->1\)"):
-        check_rendezvous(stage_lists_from_text(["0F0 0SEND_F0 0OPT", "1RECV_F0 1F0 1OPT 1RECV_F1"]), replicas=2)
+        check_deadlock_free(stage_lists_from_text(["0F0 0SEND_F0 0OPT", "1RECV_F0 1F0 1OPT 1RECV_F1"]), replicas=2)
 
 
 def test_directed_layout_gives_each_direction_of_each_pair_its_own_communicator():
@@ -147,11 +147,11 @@ def test_directed_layout_gives_each_direction_of_each_pair_its_own_communicator(
 
 def test_bad_layout_and_replicas_are_refused():
     with pytest.raises(ValueError, match="`layout` must be one of 'directed', 'shared', got 'ring'"):
-        check_rendezvous(build("paci", 2, 2, 2, 1), layout="ring")
+        check_deadlock_free(build("paci", 2, 2, 2, 1), layout="ring")
     with pytest.raises(ValueError, match="`replicas` must be an int >= 1, got 0"):
-        check_rendezvous(build("paci", 2, 2, 2, 1), replicas=0)
+        check_deadlock_free(build("paci", 2, 2, 2, 1), replicas=0)
     with pytest.raises(ValueError, match="`connect` must be one of 'eager', 'lazy', 'warm', got 'late'"):
-        check_rendezvous(build("paci", 2, 2, 2, 1), connect="late")
+        check_deadlock_free(build("paci", 2, 2, 2, 1), connect="late")
 
 
 def test_the_setups_group_creation_is_deadlock_free_on_a_bound_world():
