@@ -22,8 +22,8 @@ from lightning_paci import (
     plan_partition,
     simulate,
 )
-from lightning_paci.callbacks.bubble import bubble_window_metrics
-from lightning_paci.callbacks.drift import drift_window_metrics
+from lightning_paci.callbacks.bubble_monitor import bubble_window_metrics
+from lightning_paci.callbacks.drift_monitor import drift_window_metrics
 from lightning_paci.schedules import drift_bound
 
 from helpers import fit

@@ -2,7 +2,7 @@
 auto-model registry, tests/zoo.py), an encoder-only, two encoder-decoders, a vision transformer, Lightning's demo
 transformer and LitGPT (when installed). Each trains on two stages under "1f1b" exactly as on one device (float64,
 SGD) and trains under "paci" (its loss falls), or is refused with the error that names what to change. In one
-process, with the reference executor: the same stage runtime a multi-process run uses (test_models.py runs real
+process, with the reference executor: the same stage runtime a multi-process run uses (test_transformers.py runs real
 encoder-decoder and float64 models through the Trainer).
 """
 

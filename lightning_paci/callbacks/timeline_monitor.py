@@ -18,7 +18,7 @@ from pathlib import Path
 import lightning as L
 from typing_extensions import override
 
-from lightning_paci.callbacks._writer import StageMonitor, monitor_directory, paci_strategy, stage_writer
+from lightning_paci.callbacks.stage_monitor import StageMonitor, monitor_directory, paci_strategy, stage_writer
 from lightning_paci.simulation.timeline import Interval, draw_timeline, write_chrome_trace
 
 __all__ = ["TimelineMonitor", "recent_intervals"]

@@ -5,7 +5,13 @@ from __future__ import annotations
 import lightning as L
 from typing_extensions import override
 
-from lightning_paci.callbacks._writer import StageMonitor, metric_tag, monitor_directory, paci_strategy, stage_writer
+from lightning_paci.callbacks.stage_monitor import (
+    StageMonitor,
+    metric_tag,
+    monitor_directory,
+    paci_strategy,
+    stage_writer,
+)
 
 __all__ = ["MemoryMonitor"]
 

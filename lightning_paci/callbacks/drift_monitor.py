@@ -8,7 +8,13 @@ from collections.abc import Sequence
 import lightning as L
 from typing_extensions import override
 
-from lightning_paci.callbacks._writer import StageMonitor, metric_tag, monitor_directory, paci_strategy, stage_writer
+from lightning_paci.callbacks.stage_monitor import (
+    StageMonitor,
+    metric_tag,
+    monitor_directory,
+    paci_strategy,
+    stage_writer,
+)
 from lightning_paci.engine.records import BackwardRecord
 from lightning_paci.schedules import build, derived_drift_bound, static_tied_lags
 
