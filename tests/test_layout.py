@@ -4,7 +4,8 @@
   every import statement, module-level or inside a function), and importing all of it loads no Lightning;
 * no import cycle among module-level imports;
 * at most 8 modules directly in ``lightning_paci/``; no module over 400 lines, no class over 250;
-* ``docs/architecture.md`` names every package and every module in a package.
+* ``docs/architecture.md`` names every package and every module in a package;
+* no module writes a stage runtime's fields: its counters change through ``RuntimeState``'s methods.
 """
 
 from __future__ import annotations
@@ -174,3 +175,38 @@ def test_architecture_page_names_no_module_that_is_gone():
         assert base.is_dir(), f"docs/architecture.md names a package that does not exist: {folder}"
         for name in re.findall(r"`(\w+\.py)`", body):
             assert (base / name).is_file(), f"docs/architecture.md: {folder} names {name}, which it does not hold"
+
+
+_RUNTIME_OWNERS = {"lightning_paci.engine.runtime", "lightning_paci.engine.runtime_state"}
+_A_RUNTIME = re.compile(r"(^|\.)runtimes?(\[.*\])?$|^group\[.*\]$")
+
+
+def _runtime_writes(tree: ast.AST) -> list[str]:
+    """Assignments to an attribute of something named ``runtime`` (``runtime.x = ``, ``self.runtime.x += ``,
+    ``runtimes[s].x = ``) and appends to its hook list, as source text."""
+    found = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets for t in (target.elts if isinstance(target, ast.Tuple)
+                                                                else [target])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                ast.unparse(node.func).endswith(".update_hooks.append"):
+            found.append(ast.unparse(node))
+        found += [ast.unparse(t) for t in targets
+                  if isinstance(t, ast.Attribute) and _A_RUNTIME.search(ast.unparse(t.value))]
+    return found
+
+
+def test_no_module_writes_a_stage_runtimes_fields():
+    writes = {name: _runtime_writes(ast.parse(path.read_text())) for name, path in MODULES.items()
+              if name not in _RUNTIME_OWNERS}
+    assert {name: w for name, w in writes.items() if w} == {}
+
+
+def test_the_runtime_write_check_finds_a_write():
+    assert _runtime_writes(ast.parse("runtime.loss_scale = 2.0\nself.runtime.version += 1\n"
+                                     "a, runtimes[0].crossings = 1, f\nrt = runtime.version\n")) == [
+        "runtime.loss_scale", "self.runtime.version", "runtimes[0].crossings"]

@@ -131,16 +131,16 @@ def join_replicas(runtime: Any, driver: Any, group: dist.ProcessGroup, replicas:
     """Make a stage's runtime (``runtime.StageRuntime``) one of ``replicas``: its forwards draw replica ``replica``'s
     random streams, its errors name the replica, and its gradients are averaged before every local step -- or,
     with ``local_sgd_steps``, its parameters every that many steps and at every drain of ``driver``."""
-    runtime.replica, runtime.replica_tag = replica, f" (replica {replica})"
     params = [p for _, p in runtime.optimizer.pairs] if runtime.optimizer is not None else []
     if local_sgd_steps is None:
-        runtime.reduce_gradients = GradientAverage(
-            params, group, replicas, names=[names.get(id(p), f"parameter {i}") for i, p in enumerate(params)])
+        runtime.join_replicas(replica, GradientAverage(
+            params, group, replicas, names=[names.get(id(p), f"parameter {i}") for i, p in enumerate(params)]))
         return
+    runtime.join_replicas(replica, None)
     # the last stage's copy of tied weights too: at a drain it then equals stage 0's average
     average = ParameterAverage(params + (list(runtime.tied) if last_stage else []), group, replicas,
                                local_sgd_steps)
-    runtime.update_hooks.append(average)
+    runtime.on_update(average)
     check = driver.on_drain
 
     def on_drain() -> None:

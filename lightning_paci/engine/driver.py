@@ -59,13 +59,12 @@ class StreamDriver:
         if self._cursor is None:
             if accumulation is not None:
                 self.accumulation = accumulation
-                runtime.loss_scale = loss_scale_for(accumulation)
             done = runtime.microbatch_base  # backwards run so far on every stage (streams end drained)
             offset = (done - runtime.window_base) % self.accumulation
             self._cursor = StreamCursor(self.schedule, runtime.num_stages, m, self.accumulation, runtime.stage,
                                         backward_offset=offset, tied=self.tied)
-            runtime.crossings = _crossings(runtime, offset, self.accumulation)
-            runtime.window_backwards = offset
+            runtime.begin_stream(_crossings(runtime, offset, self.accumulation), offset,
+                                 loss_scale_for(accumulation) if accumulation is not None else None)
             self.calls = 0
             runtime.records.set_phase("startup")  # the new stream fills the pipeline
         for i, (part, weight) in enumerate(split_weighted(batch, m)):
@@ -88,13 +87,13 @@ class StreamDriver:
         runtime.comm.flush()
         if runtime.held or runtime.data:
             raise AssertionError(f"stage {runtime.stage}: drain left {len(runtime.held)} micro-batches in flight")
-        runtime.microbatch_base += self.calls * self.num_microbatches
+        runtime.end_stream(self.calls * self.num_microbatches)
         self._cursor = None
         if close_window:
             if (runtime.microbatch_base - runtime.window_base) % self.accumulation:
                 runtime.run(closing_actions(runtime.stage, runtime.num_stages, tied=self.tied))
                 runtime.comm.flush()
-            runtime.window_base = runtime.microbatch_base
+            runtime.end_stream(0, window_closed=True)
         runtime.records.set_phase("outside")  # validation, checkpoints, epoch ends: not pipeline time
         if self.on_drain is not None:
             self.on_drain()

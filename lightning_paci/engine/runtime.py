@@ -35,6 +35,7 @@ from lightning_paci.engine.program import (
     padding_forward,
 )
 from lightning_paci.engine.records import BackwardRecord, StageRecords
+from lightning_paci.engine.runtime_state import RuntimeState
 from lightning_paci.engine.supervision import StageFailure
 from lightning_paci.optim.lookahead import LookAhead
 from lightning_paci.optim.stage_optimizer import StageOptimizer
@@ -67,10 +68,6 @@ _INTERVAL_KIND = {F: "F", B: "B", OPT: "OPT", RECV_F: "WAIT_F", RECV_B: "WAIT_B"
 _NO_CONTEXT = contextlib.nullcontext()
 
 
-def _no_crossings(microbatch: int) -> int:
-    return 0
-
-
 @dataclass
 class _Held:
     """A micro-batch between its forward and its backward: the received leaves and the graph to backward."""
@@ -79,7 +76,7 @@ class _Held:
     output: ForwardOutput
 
 
-class StageRuntime:
+class StageRuntime(RuntimeState):
     """One stage: executes actions; owns the in-flight micro-batches and the received messages.
 
     Args:
@@ -91,6 +88,10 @@ class StageRuntime:
         retention: per-micro-batch records kept (:class:`~lightning_paci.engine.records.StageRecords`). hooks: called
             around each local backward (:class:`BackwardHooks`).
         seed: base of every forward's random stream (``torch.initial_seed()``; [Note: randomness per micro-batch]).
+        lookahead: the staleness compensation's weight prediction ([Note: exact look-ahead]), or None.
+
+    Its counters (runtime_state.py) change through their methods only, never by another module writing its fields
+    (tests/test_layout.py checks).
     """
 
     def __init__(
@@ -108,11 +109,12 @@ class StageRuntime:
         retention: int = 16384,
         seed: int | None = None,
         hooks: BackwardHooks | None = None,
+        lookahead: LookAhead | None = None,
     ) -> None:
         self.stage, self.num_stages, self.program, self.comm = stage, num_stages, program, comm
-        self.optimizer, self.loss_scale, self.hooks = optimizer, loss_scale, hooks
+        super().__init__(loss_scale)
+        self.optimizer, self.hooks = optimizer, hooks
         self.seed = torch.initial_seed() if seed is None else seed  # the same on every rank after seeding
-        self.replica, self.replica_tag = 0, ""  # data-parallel replica (own random streams), " (replica r)" in errors
         self.clock = clock
         self.records = StageRecords(clock=clock, retention=retention)
         # micro-batch -> (data, step args after the batch, loss weight; see microbatch.split_weighted)
@@ -122,24 +124,14 @@ class StageRuntime:
         self.held: dict[int, _Held] = {}
         self.input_grads: dict[int, list[torch.Tensor]] = {}
         self.logs: dict[int, list[LogRecord]] = {}  # micro-batch -> log records not yet replayed (see logs.py)
-        self.version = 0  # local optimizer steps so far
         self.forward_version: dict[int, int] = {}  # micro-batch in flight -> version at its forward
-        self.microbatch_base = 0  # stream-local index -> run-global index (for records across drains)
-        self.window_base = 0  # backwards before the current accumulation window's count began (see closing_actions)
         self.skip_nonfinite = skip_nonfinite
         self._skipping: set[int] = set()  # dropped micro-batches whose "skip" still has to travel upstream
-        self.step_label = ""  # where the run is, for error messages ("Lightning batch 7 (global step 7)")
         self.tied = list(tied)
         self.tied_version = 0  # updates of the tied weights applied here (stage 0: made, last stage: installed)
-        # called with the new version right after every local update: the weights are then exactly that version
-        # on this stage, with no other stage involved (e.g. to keep version-k weights without draining)
-        self.update_hooks: list[Callable[[int], None]] = []
         # [Note: exact look-ahead]: a forward that will cross ``crossings(mb)`` updates runs with the weights ahead
-        self.lookahead: LookAhead | None = None
+        self.lookahead = lookahead
         self.current: tuple[Action, float] | None = None  # the action running and when it began
-        self.crossings: Callable[[int], int] = _no_crossings
-        self.window_backwards = 0  # backwards accumulated since the last update (the look-ahead's known share)
-        self.reduce_gradients: Callable[[], None] | None = None  # data parallel: average over the stage's replicas
         # [Note: no host sync per micro-batch]: losses kept on the device (None: where the loss is) until the update
         self.device_losses: bool | None = None
         self.unchecked_losses: list[tuple[int, torch.Tensor]] = []

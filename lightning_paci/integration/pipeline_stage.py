@@ -107,11 +107,12 @@ class PipelineStage:
         stage_optimizer = StageOptimizer(optimizer, list(self.module.parameters()), schedulers=schedulers,
                                          before_step=hooks.before_step if hooks else None, exclude=self._replicas)
         program = LightningStageProgram(self.module, carve, context=train_context)
+        warn = rank_zero_warn if self.config.schedule == "paci" else None  # flush schedules have no drift at a = m
         self.runtime = StageRuntime(self.index, self.plan.num_stages, program, self._comm(), stage_optimizer,
                                     loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
-                                    skip_nonfinite=self.config.nonfinite == "skip", hooks=hooks)
-        warn = rank_zero_warn if self.config.schedule == "paci" else None  # flush schedules have no drift at a = m
-        self.runtime.lookahead = lookahead_for(self.config.compensation, optimizer, stage_optimizer.pairs, warn=warn)
+                                    skip_nonfinite=self.config.nonfinite == "skip", hooks=hooks,
+                                    lookahead=lookahead_for(self.config.compensation, optimizer,
+                                                            stage_optimizer.pairs, warn=warn))
         costly = costly_regime(optimizer, schedulers) if warn is not None and self.runtime.lookahead else None
         if costly is not None:
             warn(costly)  # type: ignore[misc]
@@ -129,7 +130,7 @@ class PipelineStage:
         runtime, driver = self.runtime, self.driver
         if runtime is None or driver is None:
             raise RuntimeError("PipelineStage.train before start_training")
-        runtime.step_label = label
+        runtime.label(label)
         self.fingerprint.update(batch, batch_idx)
         driver.feed(batch, batch_idx, drain=drain, accumulation=accumulation, close_window=close_window)
         self.relay.emit(self.module, runtime.logs)
@@ -166,8 +167,7 @@ class PipelineStage:
         if self.layout is not None:
             checkpoint = self.layout.as_pipeline_checkpoint(checkpoint, self.accumulation)
         resumed = checkpoints.load_optimizer_state(checkpoint, runtime.optimizer, self.module, self._replicas)
-        runtime.microbatch_base, runtime.version = resumed.backwards, resumed.steps
-        runtime.window_base = resumed.window_start
+        runtime.restore(backwards=resumed.backwards, steps=resumed.steps, window_start=resumed.window_start)
         self._resumed_gradients = resumed.gradients
         if resumed.num_stages != self.plan.num_stages:
             rank_zero_info(f"lightning_paci: resumed a {resumed.num_stages}-stage checkpoint on "

@@ -76,9 +76,11 @@ class ReferencePipeline:
                 stage_optimizer = StageOptimizer(optimizer, list(copy_.parameters()), schedulers=schedulers,
                                                  exclude=tied_replica)
                 runtime = StageRuntime(stage, plan.num_stages, LightningStageProgram(copy_, carve), comms[stage],
-                                       stage_optimizer, loss_scale=1.0, tied=carve.tied_params)
-                runtime.lookahead = lookahead_for(compensation, optimizer, stage_optimizer.pairs, warn=None)
-                runtime.replica = replica
+                                       stage_optimizer, loss_scale=1.0, tied=carve.tied_params,
+                                       lookahead=lookahead_for(compensation, optimizer, stage_optimizer.pairs,
+                                                               warn=None))
+                if replicas > 1:
+                    runtime.join_replicas(replica, None)
                 modules.append(copy_)
                 runtimes.append(runtime)
             self.replica_modules.append(modules)
@@ -90,10 +92,10 @@ class ReferencePipeline:
             if local_sgd_steps is None:
                 average_gradients = ReplicaAverage(group)
                 for runtime in group:
-                    runtime.reduce_gradients = average_gradients
+                    runtime.join_replicas(runtime.replica, average_gradients)
                 continue
             average = ReplicaParameterAverage(group, local_sgd_steps, last=stage == plan.num_stages - 1)
-            group[-1].update_hooks.append(average)  # the last replica to step (run_lists steps them in order)
+            group[-1].on_update(average)  # the last replica to step (run_lists steps them in order)
             self._parameter_averages.append(average)
         self.modules, self.runtimes = self.replica_modules[0], self.replica_runtimes[0]
 
@@ -119,17 +121,17 @@ class ReferencePipeline:
         base = self.runtimes[0].microbatch_base
         everyone = [runtime for runtimes in self.replica_runtimes for runtime in runtimes]
         for runtime in everyone:
-            runtime.loss_scale = scale
+            # crossings read from the list itself (the driver counts); the window's backwards carry on
+            runtime.begin_stream(static_drift(schedule.actions[runtime.stage]).__getitem__, runtime.window_backwards,
+                                 scale)
             for k, batch in enumerate(per_replica[runtime.replica]):
                 for i, (part, weight) in enumerate(split_weighted(batch, schedule.num_microbatches)):
                     runtime.add_microbatch(k * schedule.num_microbatches + i, part, k, weight=weight)
-            # read from the list itself (the driver counts)
-            runtime.crossings = static_drift(schedule.actions[runtime.stage]).__getitem__
         run_lists(everyone, schedule.actions)
         for average in self._parameter_averages:  # the end of a run is a drain
             average.sync()
         for runtime in everyone:
-            runtime.microbatch_base = base + schedule.total_microbatches
+            runtime.end_stream(base + schedule.total_microbatches - runtime.microbatch_base)
 
     def _find_relays(self, sample: Any) -> None:
         """The setup probe of every stage on ``sample`` ([Note: relayed crossings] in partition/relay.py)."""

@@ -1,0 +1,71 @@
+"""``RuntimeState``: a stage runtime's counters, and the only ways to change them from outside the runtime.
+
+A stage's runtime (runtime.py) runs actions; where it is in the run -- the index of its micro-batches across
+streams, its optimizer version, the open accumulation window, the loss scale, the distance each forward's weights
+are predicted ahead, its data-parallel replica -- is set by the stream driver, checkpoint resume, data parallelism and
+the reference executor. They call the named methods below instead of writing fields, so that one file shows every
+way these counters change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+__all__ = ["RuntimeState"]
+
+
+def _no_crossings(microbatch: int) -> int:
+    return 0
+
+
+class RuntimeState:
+    """The counters of one stage's runtime (read freely, changed through the methods)."""
+
+    def __init__(self, loss_scale: float) -> None:
+        self.loss_scale = loss_scale  # the last stage back-propagates ``loss * loss_scale`` (``1 / accumulation``)
+        self.version = 0  # local optimizer steps so far
+        self.microbatch_base = 0  # stream-local index -> run-global index (for records across drains)
+        self.window_base = 0  # backwards before the current accumulation window's count began (see closing_actions)
+        self.crossings: Callable[[int], int] = _no_crossings  # updates micro-batch ``mb``'s forward will cross
+        self.window_backwards = 0  # backwards accumulated since the last update (the look-ahead's known share)
+        self.replica, self.replica_tag = 0, ""  # data-parallel replica (own random streams), " (replica r)" in errors
+        self.reduce_gradients: Callable[[], None] | None = None  # data parallel: average over the stage's replicas
+        self.step_label = ""  # where the run is, for error messages ("Lightning batch 7 (global step 7)")
+        # called with the new version right after every local update: the weights are then exactly that version
+        # on this stage, with no other stage involved (e.g. to keep version-k weights without draining)
+        self.update_hooks: list[Callable[[int], None]] = []
+
+    def begin_stream(self, crossings: Callable[[int], int], window_backwards: int,
+                     loss_scale: float | None = None) -> None:
+        """A stream of actions starts: ``crossings(mb)`` is how many updates micro-batch ``mb``'s forward will cross
+        (the look-ahead's distance), ``window_backwards`` the backwards already in the open accumulation window,
+        ``loss_scale`` (when given) the new window's ``1 / accumulation``."""
+        if loss_scale is not None:
+            self.loss_scale = loss_scale
+        self.crossings = crossings
+        self.window_backwards = window_backwards
+
+    def end_stream(self, microbatches: int, *, window_closed: bool = False) -> None:
+        """A stream of ``microbatches`` ended drained: later micro-batch indices continue after them; with
+        ``window_closed`` the next accumulation window's count starts here."""
+        self.microbatch_base += microbatches
+        if window_closed:
+            self.window_base = self.microbatch_base
+
+    def restore(self, *, backwards: int, steps: int, window_start: int) -> None:
+        """Resume a checkpoint's counters: backwards run, optimizer steps taken, where the open window began."""
+        self.microbatch_base, self.version, self.window_base = backwards, steps, window_start
+
+    def join_replicas(self, replica: int, reduce_gradients: Callable[[], None] | None) -> None:
+        """Become data-parallel replica ``replica``: its own random streams, errors naming it, and
+        ``reduce_gradients`` (an average over the stage's replicas) before every local step, if given."""
+        self.replica, self.replica_tag = replica, f" (replica {replica})"
+        self.reduce_gradients = reduce_gradients
+
+    def on_update(self, hook: Callable[[int], None]) -> None:
+        """Call ``hook(version)`` right after every local update (the weights are then exactly that version here)."""
+        self.update_hooks.append(hook)
+
+    def label(self, step_label: str) -> None:
+        """Where the run is, for error messages (``"Lightning batch 7 (global step 7)"``)."""
+        self.step_label = step_label
