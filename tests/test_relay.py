@@ -14,7 +14,7 @@ from torch import nn
 from lightning_paci.integration.reference_pipeline import ReferencePipeline
 from lightning_paci.partition import carve_stage, plan_partition
 from lightning_paci.partition.carve import CrossingError
-from lightning_paci.partition.plan import call_order
+from lightning_paci.partition.plan import CallTrace, call_order
 from lightning_paci.schedules import build
 
 from helpers import fit, one_device
@@ -129,3 +129,10 @@ def test_every_crossing_tensor_keeps_its_dtype_shape_and_requires_grad(tmp_path,
     received = [[(dtype, tuple(shape), grad) for dtype, shape, grad in block]
                 for block in json.loads((tmp_path / "forms.json").read_text())]
     assert received == expected.forms
+
+
+def test_a_block_run_twice_per_step_is_refused_also_in_a_root_container():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    looped = CallTrace(("0", "1", "2"), {"0": 1, "1": 2, "2": 1})  # block 1 run twice, as a looped model does
+    with pytest.raises(ValueError, match="Block `1` of `` runs 2 times in one step"):
+        plan_partition(model, 2, container="", partition="parameters", trace=looped)

@@ -149,8 +149,9 @@ def plan_partition(
             f"{num_stages} stages: every stage needs at least one block. Use at most {num_blocks} devices, or a model "
             f"with more blocks."
         )
+    prefix = f"{path}." if path else ""  # a root nn.Sequential's blocks are "0", "1", ...
     repeated = {name: n for name, n in (trace.counts if trace else {}).items()
-                if n > 1 and name.startswith(f"{path}.") and name[len(path) + 1:].isdigit()}
+                if n > 1 and name.startswith(prefix) and name[len(prefix):].isdigit()}
     if repeated:
         name, times = next(iter(repeated.items()))
         raise ValueError(
