@@ -11,7 +11,7 @@ from lightning_paci.engine.recompute import RECOMPUTE_MODES
 from lightning_paci.engine.topology import check_size_option
 from lightning_paci.optim.lookahead import COMPENSATIONS
 from lightning_paci.partition import PartitionSpec
-from lightning_paci.schedules import SCHEDULE_NAMES
+from lightning_paci.schedules import SCHEDULE_NAMES, ScheduleName
 
 __all__ = ["PACIConfig"]
 
@@ -102,7 +102,7 @@ class PACIConfig:
     is no cross-stage global norm (that would need a per-step collective).
     """
 
-    schedule: Literal["paci", "1f1b", "gpipe"] = "paci"
+    schedule: ScheduleName = "paci"
     microbatches: int | None = None  # None: one per stage
     accumulation: int | None = None  # None: = microbatches (one step per batch per stage)
     partition: PartitionSpec = "balanced"

@@ -3,46 +3,66 @@
 ``import lightning_paci`` registers ``Trainer(strategy="paci")`` (processes started like ``ddp``), ``"paci_fork"``
 (forked, for CPU tests and notebooks) and ``"paci_spawn"``.
 
-This module is Lightning plumbing only; each hook delegates to the module that owns the concept: options
-(config.py), carving (partition/), one stage's execution (runtime.py), streams and drains (driver.py, see
-[Note: no flush per Lightning batch]), logging (logs.py), evaluation (evaluation.py), checkpoints (checkpoint.py),
-failures (supervision.py) and Lightning's private API (lightning_api.py). Two per-batch synchronisations would turn
-PACI into a flush and are avoided: Lightning's per-batch SIGTERM broadcast from rank 0 (a full barrier on gloo) is
-replaced by a local check (Lightning's launchers deliver the signal to every process), and logged values travel
-upstream with the gradients instead of being broadcast (logs.py).
+One class, as each of Lightning's strategies is: every hook delegates to the module that owns the concept --
+options (config.py), processes and collectives (integration/processes.py), the model's construction and the plan
+(integration/stage_build.py), this process's stage and everything that runs it (integration/local_stage.py:
+runtime, stream driver, [Note: no flush per Lightning batch]), the Trainer's checks and patches
+(integration/trainer_glue.py), checkpoints (integration/checkpoint.py), failures (engine/supervision.py) and
+Lightning's private API (integration/lightning_api.py). Two per-batch synchronisations would turn PACI into a flush
+and are avoided: Lightning's per-batch SIGTERM broadcast from rank 0 (a full barrier on gloo) is replaced by a
+local check (Lightning's launchers deliver the signal to every process), and logged values travel upstream with
+the gradients instead of being broadcast (logs.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch import LightningModule, Trainer
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_paci.config import PACIConfig
-from lightning_paci.engine.comm import DistComm
 from lightning_paci.engine.communicators import transport_device
-from lightning_paci.engine.data_parallel import join_replicas
 from lightning_paci.engine.runtime import StageRuntime
-from lightning_paci.engine.supervision import activity, mark_setup_error, runtime_activity
+from lightning_paci.engine.supervision import activity, mark_setup_error
+from lightning_paci.engine.topology import Topology, check_topology, resolve_sizes
 from lightning_paci.integration import lightning_api as api
+from lightning_paci.integration.checkpoint import (
+    PipelineCheckpoints,
+    after_fit_message,
+    cpu_state,
+    receive_after_fit,
+)
 from lightning_paci.integration.lightning_program import LightningHooks
+from lightning_paci.integration.local_stage import LocalStage, StageLinks
 from lightning_paci.integration.optimizer_layout import OptimizerLayout
-from lightning_paci.integration.pipeline_stage import PipelineStage
-from lightning_paci.integration.stage_build import StageBuilder, StageBuilding
-from lightning_paci.integration.strategy_checkpoints import CheckpointingProcesses
+from lightning_paci.integration.processes import (
+    ProcessGroups,
+    broadcast_object,
+    check_launched_world,
+    collective_waits,
+    reduce_over,
+    start_process_groups,
+)
+from lightning_paci.integration.stage_build import StageBuilder, meta_stays_on_meta
 from lightning_paci.integration.trainer_glue import (
     check_trainer,
     ends_epoch,
@@ -53,6 +73,7 @@ from lightning_paci.integration.trainer_glue import (
 )
 from lightning_paci.optim.stage_optimizer import optimizer_and_step_schedulers
 from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage
+from lightning_paci.schedules import ScheduleName
 
 __all__ = ["PACIStrategy", "optimizer_and_step_schedulers"]
 
@@ -64,14 +85,15 @@ _REGISTERED = (  # Trainer(strategy=...) names: one class, different process sta
     ("paci_spawn", "spawn", "PACI, processes started with spawn"),
     ("paci_fork", "fork", "PACI, processes forked (CPU tests, notebooks)"),
 )
+_LIGHTNING_ARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
 
 
-class PACIStrategy(StageBuilding, CheckpointingProcesses):
+class PACIStrategy(ParallelStrategy):
     """Pipeline-parallel training with PACI's asynchronous, flush-free 1F1B schedule (one process per stage).
 
-    The pipeline options are documented on :class:`~lightning_paci.config.PACIConfig`, which checks them here; the
-    rest (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``)
-    are Lightning's usual strategy arguments.
+    The pipeline options are :class:`~lightning_paci.config.PACIConfig`'s fields (same names, types and defaults;
+    documented and checked there); ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``
+    and ``precision_plugin`` are Lightning's usual strategy arguments.
 
     Raises:
         ValueError: at construction for bad options, at setup for modules or Trainer settings that cannot run.
@@ -88,7 +110,7 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
     def __init__(
         self,
         *,
-        schedule: Literal["paci", "1f1b", "gpipe"] = "paci",
+        schedule: ScheduleName = "paci",
         microbatches: int | None = None,
         accumulation: int | None = None,
         partition: PartitionSpec = "balanced",
@@ -115,23 +137,104 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
         model_init: Literal["stage", "full"] = "stage",
         weights: str | os.PathLike[str] | None = None,
     ) -> None:
-        config = PACIConfig(
-            schedule=schedule, microbatches=microbatches, accumulation=accumulation, partition=partition,
-            block_container=block_container, process_group_backend=process_group_backend, timeout=timeout,
-            failure_timeout=failure_timeout, nonfinite=nonfinite, checkpoint_layout=checkpoint_layout,
-            max_stream_batches=max_stream_batches, freeze_gc=freeze_gc, start_method=start_method,
-            compensation=compensation, pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size, local_sgd_steps=local_sgd_steps, recompute=recompute,
-            recompute_stages=recompute_stages, model_init=model_init, weights=weights)
-        super().__init__(config, accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
-        self._failed = self._froze_gc = False
+        given = locals()  # the arguments above, by name: PACIConfig's fields and Lightning's (a test keeps them equal)
+        self.config = PACIConfig(**{f.name: given[f.name] for f in dataclasses.fields(PACIConfig)})
+        super().__init__(**{name: given[name] for name in _LIGHTNING_ARGS})
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._groups: ProcessGroups | None = None
         self._trainer: Trainer | None = None
-        self._stage: PipelineStage | None = None
-        self._undo_patches: list[Callable[[], None]] = []
+        self._stage: LocalStage | None = None
         self._builder = StageBuilder(self)
+        self._undo_patches: list[Callable[[], None]] = []
+        # after `fit`: rank 0's gathered optimizer and scheduler states, for `trainer.save_checkpoint` after `fit`
+        self._after_fit: dict[str, list[Any]] | None = None
+        self._failed = self._froze_gc = False
 
+    # -- ranks, stages and replicas ([Note: rank layout]) ------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def topology(self) -> Topology:
+        """Pipeline stages x data-parallel replicas over ``devices x num_nodes`` processes; an impossible split is a
+        ``ValueError`` naming the numbers and the fix (engine/topology.py)."""
+        return check_topology(Topology(*resolve_sizes(
+            self.config.pipeline_parallel_size, self.config.data_parallel_size, self.num_nodes * self.num_processes,
+            devices=self.num_processes, num_nodes=self.num_nodes)), nonfinite=self.config.nonfinite,
+            local_sgd_steps=self.config.local_sgd_steps)
+
+    @property
+    def num_stages(self) -> int:
+        return self.topology.pipeline
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.topology.data
+
+    @property
+    def stage_index(self) -> int:
+        """This process's stage. Stages run in reverse rank order: global rank 0 -- where Lightning's loggers,
+        progress bar and ``is_global_zero`` callbacks live -- holds the *last* stage, which computes mini-batch k's
+        loss and logs in its own call k ([Note: the logging rank])."""
+        return self.topology.stage_of(self.global_rank)
+
+    @property
+    def replica_index(self) -> int:
+        """This process's data-parallel coordinate (0 without data parallelism)."""
+        return self.topology.replica_of(self.global_rank)
+
+    def rank_of(self, stage: int, replica: int | None = None) -> int:
+        """The global rank that runs ``stage`` of ``replica`` (default: this process's replica)."""
+        return self.topology.rank_of(stage, self.replica_index if replica is None else replica)
+
+    @property
+    def process_groups(self) -> ProcessGroups:
+        """This process's groups (integration/processes.py), after ``setup_environment``."""
+        if self._groups is None:
+            raise RuntimeError("PACIStrategy.process_groups is only available after the processes have started.")
+        return self._groups
+
+    @property
+    def device_mesh(self) -> Any:
+        """torch's ``DeviceMesh`` with dimensions ``("pp", "dp")`` with data parallelism, else None."""
+        return None if self._groups is None else self._groups.mesh
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every stage of one replica sees the same batches; replicas see disjoint shards
+        return {"num_replicas": self.data_parallel_size, "rank": self.replica_index}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        return True
+
+    # -- the pipeline ------------------------------------------------------------------------------------------------
     @property
     def num_microbatches(self) -> int:
         return self.config.microbatches or self.num_stages
@@ -141,13 +244,6 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
         """Local backwards per optimizer step, Trainer's ``accumulate_grad_batches`` included."""
         factor = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
         return (self.config.accumulation or self.num_microbatches) * factor
-
-    @property
-    def _closes_windows(self) -> bool:
-        """Whether an epoch's end steps an open window, as Lightning does: when windows are whole Lightning batches
-        (``accumulate_grad_batches``); a window of ``accumulation`` micro-batches that is not a multiple of the
-        batch's is PACI's own and carries on across epochs."""
-        return self.accumulation % self.num_microbatches == 0
 
     @property
     def runtime(self) -> StageRuntime:
@@ -161,7 +257,67 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
             raise RuntimeError("PACIStrategy.plan is only available after setup.")
         return self._stage.plan
 
-    # -- setup ----------------------------------------------------------------------------------------------------
+    @property
+    def weights_read(self) -> dict[str, list[str]] | None:
+        """What ``weights=`` made this stage read: ``{"files": [...], "keys": [...]}`` (None without ``weights=``)."""
+        return self._builder.weights_read
+
+    def undo_at_teardown(self, undo: list[Callable[[], None]]) -> None:
+        """Patches of the Trainer or the module, undone at teardown in reverse order."""
+        self._undo_patches += undo
+
+    # -- processes -----------------------------------------------------------------------------------------------------
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        _ = self.topology  # an impossible split fails here, in the main process, before any start
+        if self.config.start_method != "popen":
+            self._launcher = api.multiprocessing_launcher(
+                self, self.config.start_method, send=lambda trainer: after_fit_message(trainer, self._after_fit),
+                receive=self._receive_after_fit, on_exception=self.on_exception)
+        elif not self.cluster_environment.creates_processes_externally:
+            self._launcher = api.SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _receive_after_fit(self, trainer: Trainer, sent: Mapping[str, Any]) -> None:
+        self._after_fit = receive_after_fit(trainer, sent)
+
+    @override
+    def setup_environment(self) -> None:
+        assert self.cluster_environment is not None
+        check_launched_world(self.cluster_environment, self.num_processes, self.num_nodes)
+        topology = self.topology  # the same checks on every rank (torchrun, SLURM: no main process)
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._groups = start_process_groups(self.cluster_environment, topology, rank=self.global_rank,
+                                            device=self.root_device, local_processes=self.num_processes,
+                                            config=self.config)
+        self._process_group_backend = self._groups.backend
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # as Lightning
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Lightning's, plus [Note: stage-only construction] for ``configure_model`` and ``init_module``."""
+        with self._builder.context(empty_init, lambda: super(PACIStrategy, self).tensor_init_context(empty_init)):
+            yield
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return self._builder.on_meta(self.lightning_module)  # a meta-built model reads its checkpoint after carving
+
+    # -- setup -------------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer) -> None:
         try:
@@ -177,52 +333,50 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
         check_trainer(trainer, module, self.num_stages)
         same_data_on_every_stage(trainer, self.broadcast, self.data_parallel_size)
         if self._stage is None:
-            plan = self._plan_stages(trainer, module)  # and logged
+            plan = self._builder.plan_stages(trainer, module)  # and logged
+            # one device's optimizer layout, read off the whole module before carving
             layout = OptimizerLayout.of(module) if trainer.state.fn == TrainerFn.FITTING else None
             carve = carve_stage(module, plan, self.stage_index)
             self._builder.materialize(module, carve, has_checkpoint=trainer.ckpt_path is not None)
-            self._stage = PipelineStage(
-                module, plan, carve, config=self.config, layout=layout, num_microbatches=self.num_microbatches,
-                broadcast=self._pipeline_broadcast,
-                comm=lambda: DistComm([self.rank_of(s) for s in range(self.num_stages)], groups=self._p2p_groups,
-                                      replica=self.replica_index, deliver=self.root_device,
-                                      device=transport_device(self._process_group_backend, self.root_device),
-                                      headers=self.host_group),
+            self._stage = LocalStage(
+                module, plan, carve, config=self.config, num_microbatches=self.num_microbatches, layout=layout,
+                links=self._links(), broadcast=self.pipeline_broadcast,
                 eval_context=self.precision_plugin.val_step_context)
         super().setup(trainer)
         self._stage.prepare_relays(self, self._builder.take_sample())  # on the device, in the step's precision
         if trainer.state.fn == TrainerFn.FITTING:
-            self._setup_training(trainer, module, self._stage)
+            owned = [cfg.scheduler for cfg in self.lr_scheduler_configs if cfg.interval == "step"]
+            self._stage.start_training(self.optimizers, schedulers=owned, accumulation=self.accumulation,
+                                       hooks=LightningHooks(module, trainer, self.stage_index),
+                                       train_context=self.precision_plugin.train_step_context)
+            self.undo_at_teardown(patch_for_pipeline(trainer, module, owned))
+            activity.source = self._stage.activity()
 
-    def _setup_training(self, trainer: Trainer, module: LightningModule, stage: PipelineStage) -> None:
-        owned = [cfg.scheduler for cfg in self.lr_scheduler_configs if cfg.interval == "step"]
-        stage.start_training(self.optimizers, schedulers=owned, accumulation=self.accumulation,
-                             hooks=LightningHooks(module, trainer, stage.index),
-                             train_context=self.precision_plugin.train_step_context)
-        if self.data_parallel_size > 1:
-            join_replicas(stage.runtime, stage.driver, self.dp_group, self.data_parallel_size,
-                          self.replica_index, local_sgd_steps=self.config.local_sgd_steps,
-                          last_stage=stage.index == self.num_stages - 1,
-                          names={id(p): name for name, p in module.named_parameters()})
-        self._undo_patches += patch_for_pipeline(trainer, module, owned)
-        watched = (lambda s: s) if self.data_parallel_size == 1 else self.rank_of  # [Note: judging progress]
-        activity.source = runtime_activity(stage.runtime, watched)
+    def _links(self) -> StageLinks:
+        groups = self.process_groups
+        return StageLinks([self.rank_of(s) for s in range(self.num_stages)], groups.p2p, replica=self.replica_index,
+                          replicas=self.data_parallel_size, replica_group=groups.data, deliver=self.root_device,
+                          transport=transport_device(groups.backend, self.root_device), headers=groups.host)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
         return seed_workers_alike(dataloader, self.replica_index)
 
+    # -- training and evaluation -------------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         batch = kwargs.get("batch", args[0] if args else None)
         batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
         trainer, stage = self._trainer, self._stage
         assert trainer is not None and stage is not None
+        # an epoch's end steps an open window as Lightning does when windows are whole Lightning batches; a window
+        # of `accumulation` micro-batches not a multiple of the batch's is PACI's own and carries on across epochs
+        closes_windows = self.accumulation % self.num_microbatches == 0
         loss, minibatch = stage.train(batch, batch_idx,
                                       label=f"Lightning batch {batch_idx} (global step {trainer.global_step})",
                                       drain=must_drain(trainer, batch_idx), accumulation=self.accumulation,
-                                      close_window=self._closes_windows and ends_epoch(trainer, batch_idx))
-        # what `on_train_batch_end(outputs)` gets: the loss of mini-batch `paci_minibatch` (see PipelineStage.train)
+                                      close_window=closes_windows and ends_epoch(trainer, batch_idx))
+        # what `on_train_batch_end(outputs)` gets: the loss of mini-batch `paci_minibatch` (see LocalStage.train)
         return {"loss": torch.as_tensor(loss, device=self.root_device), "paci_minibatch": minibatch}
 
     @override
@@ -251,6 +405,10 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
     def on_train_end(self) -> None:
         self._drain()
 
+    def _drain(self) -> None:
+        if self._stage is not None:
+            self._stage.drain()
+
     def _evaluate(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         batch = kwargs.pop("batch", args[0] if args else None)
         assert self._stage is not None
@@ -268,29 +426,131 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._evaluate("predict_step", args, kwargs)
 
-    # -- failures and teardown -------------------------------------------------------------------------------------
+    # -- collectives (never per training batch) ----------------------------------------------------------------------
+    def pipeline_broadcast(self, obj: Any, stage: int) -> Any:
+        """Broadcast from ``stage`` of this process's replica to the other stages of that replica."""
+        group = None if self.data_parallel_size == 1 else self.process_groups.pipeline
+        return broadcast_object(obj, self.rank_of(stage), group, what=f"a broadcast from stage {stage}",
+                                waits=collective_waits(self.topology, group))
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if api.distributed_is_initialized():
+            with activity.collective("a barrier"):
+                dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return broadcast_object(obj, src, None, what="`strategy.broadcast(obj)`", host_tensors=True)
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        """``sync_dist=True``: over the data-parallel replicas of this rank's stage. The stages of one replica hold
+        the same logged values (every rank replays the records of its replica): a pure pipeline returns the value
+        as it is; the replicas of a stage replay the same records in the same order, so their group issues the
+        same collectives (also under NCCL)."""
+        if self.data_parallel_size == 1 or not isinstance(tensor, Tensor):
+            return tensor
+        group = self.process_groups.data if group is None else group
+        return reduce_over(tensor, reduce_op, group, self.data_parallel_size, collective_waits(self.topology, group))
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if not api.distributed_is_initialized():
+            return decision
+        value = torch.tensor(int(decision), device=self.root_device)
+        with activity.collective("reduce_boolean_decision"):
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return bool(value == self.world_size) if all else bool(value > 0)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return api.all_gather_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    # -- checkpoints (integration/checkpoint.py owns the format) -------------------------------------------------------
+    @property
+    def _checkpoints(self) -> PipelineCheckpoints:
+        return PipelineCheckpoints(self.config.checkpoint_layout, self.stage_index, self.num_stages,
+                                   self.checkpoint_io, rank=self.global_rank, first_replica=self.replica_index == 0,
+                                   replicas=self.data_parallel_size, group=self.process_groups.host)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._drain()
+        assert self.lightning_module is not None
+        if not api.distributed_is_initialized():
+            return cpu_state(self.lightning_module)
+        foreign = self._stage.carve.foreign_buffers if self._stage is not None else set()
+        return self._checkpoints.weights(self.lightning_module, foreign)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        self._drain()
+        if self._stage is not None and self._stage.runtime is not None:
+            return self._stage.optimizer_state(self._checkpoints)
+        if self._after_fit is not None:  # `trainer.save_checkpoint` after `fit`: what teardown gathered
+            return self._after_fit["optimizer_states"][0]
+        return super().optimizer_state(optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self._stage is None or self._stage.runtime is None:
+            raise ValueError("Resuming optimizer state needs a fitting PACIStrategy (`trainer.fit(ckpt_path=...)`).")
+        self._stage.load_optimizer_state(self._checkpoints, checkpoint)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        for key, states in (self._after_fit or {}).items():  # the main process of a fork/spawn run has no optimizer
+            if key in checkpoint and not checkpoint[key]:
+                checkpoint[key] = states
+        self._checkpoints.save(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # a model built on the meta device reads its stage's tensors only: memory-mapped, never whole
+        return self._checkpoints.load(checkpoint_path, weights_only, mmap=self._builder.built is not None)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """A carved stage (a model built on the meta device restores after setup) takes its own keys only."""
+        module = self.lightning_module
+        assert module is not None
+        if self._stage is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        own = module.state_dict(keep_vars=True)
+        module.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if k in own}, strict=strict)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self._checkpoints.remove(filepath)
+
+    # -- failures and teardown -----------------------------------------------------------------------------------------
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Tell every other stage (through the store) which stage failed and why, before Lightning unwinds."""
         self._failed = True
-        if self._watchdog is not None:
-            self._watchdog.report(self.watch_id, f"{type(exception).__name__}: {exception}")
-            self._watchdog.stop(done=False)
+        watchdog = self._groups.watchdog if self._groups is not None else None
+        if watchdog is not None:
+            watchdog.report(self.topology.watch_id(self.global_rank), f"{type(exception).__name__}: {exception}")
+            watchdog.stop(done=False)
 
     @override
     def teardown(self) -> None:
         if self._froze_gc:
             gc.unfreeze()
             self._froze_gc = False
-        if self._watchdog is not None and not self._failed:
-            self._watchdog.stop(done=True)  # before the final gather: a clean exit is not a failure
+        watchdog = self._groups.watchdog if self._groups is not None else None
+        if watchdog is not None and not self._failed:
+            watchdog.stop(done=True)  # before the final gather: a clean exit is not a failure
         if not self._failed:  # after a failure neighbours may be gone: no drain, no gather, no restore
             self._finish()
         activity.source, self._stage = None, None  # the runtime goes with the stage
-        super().teardown()
+        with meta_stays_on_meta(self.lightning_module):
+            super().teardown()
 
     def _finish(self) -> None:
-        """Drain, undo the patches, and give every rank's module the complete trained weights again."""
+        """Drain, undo the patches, keep what ``save_checkpoint`` after ``fit`` needs, and give every rank's module
+        the complete trained weights again (a model built on meta: each rank keeps only its stage's)."""
         try:
             self._drain()
         except (RuntimeError, ConnectionError) as err:  # a failing neighbour: do not mask the original error
@@ -301,12 +561,14 @@ class PACIStrategy(StageBuilding, CheckpointingProcesses):
         stage = self._stage
         if stage is None:
             return
-        self._keep_after_fit(stage)
+        if stage.runtime is not None and api.distributed_is_initialized():
+            self._after_fit = {"optimizer_states": [stage.optimizer_state(self._checkpoints)],
+                               "lr_schedulers": [cfg.scheduler.state_dict() for cfg in self.lr_scheduler_configs]}
         if self._builder.built is not None:  # no full gather: other stages' parameters stay on the meta device
             stage.restore_full_model(gather=False, materialize=False)
             return
         stage.restore_full_model(gather=api.distributed_is_initialized(), replicas=self.data_parallel_size,
-                                 group=self.host_group)
+                                 group=self.process_groups.host)
 
     @classmethod
     @override

@@ -40,7 +40,7 @@ class _Connected(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         emulation = nccl_emulation.emulation()
         assert emulation is not None
-        record = {"connected": trainer.strategy.p2p_connected, "stage": trainer.strategy.stage_index,
+        record = {"connected": trainer.strategy.process_groups.connected, "stage": trainer.strategy.stage_index,
                   "met": emulation.met}
         (self.directory / f"connected{dist.get_rank()}.json").write_text(json.dumps(record))
 

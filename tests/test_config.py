@@ -34,3 +34,17 @@ def test_the_config_is_frozen_and_derives_variants():
         config.microbatches = 4  # type: ignore[misc]
     assert dataclasses.replace(config, schedule="1f1b").microbatches == 8
     assert PACIStrategy(microbatches=8, schedule="1f1b").config == dataclasses.replace(config, schedule="1f1b")
+
+
+def test_the_strategys_pipeline_options_are_the_configs_fields():
+    # PACIStrategy spells its options out (for IDEs and LightningCLI) and builds PACIConfig from them: the same names,
+    # defaults and annotations, in the same order, besides Lightning's own strategy arguments
+    import inspect
+
+    lightning_args = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+    params = [p for p in inspect.signature(PACIStrategy).parameters.values() if p.name not in lightning_args]
+    fields = dataclasses.fields(PACIConfig)
+    assert [p.name for p in params] == [f.name for f in fields]
+    assert [p.default for p in params] == [f.default for f in fields]
+    assert [str(p.annotation) for p in params] == [str(f.type) for f in fields]
+    assert PACIStrategy().config == PACIConfig()

@@ -183,7 +183,7 @@ class _WriteGroups(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
-        groups = {repr(comm): dist.get_process_group_ranks(group) for comm, group in strategy._p2p_groups.items()
+        groups = {repr(comm): dist.get_process_group_ranks(group) for comm, group in strategy.process_groups.p2p.items()
                   if dist.get_rank() in dist.get_process_group_ranks(group)}
         ranks = [strategy.rank_of(s) for s in range(strategy.num_stages)]
         emulation = nccl_emulation.emulation()

@@ -39,7 +39,7 @@ class SavePretrained(L.Callback):
         stage, num_stages = getattr(strategy, "stage_index", 0), getattr(strategy, "num_stages", 1)
         if hasattr(strategy, "_drain"):
             strategy._drain()  # the last updates are in
-        pipeline = getattr(strategy, "_stage", None)  # a PACIStrategy's PipelineStage
+        pipeline = getattr(strategy, "_stage", None)  # a PACIStrategy's LocalStage
         replicas = {id(p) for p in (pipeline._replicas if pipeline is not None else [])}
         first = getattr(strategy, "replica_index", 0) == 0
         name = f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"

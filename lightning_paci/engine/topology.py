@@ -82,6 +82,16 @@ class Topology:
     def replica_of(self, rank: int) -> int:
         return rank % self.data
 
+    def watch_id(self, rank: int) -> int:
+        """Global rank ``rank``'s id for the failure watchdog: its stage, or the rank itself with replicas."""
+        return rank if self.data > 1 else self.stage_of(rank)
+
+    def watch_name(self, watch_id: int) -> str:
+        """How errors name the process with ``watch_id``."""
+        if self.data == 1:
+            return f"stage {watch_id}"
+        return f"stage {self.stage_of(watch_id)} (replica {self.replica_of(watch_id)})"
+
     def mesh_ranks(self) -> list[list[int]]:
         """``mesh[stage][replica]`` = global rank: the ``DeviceMesh``'s layout, dimension names ``("pp", "dp")``."""
         return [[self.rank_of(s, r) for r in range(self.data)] for s in range(self.pipeline)]

@@ -1,15 +1,17 @@
 """The Lightning integration: an unchanged LightningModule and a Trainer, delegated to the engine.
 
-* ``pipeline_stage.py``: ``PipelineStage``, the carved module with its runtime, driver, log relay and evaluator;
+* ``local_stage.py``: ``LocalStage``, this process's stage: the carved module with its runtime, driver,
+  communicators, replicas, log relay and evaluator;
 * ``lightning_program.py``: one micro-batch of the user's unchanged step on a carved module (the engine's
   ``StageProgram``), and Lightning's backward/optimizer hooks at the stage's own backwards and updates;
-* ``processes.py``: ranks, launcher, process group, device mesh, point-to-point communicators, collectives;
+* ``processes.py``: the process groups, the device mesh, point-to-point communicators, the watchdog, collectives;
+* ``stage_build.py``, ``setup_probe.py``: the model's construction and partition plan; the setup's sample step;
 * ``trainer_glue.py``: what the strategy reads from and patches in the Trainer;
 * ``lightning_api.py``: every private Lightning symbol, checked at import or before patching;
 * ``logs.py``: ``self.log`` recorded on the last stage and replayed on every rank;
 * ``evaluation.py``: validation, test and predict as forward-only lists;
-* ``checkpoint.py``, ``strategy_checkpoints.py``, ``optimizer_layout.py``: the checkpoint format, Lightning's
-  checkpoint hooks for the strategy, one device's optimizer layout;
+* ``checkpoint.py``, ``optimizer_layout.py``: the checkpoint format and what is kept after ``fit``, one device's
+  optimizer layout;
 * ``fingerprint.py``: every stage checks it trained on stage 0's batches;
 * ``reference_pipeline.py``: ``ReferencePipeline``, a module carved into all its stages in one process.
 

@@ -35,8 +35,11 @@ from lightning_paci.engine.pickle_guard import check_no_tensors
 from lightning_paci.engine.supervision import activity
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 
-__all__ = ["PipelineCheckpoints", "Resumed", "atomic_save", "consolidate_checkpoint", "cpu_state", "gather_everywhere",
-           "gather_to_first", "load_sharded", "load_stage_optimizer_state", "merge_parts", "stage_optimizer_state"]
+__all__ = [
+    "PipelineCheckpoints", "Resumed", "after_fit_message", "atomic_save", "consolidate_checkpoint", "cpu_state",
+    "gather_everywhere", "gather_to_first", "load_sharded", "load_stage_optimizer_state", "merge_parts",
+    "receive_after_fit", "stage_optimizer_state"
+]
 
 
 def atomic_save(checkpoint: dict[str, Any], path: str | Path) -> None:
@@ -330,6 +333,24 @@ class PipelineCheckpoints:
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+
+
+def after_fit_message(trainer: Any, states: dict[str, list[Any]] | None) -> dict[str, Any]:
+    """What rank 0 of a fork/spawn run hands to the main process, for a ``trainer.save_checkpoint`` there after
+    ``fit``: the optimizer and scheduler ``states`` gathered at teardown, the fit loop's progress (epoch, step) and
+    the callbacks' states (the main process never ran a stage or a loop)."""
+    return {"states": states, "fit_loop": trainer.fit_loop.state_dict(),
+            "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks}}
+
+
+def receive_after_fit(trainer: Any, sent: Mapping[str, Any]) -> dict[str, list[Any]] | None:
+    """In the main process: take rank 0's :func:`after_fit_message` into ``trainer``; return the states."""
+    trainer.fit_loop.load_state_dict(sent["fit_loop"])
+    for callback in trainer.callbacks:
+        if sent["callbacks"].get(callback.state_key):
+            callback.load_state_dict(sent["callbacks"][callback.state_key])
+    states: dict[str, list[Any]] | None = sent["states"]
+    return states
 
 
 def consolidate_checkpoint(directory: str | Path, output: str | Path) -> Path:

@@ -6,7 +6,7 @@ every stage runs the list ``[RECV_F i] F i [SEND_F i]`` for each micro-batch, so
 :class:`~lightning_paci.engine.runtime.StageRuntime` means a lost neighbour fails with the same named error as in
 training (``stage 1: receiving from stage 0 failed at 1RECV_F2 (...)``). The last stage's ``self.log`` records
 reach every rank with one broadcast per batch; predictions stay on the last stage, which is global rank 0 (see
-`PipelineProcesses.stage_index`).
+`PACIStrategy.stage_index`).
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def find_relays(strategy: Any, module: LightningModule, plan: PartitionPlan, car
                 probe = probe_crossings(module, carve, run_sample(module, shifted, context))
         except (RuntimeError, ValueError, TypeError, AttributeError) as err:
             probe = f"stage {carve.stage}: {type(err).__name__}: {err}"
-    everyone = {s: strategy._pipeline_broadcast(probe, s) for s in range(plan.num_stages)}
+    everyone = {s: strategy.pipeline_broadcast(probe, s) for s in range(plan.num_stages)}
     failed = [n for n in everyone.values() if isinstance(n, str)]
     if failed:
         raise RuntimeError(f"lightning_paci: running the step on a sample batch to find the values crossing the "

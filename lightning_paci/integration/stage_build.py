@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 import zlib
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,7 @@ from lightning_paci.partition.stage_init import (
 )
 from lightning_paci.partition.weights import WeightsFile, match_names
 
-__all__ = ["MetaBuild", "StageBuilder", "StageBuilding", "host_memory_warning"]
+__all__ = ["MetaBuild", "StageBuilder", "host_memory_warning", "meta_stays_on_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class StageBuilder:
 
     def adopt(self, module: nn.Module, *, source: str) -> MetaBuild:
         """Plan the meta-built ``module`` and record what setup needs (``source``: how the stage gets its values)."""
-        plan = self.strategy.plan_on_meta(module)
+        plan = self.plan_on_meta(module)
         names = list(module.state_dict(keep_vars=True))
         params = dict(module.named_parameters(remove_duplicate=False))
         aliases = {n: [m for m, q in params.items() if q is p and m != n] for n, p in params.items()}
@@ -162,80 +162,64 @@ class StageBuilder:
         source.close()
         self.weights_report = source
 
-
-class StageBuilding:
-    """The strategy's hooks for [Note: stage-only construction] (a base of ``PACIStrategy``)."""
-
-    _builder: StageBuilder
-    config: Any
-    num_stages: int
-
-    @contextlib.contextmanager
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Lightning's, plus [Note: stage-only construction] for ``configure_model`` and ``init_module``."""
-        base = super().tensor_init_context  # type: ignore[misc]
-        with self._builder.context(empty_init, lambda: base(empty_init)):
-            yield
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        # a meta-built model takes its checkpoint weights per stage, after carving
-        return self._builder.on_meta(self.lightning_module)  # type: ignore[attr-defined]
-
-    @property
-    def weights_read(self) -> dict[str, list[str]] | None:
-        """What ``weights=`` made this stage read: ``{"files": [...], "keys": [...]}`` (None without ``weights=``)."""
-        report = self._builder.weights_report
-        return None if report is None else {"files": list(report.opened), "keys": list(report.read_keys)}
-
-    def teardown(self) -> None:
-        """Lightning's teardown moves the module to the CPU, which a meta tensor cannot do: the other stages'
-        parameters (and a failed run's whole model) stay on meta, the rest moves."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        if module is None or not any(p.is_meta for p in module.parameters()):
-            return super().teardown()  # type: ignore[misc]
-        module.__dict__["cpu"] = lambda: module._apply(lambda t: t if t.is_meta else t.cpu())
-        try:
-            super().teardown()  # type: ignore[misc]
-        finally:
-            module.__dict__.pop("cpu", None)
-
-    def _plan_stages(self, trainer: Any, module: Any) -> PartitionPlan:
+    def plan_stages(self, trainer: Any, module: Any) -> PartitionPlan:
         """The plan of a model built on the meta device, or one planned here from the whole model (timing blocks
-        for ``"balanced"``; a warning when every local rank holding the whole model nears the host's memory)."""
-        whole = trainer.state.fn == TrainerFn.FITTING and self.is_global_zero  # type: ignore[attr-defined]
-        if whole and (warning := batch_norm_warning(module, self.num_microbatches)) is not None:  # type: ignore
+        for ``"balanced"``; a warning when every local rank holding the whole model nears the host's memory); the
+        setup's sample micro-batch is drawn here (setup_probe.py) and kept for the relays."""
+        strategy = self.strategy
+        whole = trainer.state.fn == TrainerFn.FITTING and strategy.is_global_zero
+        if whole and (warning := batch_norm_warning(module, strategy.num_microbatches)) is not None:
             rank_zero_warn(warning)
-        built = self._builder.built
-        if built is None and self._builder.on_meta(module):
-            built = self._builder.adopt(module, source="weights" if self.config.weights is not None else "empty")
+        built = self.built
+        if built is None and self.on_meta(module):
+            built = self.adopt(module, source="weights" if strategy.config.weights is not None else "empty")
         measured = trace = None
-        sample = draw_sample(trainer, self.num_microbatches, cuda_devices(self.root_device))  # type: ignore[attr-defined]
-        self._builder.sample = sample
+        self.sample = draw_sample(trainer, strategy.num_microbatches, cuda_devices(strategy.root_device))
         if built is None:
-            warning = host_memory_warning(module, self.num_processes)  # type: ignore[attr-defined]
-            if warning is not None:
+            if (warning := host_memory_warning(module, strategy.num_processes)) is not None:
                 rank_zero_warn(warning)
-            if self.config.partition == "balanced":
-                measured = measure_block_costs(self, trainer, sample)
-            trace = trace_call_order(self, module, sample)
+            if strategy.config.partition == "balanced":
+                measured = measure_block_costs(strategy, trainer, self.sample)
+            trace = trace_call_order(strategy, module, self.sample)
         if whole:  # before carving: the whole model (on meta when built there)
-            self._undo_patches += api.whole_model_summaries(trainer, module)  # type: ignore[attr-defined]
+            strategy.undo_at_teardown(api.whole_model_summaries(trainer, module))
+        config = strategy.config
         plan = built.plan if built is not None else plan_partition(
-            module, self.num_stages, container=self.config.block_container, partition=self.config.partition,
+            module, strategy.num_stages, container=config.block_container, partition=config.partition,
             measured=measured, trace=trace)
-        rank_zero_info(f"lightning_paci: {self.topology.describe()}, schedule={self.config.schedule!r}, "  # type: ignore
-                       f"microbatches={self.num_microbatches}, accumulation={self.accumulation}; "  # type: ignore
+        rank_zero_info(f"lightning_paci: {strategy.topology.describe()}, schedule={config.schedule!r}, "
+                       f"microbatches={strategy.num_microbatches}, accumulation={strategy.accumulation}; "
                        f"{plan.describe()}")
         return plan
 
     def plan_on_meta(self, module: nn.Module) -> PartitionPlan:
         """The partition of a model built on the meta device (no forward to time: parameter counts)."""
-        if self.config.partition == "balanced":
+        config = self.strategy.config
+        if config.partition == "balanced":
             rank_zero_info("lightning_paci: the model is built on the meta device, so `partition='balanced'` splits "
                            "by parameter count (no block can be timed before it is materialized)")
-        return plan_partition(module, self.num_stages, container=self.config.block_container,
-                              partition=self.config.partition, measured=None)
+        return plan_partition(module, self.strategy.num_stages, container=config.block_container,
+                              partition=config.partition, measured=None)
+
+    @property
+    def weights_read(self) -> dict[str, list[str]] | None:
+        """What ``weights=`` made this stage read: ``{"files": [...], "keys": [...]}`` (None without ``weights=``)."""
+        report = self.weights_report
+        return None if report is None else {"files": list(report.opened), "keys": list(report.read_keys)}
+
+
+@contextlib.contextmanager
+def meta_stays_on_meta(module: nn.Module | None) -> Iterator[None]:
+    """Around Lightning's teardown, which moves the module to the CPU, which a meta tensor cannot do: the other
+    stages' parameters of a model built on meta (and a failed run's whole model) stay there, the rest moves."""
+    if module is None or not any(p.is_meta for p in module.parameters()):
+        yield
+        return
+    module.__dict__["cpu"] = lambda: module._apply(lambda t: t if t.is_meta else t.cpu())
+    try:
+        yield
+    finally:
+        module.__dict__.pop("cpu", None)
 
 
 def _to_device_empty(module: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:

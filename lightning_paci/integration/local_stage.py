@@ -1,8 +1,10 @@
-"""``PipelineStage``: this process's part of the pipeline and everything that runs it.
+"""``LocalStage``: this process's stage of the pipeline and everything that runs it.
 
 The strategy (strategy.py) is Lightning plumbing; what a stage *is* -- its carved module, its runtime, its stream
-driver, its log relay, its evaluator -- lives here, built once at setup, so that each Lightning hook delegates in a
-line or two and the pieces can be read (and tested) without a Trainer.
+driver, its communicators, its data-parallel replicas, its log relay, its evaluator -- is built here, once at setup,
+from the connections the strategy made (:class:`StageLinks`), so that each Lightning hook delegates in a line or
+two and the pieces can be read (and tested) without a Trainer. (torch.distributed.pipelining's ``PipelineStage`` is
+another thing: a stage module with its own send/receive buffers.)
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,12 +20,13 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_paci.config import PACIConfig
-from lightning_paci.engine.comm import Comm
-from lightning_paci.engine.data_parallel import GradientAverage
+from lightning_paci.engine.comm import DistComm
+from lightning_paci.engine.data_parallel import GradientAverage, join_replicas
 from lightning_paci.engine.driver import StreamDriver
 from lightning_paci.engine.microbatch import loss_scale_for
 from lightning_paci.engine.recompute import BlockRecompute, recomputes
 from lightning_paci.engine.runtime import StageRuntime
+from lightning_paci.engine.supervision import Doing, runtime_activity
 from lightning_paci.integration.checkpoint import PipelineCheckpoints, cpu_state, gather_everywhere
 from lightning_paci.integration.evaluation import PipelineEvaluator
 from lightning_paci.integration.fingerprint import BatchFingerprint
@@ -35,21 +39,44 @@ from lightning_paci.optim.stage_optimizer import StageOptimizer
 from lightning_paci.partition import PartitionPlan, StageCarve
 from lightning_paci.partition.relay import RelayPlan, install_relays
 
-__all__ = ["PipelineStage"]
+__all__ = ["LocalStage", "StageLinks"]
 
 log = logging.getLogger(__name__)
 
 _Context = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
-class PipelineStage:
+@dataclass(frozen=True)
+class StageLinks:
+    """This process's connections, made by the strategy at setup (integration/processes.py): what the stage
+    builds its communicators and its replicas' averaging from."""
+
+    ranks: list[int]  # global rank of each stage of this process's replica
+    groups: Mapping[Any, Any]  # the pipeline's point-to-point process groups by Communicator
+    replica: int = 0
+    replicas: int = 1
+    replica_group: Any = None  # this stage's replicas (with data parallelism)
+    deliver: torch.device | None = None  # where received tensors go (the stage's device)
+    transport: torch.device | None = None  # where tensors travel (host memory on gloo)
+    headers: Any = None  # the host group for message headers under NCCL
+
+    def connect(self) -> DistComm:
+        return DistComm(self.ranks, groups=self.groups, replica=self.replica, deliver=self.deliver,
+                        device=self.transport, headers=self.headers)
+
+    def watched(self, stage: int) -> int:
+        """The failure watchdog's id of ``stage`` of this replica ([Note: judging progress])."""
+        return stage if self.replicas == 1 else self.ranks[stage]
+
+
+class LocalStage:
     """One stage: the carved module and, once training is set up, its runtime, driver and log relay.
 
     Args:
         module: the user's LightningModule, carved in place to this stage (``carve``).
         plan: the partition every stage agreed on.
         config: the strategy's options; num_microbatches: micro-batches per Lightning batch.
-        comm: point-to-point messages to the other stages (a new one per use: evaluation, training).
+        links: this process's connections; the stage connects a communicator per use (evaluation, training).
         broadcast: ``broadcast(obj, src)`` over all stages, for evaluation's log records.
         eval_context: the precision plugin's evaluation context.
         layout: the single-device optimizer's layout (optimizer_layout.py): consolidated checkpoints then also
@@ -57,14 +84,14 @@ class PipelineStage:
     """
 
     def __init__(self, module: LightningModule, plan: PartitionPlan, carve: StageCarve, *, config: PACIConfig,
-                 num_microbatches: int, comm: Callable[[], Comm], broadcast: Callable[[Any, int], Any],
+                 num_microbatches: int, links: StageLinks, broadcast: Callable[[Any, int], Any],
                  eval_context: _Context, layout: OptimizerLayout | None = None) -> None:
         self.module, self.plan, self.carve, self.config = module, plan, carve, config
         self.layout = layout
         self.accumulation = num_microbatches
         self.num_microbatches = num_microbatches
-        self._comm = comm
-        self.evaluator = PipelineEvaluator(module, carve, comm(), num_microbatches=num_microbatches,
+        self.links = links
+        self.evaluator = PipelineEvaluator(module, carve, links.connect(), num_microbatches=num_microbatches,
                                            broadcast=broadcast, context=eval_context)
         self.runtime: StageRuntime | None = None
         self.driver: StreamDriver | None = None
@@ -94,7 +121,8 @@ class PipelineStage:
     def start_training(self, optimizers: list[torch.optim.Optimizer], *, schedulers: list[Any], accumulation: int,
                        hooks: LightningHooks | None, train_context: _Context) -> None:
         """Wrap the stage's optimizer (see [Note: alias optimizer]) and build the runtime and stream driver;
-        ``hooks`` (Lightning's backward and optimizer hooks, clipping) run at each local backward and update."""
+        ``hooks`` (Lightning's backward and optimizer hooks, clipping) run at each local backward and update; with
+        data parallelism the runtime joins this stage's replicas (engine/data_parallel.py)."""
         if len(optimizers) != 1:
             raise ValueError(
                 f"`configure_optimizers` returned {len(optimizers)} optimizers; `PACIStrategy` steps exactly one "
@@ -108,7 +136,7 @@ class PipelineStage:
                                          before_step=hooks.before_step if hooks else None, exclude=self._replicas)
         program = LightningStageProgram(self.module, carve, context=train_context)
         warn = rank_zero_warn if self.config.schedule == "paci" else None  # flush schedules have no drift at a = m
-        self.runtime = StageRuntime(self.index, self.plan.num_stages, program, self._comm(), stage_optimizer,
+        self.runtime = StageRuntime(self.index, self.plan.num_stages, program, self.links.connect(), stage_optimizer,
                                     loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
                                     skip_nonfinite=self.config.nonfinite == "skip", hooks=hooks,
                                     lookahead=lookahead_for(self.config.compensation, optimizer,
@@ -120,6 +148,15 @@ class PipelineStage:
                                    accumulation=accumulation, tied=bool(self.plan.tied),
                                    max_stream_batches=self.config.max_stream_batches,
                                    on_drain=lambda: self.fingerprint.check(self._broadcast))
+        if self.links.replicas > 1:
+            join_replicas(self.runtime, self.driver, self.links.replica_group, self.links.replicas,
+                          self.links.replica, local_sgd_steps=self.config.local_sgd_steps, last_stage=carve.is_last,
+                          names={id(p): name for name, p in self.module.named_parameters()})
+
+    def activity(self) -> Callable[[], Doing | None]:
+        """What the runtime is doing, for the failure watchdog (supervision.runtime_activity)."""
+        assert self.runtime is not None
+        return runtime_activity(self.runtime, self.links.watched)
 
     def train(self, batch: Any, batch_idx: int, *, label: str, drain: bool, accumulation: int,
               close_window: bool = False) -> tuple[float | torch.Tensor, int]:
@@ -129,7 +166,7 @@ class PipelineStage:
         before it one that came back with the gradients, ``(0.0, -1)`` before the first."""
         runtime, driver = self.runtime, self.driver
         if runtime is None or driver is None:
-            raise RuntimeError("PipelineStage.train before start_training")
+            raise RuntimeError("LocalStage.train before start_training")
         runtime.label(label)
         self.fingerprint.update(batch, batch_idx)
         driver.feed(batch, batch_idx, drain=drain, accumulation=accumulation, close_window=close_window)
