@@ -1,39 +1,51 @@
-"""Data parallel x pipeline on the emulated cluster: samples/s of P stages x D replicas against P stages x 1.
+"""What replicas buy: samples per second of P stages x D replicas against P x 1, and what LocalSGD costs in loss.
 
-Every block's forward and backward is padded by a fixed sleep (emulated.py), so the 4 x D stage processes do not
-compete for these 2 cores; the replicas' gradient all-reduce before each local step is real (gloo, in the
-stage's process). Each replica trains on its own shard at the same per-replica batch, so D replicas should give D
-times the samples per second, less what the reduction and the extra processes cost. Throughput is measured in the
-steady state (stage 0 of replica 0, mini-batches 1 .. K-1: no fill, no final drain); steady efficiency is the
-bubble-free limit over that time, as in vs_torch_pipelining.py.
+Time (default), on the emulated cluster (``benchmarks.harness``): every block's forward and backward is padded to
+a fixed time, so the P x D stage processes do not compete for the cores; the replicas' gradient all-reduce before
+each local step is real (gloo, in the stage's process). Each replica trains on its own shard at the same
+per-replica batch, so D replicas should give D times the samples per second, less what the reduction and the extra
+processes cost. Throughput is stage 0 of replica 0's steady window (mini-batches 1 .. K-1: no fill, no final
+drain); steady efficiency is the bubble-free limit over that time. ``--interconnect-ms`` emulates a slow link
+(every reduction over the replicas waits that long first) and ``--local-sgd-steps k`` adds runs that average
+parameters every k steps instead of gradients every step (``PACIStrategy(local_sgd_steps=k)``).
 
-``--interconnect-ms`` emulates a slow link: every reduction over the replicas waits that long first (as a
-transfer would), and ``--local-sgd-steps k`` adds runs that average parameters every k steps instead of gradients
-every step (``PACIStrategy(local_sgd_steps=k)``); the final training loss of replica 0 says what that costs.
-
-    python data_parallel.py --stages 4 --replicas 1 2 --json results/data_parallel.json
-    python data_parallel.py --replicas 2 --interconnect-ms 150 --local-sgd-steps 4 --minibatches 16
+``--quality``: loss per sample of LocalSGD against gradient averaging, P stages x 2 replicas, in one process (the
+processes equal the reference executor with replicas bit for bit, tests/test_data_parallel.py): the
+time_to_accuracy benchmark's language model and recipe (AdamW, warm-up and cosine), m = a = ``--microbatches``,
+32 samples per replica and update, the replicas on disjoint batches; the held-out loss after the final average.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import tempfile
 import time
-import warnings
 from datetime import timedelta
+from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_paci import PACIStrategy, data_parallel
+from benchmarks.harness import (
+    Benchmark,
+    EmulatedModel,
+    OneThread,
+    add_shape_arguments,
+    emulated_loader,
+    median,
+    print_table,
+    steady_seconds,
+)
+from benchmarks.time_to_accuracy import SleepyLM, corpus, train_loader, validation_loss
+from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
+from lightning_paci.engine import data_parallel as replica_sync
 from lightning_paci.simulation.timeline import Interval
 
-from emulated import EmulatedModel, OneThread, emulated_loader, steady_seconds
+__all__ = ["data_parallel"]
 
 
 class _DumpReplicaIntervals(Callback):
@@ -41,29 +53,29 @@ class _DumpReplicaIntervals(Callback):
         self.directory = directory
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        strategy = trainer.strategy
-        data = [list(iv) for iv in strategy.runtime.records.intervals]
+        strategy: Any = trainer.strategy
         name = f"stage{strategy.stage_index}_replica{strategy.replica_index}.json"
-        (self.directory / name).write_text(json.dumps(data))
+        (self.directory / name).write_text(json.dumps([list(iv) for iv in strategy.runtime.records.intervals]))
 
 
 def slow_interconnect(milliseconds: float) -> None:
     """Every reduction over the replicas waits ``milliseconds`` first (inherited by the forked stages)."""
-    for cls, name in ((data_parallel.GradientAverage, "__call__"), (data_parallel.ParameterAverage, "sync")):
+    for cls, name in ((replica_sync.GradientAverage, "__call__"), (replica_sync.ParameterAverage, "sync")):
         original = getattr(cls, name)
 
-        def slowed(self, *args, _original=original):  # type: ignore[no-untyped-def]
+        def slowed(self: Any, *args: Any, _original: Any = original) -> Any:
             time.sleep(milliseconds / 1e3)
             return _original(self, *args)
 
         setattr(cls, name, slowed)
 
 
-def run(stages: int, replicas: int, m: int, k: int, fwd: float, bwd: float, per_stage: int,
-        microbatch_size: int, local_sgd_steps: int | None = None) -> tuple[list[list[Interval]], float]:
-    """Train ``k`` batches per replica; every stage's intervals of replica 0 and the last logged training loss."""
+def run(stages: int, replicas: int, m: int, args: argparse.Namespace,
+        local_sgd_steps: int | None) -> tuple[list[list[Interval]], float]:
+    """Train ``--minibatches`` batches per replica: every stage's intervals of replica 0, the last training loss."""
+    k = args.minibatches
     torch.manual_seed(0)
-    model = EmulatedModel(stages * per_stage, fwd / 1e3, bwd / 1e3)
+    model = EmulatedModel(stages * args.blocks_per_stage, args.forward_ms / 1e3, args.backward_ms / 1e3)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = L.Trainer(
             strategy=PACIStrategy(schedule="paci", microbatches=m, pipeline_parallel_size=stages, start_method="fork",
@@ -72,55 +84,87 @@ def run(stages: int, replicas: int, m: int, k: int, fwd: float, bwd: float, per_
             accelerator="cpu", devices=stages * replicas, max_steps=k, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
             use_distributed_sampler=True, callbacks=[OneThread(), _DumpReplicaIntervals(Path(tmp))])
-        trainer.fit(model, emulated_loader(k * replicas, batch_size=m * microbatch_size))
+        trainer.fit(model, emulated_loader(k * replicas, batch_size=m * args.microbatch_size))
         return ([[Interval(*iv) for iv in json.loads((Path(tmp) / f"stage{s}_replica0.json").read_text())]
                  for s in range(stages)], float(trainer.callback_metrics["train_loss"]))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--minibatches", type=int, default=8)
-    parser.add_argument("--forward-ms", type=float, default=30.0)
-    parser.add_argument("--backward-ms", type=float, default=60.0)
-    parser.add_argument("--blocks-per-stage", type=int, default=2)
-    parser.add_argument("--microbatch-size", type=int, default=2)
-    parser.add_argument("--interconnect-ms", type=float, default=0.0, help="wait before every replica reduction")
-    parser.add_argument("--local-sgd-steps", type=int, nargs="*", default=[], help="also run LocalSGD with these k")
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    logging.getLogger("lightning").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    n, m, k = args.stages, args.microbatches, args.minibatches
-    limit = (k - 2) * m * args.blocks_per_stage * (args.forward_ms + args.backward_ms) / 1e3  # bubble-free steady s
+def _time(args: argparse.Namespace) -> list[dict[str, Any]]:
+    k, per_stage = args.minibatches, args.blocks_per_stage
     if args.interconnect_ms:
         slow_interconnect(args.interconnect_ms)
-    rows = []
-    configs = [(r, None) for r in args.replicas]
-    configs += [(r, s) for r in args.replicas if r > 1 for s in args.local_sgd_steps]
-    for replicas, local_sgd in configs:
-        intervals, loss = run(n, replicas, m, k, args.forward_ms, args.backward_ms, args.blocks_per_stage,
-                              args.microbatch_size, local_sgd)
-        steady = steady_seconds(intervals, m, k)
-        rows.append({"stages": n, "replicas": replicas, "local_sgd_steps": local_sgd, "steady_seconds": steady,
-                     "steady_efficiency": limit / steady, "train_loss": loss,
-                     "samples_per_second": (k - 2) * m * args.microbatch_size * replicas / steady})
-    base = rows[0]["samples_per_second"]
-    print(f"\nemulated cluster, paci, {n} stages, m = {m}, {k} mini-batches per replica, block F/B "
-          f"{args.forward_ms:g}/{args.backward_ms:g} ms, {args.blocks_per_stage} blocks per stage, "
-          f"{m * args.microbatch_size} samples per replica and batch, interconnect +{args.interconnect_ms:g} ms per "
-          f"reduction")
-    print(f"{'shape':>8} {'reduction':>16} {'steady eff.':>11} {'samples/s':>9} {'vs first':>8} {'train loss':>10}")
-    for r in rows:
-        how = "-" if r["replicas"] == 1 else (f"LocalSGD k={r['local_sgd_steps']}" if r["local_sgd_steps"]
-                                              else "grads every step")
-        print(f"{r['stages']:>3} x {r['replicas']:<2} {how:>16} {r['steady_efficiency']:>11.3f} "
-              f"{r['samples_per_second']:>9.1f} {r['samples_per_second'] / base:>7.2f}x {r['train_loss']:>10.4f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    rows: list[dict[str, Any]] = []
+    for n in args.stages:
+        for m in args.microbatches:
+            limit = (k - 2) * m * per_stage * (args.forward_ms + args.backward_ms) / 1e3  # bubble-free steady s
+            configs = [(r, None) for r in args.replicas]
+            configs += [(r, s) for r in args.replicas if r > 1 for s in args.local_sgd_steps]
+            first = len(rows)
+            for replicas, local_sgd in configs:
+                runs = [run(n, replicas, m, args, local_sgd) for _ in range(args.repeats)]
+                steady = median([steady_seconds(intervals, m, k) for intervals, _ in runs])
+                rows.append({"shape": f"{n} x {replicas}", "m": m, "local_sgd_steps": local_sgd,
+                             "reduction": "-" if replicas == 1 else (f"LocalSGD k={local_sgd}" if local_sgd
+                                                                     else "grads every step"),
+                             "steady_efficiency": limit / steady, "train_loss": runs[-1][1],
+                             "samples_per_s": (k - 2) * m * args.microbatch_size * replicas / steady})
+            for row in rows[first:]:
+                row["vs_first"] = row["samples_per_s"] / rows[first]["samples_per_s"]
+    print_table(f"emulated cluster, paci, {k} mini-batches per replica, block F/B {args.forward_ms:g}/"
+                f"{args.backward_ms:g} ms, {per_stage} blocks per stage, {args.microbatch_size} samples per "
+                f"micro-batch, interconnect +{args.interconnect_ms:g} ms per reduction, median of {args.repeats}",
+                rows, [("shape", "s"), ("m", "d"), ("reduction", "s"), ("steady_efficiency", ".3f"),
+                       ("samples_per_s", ".1f"), ("vs_first", ".2f"), ("train_loss", ".4f")])
+    return rows
 
 
-if __name__ == "__main__":
-    main()
+def _quality_run(job: tuple[int | None, int, argparse.Namespace]) -> dict[str, Any]:
+    local_sgd, seed, args = job
+    torch.set_num_threads(1)
+    batches = [b for _, b in zip(range(2 * args.max_steps), train_loader(args.corpus_bytes, seed))]
+    n, m = args.stages[0], args.microbatches[0]
+    torch.manual_seed(seed)
+    model = SleepyLM(max_steps=args.max_steps, lr=args.lr, warmup=args.warmup, layers=n)
+    pipeline = ReferencePipeline(model, plan_partition(model, n, partition="parameters"), replicas=2,
+                                 local_sgd_steps=local_sgd)
+    pipeline.run(build("paci", n, m, m, args.max_steps), [batches[0::2], batches[1::2]])  # disjoint shards
+    model.load_state_dict(pipeline.state_dict())
+    loss = validation_loss(model, corpus(args.corpus_bytes)[1])
+    return {"local_sgd_steps": local_sgd, "seed": seed, "val_loss": loss}
+
+
+def _quality(args: argparse.Namespace) -> list[dict[str, Any]]:
+    configs: list[int | None] = [None, *args.local_sgd_steps]
+    with get_context("fork").Pool(args.workers) as pool:
+        runs = pool.map(_quality_run, [(c, seed, args) for seed in args.seeds for c in configs])
+    losses = {c: sum(r["val_loss"] for r in runs if r["local_sgd_steps"] == c) / len(args.seeds) for c in configs}
+    rows = [{"reduction": "gradients every step" if c is None else f"LocalSGD, parameters every {c} steps",
+             "val_loss": loss, "vs_gradients": f"{100 * (loss / losses[None] - 1):+.2f}%"}
+            for c, loss in losses.items()]
+    print_table(f"{args.stages[0]} stages x 2 replicas, paci, m = a = {args.microbatches[0]}, 32 samples "
+                f"per replica and update, {args.max_steps} updates (AdamW {args.lr:g}, warm-up {args.warmup}, cosine), "
+                f"seeds {args.seeds}: validation loss after the final average", rows,
+                [("reduction", "s"), ("val_loss", ".4f"), ("vs_gradients", "s")])
+    return runs
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    add_shape_arguments(parser, stages=(4,), minibatches=8, forward_ms=30, backward_ms=60)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--microbatch-size", type=int, default=2, help="samples per micro-batch")
+    parser.add_argument("--interconnect-ms", type=float, default=0.0, help="wait before every replica reduction")
+    parser.add_argument("--local-sgd-steps", type=int, nargs="*", default=[], help="also run LocalSGD with these k")
+    parser.add_argument("--quality", action="store_true", help="loss per sample instead of time (one process)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="--quality")
+    parser.add_argument("--max-steps", type=int, default=200, help="--quality: updates")
+    parser.add_argument("--lr", type=float, default=1e-3, help="--quality")
+    parser.add_argument("--warmup", type=int, default=20, help="--quality: warm-up updates")
+    parser.add_argument("--corpus-bytes", type=int, default=2_500_000, help="--quality")
+    parser.add_argument("--workers", type=int, default=2, help="--quality: runs in parallel")
+
+
+def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    return _quality(args) if args.quality else _time(args)
+
+
+data_parallel = Benchmark(_arguments, _run, __doc__ or "")

@@ -1,6 +1,6 @@
 """Peak host memory (``VmHWM``) per stage process of a fork-started Trainer run of ``WideMLP``: at fit start, at
 the end of training, and after what follows it (a ``save_checkpoint`` and teardown, with the peak reset when
-training ends). Used by tests/test_big_model_memory.py and benchmarks/big_model_memory.py."""
+training ends). Used by tests/test_big_model_memory.py and `python -m benchmarks memory` (benchmarks/memory.py)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def test_train_gpt_example_runs_and_writes_drift_and_bubble_tags(tmp_path):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the machine has a GPU: the script would run")
 def test_gpu_smoke_script_exits_at_once_without_a_device():
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_smoke.py"
+    script = Path(__file__).resolve().parent / "gpu_smoke.py"
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"device": None, "note": "gpu_smoke: no CUDA device found; nothing to check "

@@ -195,8 +195,9 @@ def gather_to_first(local: dict[str, Any], replicas: int = 1, group: Any = None)
     send their own part and never receive another stage's (their peak memory stays their own stage). Rank 0
     receives the parts one rank at a time and merges each before the next: its peak is the merged whole plus one
     part in transit, where a ``gather_object`` held every part's pickle and its tensors at once (measured on a
-    268 MB model: benchmarks/big_model_memory.py). ``group``: the host group of every rank under NCCL ([Note: host
-    groups on a bound world]; None: the world, a host group itself), so no part passes through GPU memory."""
+    268 MB model: ``python -m benchmarks memory --measure host``). ``group``: the host group of every rank under
+    NCCL ([Note: host groups on a bound world]; None: the world, a host group itself), so no part passes through GPU
+    memory."""
     if not dist.is_available() or not dist.is_initialized():
         return local
     check_no_tensors(local, what="a checkpoint's gather to rank 0", host_tensors=True)

@@ -1,7 +1,7 @@
 """On one lent GPU, check what a CPU machine cannot: one script, at most 6 minutes, one JSON object on stdout.
 
-    python benchmarks/gpu_smoke.py [--out gpu_smoke.json]     # on a machine with CUDA
-    python benchmarks/gpu_smoke.py --rehearse                  # the same checks on the CPU, where they can run
+    python tests/gpu_smoke.py [--out gpu_smoke.json]     # on a machine with CUDA
+    python tests/gpu_smoke.py --rehearse                  # the same checks on the CPU, where they can run
 
 Checks, each independent (one failing does not stop the others; the exit status is 1 if any failed), each given
 what is left of the 6-minute budget (a check that would start past it is reported as skipped):

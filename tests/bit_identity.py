@@ -1,8 +1,8 @@
 """Fixed-seed losses and weights of paci, 1f1b and gpipe, for checking that a refactor changed nothing.
 
-    python benchmarks/bit_identity.py write before.pt     # on the old commit
-    python benchmarks/bit_identity.py write after.pt      # on the new commit
-    python benchmarks/bit_identity.py compare before.pt after.pt
+    python tests/bit_identity.py write before.pt     # on the old commit
+    python tests/bit_identity.py write after.pt      # on the new commit
+    python tests/bit_identity.py compare before.pt after.pt
 
 Each schedule runs twice: through the one-process reference executor and as a 4-process Trainer run (forked ranks,
 gloo), on an MLP, a hand-written loop transformer and a tied transformers GPT-2; the losses of every micro-batch,
