@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import multiprocessing
 import os
 from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
@@ -472,7 +473,8 @@ class PACIStrategy(ParallelStrategy):
     def _checkpoints(self) -> PipelineCheckpoints:
         return PipelineCheckpoints(self.config.checkpoint_layout, self.stage_index, self.num_stages,
                                    self.checkpoint_io, rank=self.global_rank, first_replica=self.replica_index == 0,
-                                   replicas=self.data_parallel_size, group=self.process_groups.host)
+                                   replicas=self.data_parallel_size,
+                                   group=None if self._groups is None else self._groups.host)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -531,8 +533,7 @@ class PACIStrategy(ParallelStrategy):
         self._failed = True
         watchdog = self._groups.watchdog if self._groups is not None else None
         if watchdog is not None:
-            watchdog.report(self.topology.watch_id(self.global_rank), f"{type(exception).__name__}: {exception}")
-            watchdog.stop(done=False)
+            watchdog.fail(f"{type(exception).__name__}: {exception}")  # beats on until this process ends
 
     @override
     def teardown(self) -> None:
@@ -542,6 +543,8 @@ class PACIStrategy(ParallelStrategy):
         watchdog = self._groups.watchdog if self._groups is not None else None
         if watchdog is not None and not self._failed:
             watchdog.stop(done=True)  # before the final gather: a clean exit is not a failure
+        elif watchdog is not None and multiprocessing.parent_process() is None:
+            watchdog.stop(done=False)  # a launched child ends right after and beats until then; this one may not
         if not self._failed:  # after a failure neighbours may be gone: no drain, no gather, no restore
             self._finish()
         activity.source, self._stage = None, None  # the runtime goes with the stage

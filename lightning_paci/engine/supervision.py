@@ -16,9 +16,12 @@ the rendezvous store (its own TCP connection, never the training communicators):
 * a stage whose code raises (the user's step, a non-finite loss, a lost neighbour) writes ``paci/<run>/failed`` with
   its stage index and exception before Lightning unwinds it;
 * on either, every other stage prints one line naming the failed stage and its reason and exits the process with
-  status 1 -- it may be blocked inside a receive that no exception can interrupt. A stage whose own exception
-  came after another stage's reported failure (a neighbour's lost connection) reports it in one line too, not as
-  a traceback: the failed stage's traceback stays the last one on the screen, the cause last.
+  status 1 -- it may be blocked inside a receive that no exception can interrupt. A stage that reported its own
+  exception goes on beating while it unwinds, and the others exit only once its heartbeat stops (or after
+  ``dead_after``): its process ends first, so a launcher that joins its children (fork, spawn) raises the failed
+  stage's own exception, not "process N exited with code 1" of a stage that stopped because of it. A stage whose
+  own exception came after another stage's reported failure (a neighbour's lost connection) reports it in one line
+  too, not as a traceback: the failed stage's traceback stays the last one on the screen, the cause last.
 
 The watchdog starts before the world's process group exists (:func:`rendezvous_store` makes the store first), so a
 rank held anywhere in setup is named too; a rank that has not beaten yet (still starting, importing) is given
@@ -61,6 +64,7 @@ from typing import Any
 __all__ = ["ALL", "ProcessActivity", "StageFailure", "StageWatchdog", "activity", "connect_store",
            "mark_setup_error", "print_setup_errors_once", "rendezvous_store", "runtime_activity"]
 
+_ENDED_AFTER_BEATS = 3  # a reporting stage whose heartbeat has not moved for this many intervals has ended
 PATIENCE = 10  # patient work is judged after PATIENCE * dead_after ([Note: judging progress])
 
 
@@ -182,6 +186,9 @@ class StageWatchdog:
         self._seen: dict[int, tuple[int, float]] = {}  # stage -> (last counter, local time it last moved)
         # what this process is doing ([Note: judging progress]); ``activity.now`` for a stage process
         self.activity: Callable[[], Doing | None] | None = None
+        self._unwinding = False  # this process reported its own failure: beat until it ends, judge no one
+        self._heard: tuple[int, str] | None = None  # another stage's reported failure, waiting for it to end
+        self._heard_at = 0.0
 
     def start(self) -> None:
         self._beat()
@@ -236,6 +243,14 @@ class StageWatchdog:
         except Exception:
             pass
 
+    def fail(self, reason: str) -> None:
+        """This process raised: publish it (unless another stage failed first) and keep beating while it unwinds,
+        so the others exit after it (see the module docstring)."""
+        self.report(self.stage, reason)
+        with contextlib.suppress(Exception):
+            self.store.set(f"{self.prefix}unwinding/{self.stage}", "1")
+        self._unwinding = True
+
     def _beat(self) -> None:
         self._beats += 1
         self.store.set(f"{self.prefix}heartbeat/{self.stage}", str(self._beats))
@@ -244,12 +259,19 @@ class StageWatchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            if self._unwinding:
+                with contextlib.suppress(Exception):
+                    self._beat()
+                continue
             try:
                 self._beat()
                 failure = self._failure()
+                if failure is not None and self._heard == failure and self._still_unwinding(failure[0]):
+                    continue
             except Exception as err:  # the store lives in rank 0's process: unreachable means rank 0 is gone
-                failure = (self.store_host, f"exited or died: the rendezvous store it hosts is unreachable ({err}); "
-                                            f"if another stage failed first, its message is above")
+                failure = self._heard or (
+                    self.store_host, f"exited or died: the rendezvous store it hosts is unreachable ({err}); "
+                                     f"if another stage failed first, its message is above")
             if failure is not None and not self._stop.is_set():
                 stage, reason = failure
                 self.report(stage, reason)  # the others stop on it at once (a no-op if one was reported first)
@@ -258,9 +280,28 @@ class StageWatchdog:
                 self._exit(1)
                 return
 
+    def _still_unwinding(self, stage: int) -> bool:
+        """Whether ``stage``, which reported its own failure, still beats (its process has not ended), for at most
+        ``dead_after`` after the report was first seen. A stage named by another's report (hung, dead) is not
+        waited for."""
+        if not self.store.check([f"{self.prefix}unwinding/{stage}"]):
+            return False
+        now = time.monotonic()
+        key = f"{self.prefix}heartbeat/{stage}"
+        count = int(self.store.get(key)) if self.store.check([key]) else 0
+        last, since = self._seen.get(stage, (-1, now))
+        if count != last:
+            self._seen[stage] = (count, now)
+            since = now
+        return now - since < _ENDED_AFTER_BEATS * self.interval and now - self._heard_at < self.dead_after
+
     def _failure(self) -> tuple[int, str] | None:
         if (reported := self._reported()) is not None:
-            return reported if reported[0] != self.stage else None
+            if reported[0] == self.stage:
+                return None
+            if self._heard is None:
+                self._heard, self._heard_at = reported, time.monotonic()
+            return reported
         if (hung := self._hung()) is not None:
             return hung
         now = time.monotonic()
