@@ -41,9 +41,9 @@ from benchmarks.harness import (
     steady_seconds,
 )
 from benchmarks.time_to_accuracy import SleepyLM, corpus, train_loader, validation_loss
-from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
+from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
 from lightning_paci.engine import data_parallel as replica_sync
-from lightning_paci.simulation.timeline import Interval
+from lightning_paci.schedules import Interval
 
 __all__ = ["data_parallel"]
 
@@ -127,7 +127,7 @@ def _quality_run(job: tuple[int | None, int, argparse.Namespace]) -> dict[str, A
     model = SleepyLM(max_steps=args.max_steps, lr=args.lr, warmup=args.warmup, layers=n)
     pipeline = ReferencePipeline(model, plan_partition(model, n, partition="parameters"), replicas=2,
                                  local_sgd_steps=local_sgd)
-    pipeline.run(build("paci", n, m, m, args.max_steps), [batches[0::2], batches[1::2]])  # disjoint shards
+    pipeline.run(build_schedule("paci", n, m, m, args.max_steps), [batches[0::2], batches[1::2]])  # disjoint shards
     model.load_state_dict(pipeline.state_dict())
     loss = validation_loss(model, corpus(args.corpus_bytes)[1])
     return {"local_sgd_steps": local_sgd, "seed": seed, "val_loss": loss}

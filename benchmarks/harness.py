@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_paci import PACIStrategy
-from lightning_paci.simulation.timeline import Interval
+from lightning_paci.schedules import Interval
 
 __all__ = ["Benchmark", "EmulatedModel", "OneThread", "add_shape_arguments", "emulated_loader", "main", "median",
            "plot_curves", "print_table", "run_emulated", "run_seconds", "sleep_until", "steady_seconds", "time_to"]

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from benchmarks.harness import Benchmark, median, print_table, run_emulated, steady_seconds
 from benchmarks.time_to_accuracy import CONTEXT, GLOBAL_BATCH, SleepyLM
-from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
+from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -79,7 +79,7 @@ def _peaks(model: Any, batches: list[Any], stages: int, m: int, recompute: str) 
     reference = ReferencePipeline(model, plan, recompute=recompute)
     for runtime in reference.runtimes:
         runtime.records.measure(activation_bytes=True)
-    reference.run(build("paci", stages, m, m, len(batches), tied=bool(plan.tied)), batches)
+    reference.run(build_schedule("paci", stages, m, m, len(batches), tied=bool(plan.tied)), batches)
     return [runtime.records.peak_activation_bytes for runtime in reference.runtimes]
 
 

@@ -46,9 +46,9 @@ from benchmarks.harness import (
     run_seconds,
     steady_seconds,
 )
-from lightning_paci import BubbleMonitor, DriftMonitor, TimelineMonitor, build, simulate
+from lightning_paci import BubbleMonitor, DriftMonitor, TimelineMonitor, build_schedule, simulate_schedule
+from lightning_paci.schedules import Interval
 from lightning_paci.simulation import measured_phases
-from lightning_paci.simulation.timeline import Interval
 
 __all__ = ["overhead", "run_torch", "vs_torch"]
 
@@ -182,7 +182,7 @@ def _bare_worker(rank: int, shape: tuple[int, int, int, float, float, int], path
         for i, part in enumerate(split_microbatches(batch, m)):
             runtime.add_microbatch(b * m + i, part, b)
     dist.barrier()
-    runtime.run(build("paci", n, m, m, k).actions[rank])
+    runtime.run(build_schedule("paci", n, m, m, k).actions[rank])
     runtime.comm.flush()
     gathered: list[Any] = [None] * n
     dist.all_gather_object(gathered, [list(iv) for iv in runtime.records.intervals])
@@ -256,7 +256,7 @@ def _overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
                 t0 = min(iv.start for ivs in middle for iv in ivs)
                 idle = [measured_phases(ivs, m, k, t0, t0 + run_seconds(middle))["steady_bubble_fraction"]
                         for ivs in middle]
-                predicted = simulate(build(schedule, n, m, m, k), forward_cost=per_stage * fwd,
+                predicted = simulate_schedule(build_schedule(schedule, n, m, m, k), forward_cost=per_stage * fwd,
                                      backward_cost=per_stage * bwd).stages
                 parts = breakdown(middle, m, k, device_ms)
                 row = {"N": n, "m": m, "run": name, "steady_efficiency": median(efficiencies),
@@ -299,8 +299,8 @@ def _bubble_monitor(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str
         timeline = args.timeline_png is not None and schedule == "paci"
         _monitored(tmp, k, timeline, schedule=schedule, **shape)
         measured = _read_bubbles(tmp, n)
-        predicted = [r.steady_bubble_fraction for r in simulate(
-            build(schedule, n, m, m, k), forward_cost=shape["blocks_per_stage"] * shape["forward_ms"],
+        predicted = [r.steady_bubble_fraction for r in simulate_schedule(
+            build_schedule(schedule, n, m, m, k), forward_cost=shape["blocks_per_stage"] * shape["forward_ms"],
             backward_cost=shape["blocks_per_stage"] * shape["backward_ms"]).stages]
         if timeline:
             shutil.copy(tmp / "tb" / "version_0" / "timeline" / "timeline.png", args.timeline_png)

@@ -13,7 +13,7 @@ over ``--rate-steps`` steps, only the fastest is trained to the end, and the oth
 weights after its k-th update (no drain), the parent evaluates every version on the held-out 5% afterwards; version
 k's time is when stage 0, the last to update, got there. Printed: the wall clock for the budget, the time to the
 lowest common loss (or ``--target``), the loss at equal samples, per-stage peak in-flight micro-batches and
-activation bytes, and the look-ahead's extra memory.
+activation bytes, and the weight prediction's extra memory.
 
 ``--reference`` (loss per update): the loss after k updates does not depend on timing (the processes compute what
 the one-process reference executor computes, bit for bit, tested), so a run far longer than the emulated cluster
@@ -51,7 +51,7 @@ from benchmarks.harness import (
     print_table,
     time_to,
 )
-from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
+from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import ByteBlocks, stdlib_corpus  # noqa: E402
@@ -175,9 +175,9 @@ class _Record(Callback):
         runtime, stage = trainer.strategy.runtime, trainer.strategy.stage_index  # type: ignore[attr-defined]
         for version, (_, weights) in self.versions.items():
             torch.save(weights, self.directory / f"stage{stage}_v{version}.pt")
-        lookahead = runtime.lookahead.peak_extra_bytes if runtime.lookahead is not None else 0
+        prediction = runtime.prediction.peak_extra_bytes if runtime.prediction is not None else 0
         record = {"peak_inflight": runtime.records.peak_inflight, "model_bytes": _state_bytes(runtime),
-                  "lookahead_bytes": lookahead, "peak_activation_bytes": runtime.records.peak_activation_bytes,
+                  "prediction_bytes": prediction, "peak_activation_bytes": runtime.records.peak_activation_bytes,
                   "seconds": time.perf_counter() - self.start, "batch_ends": self.batch_ends,
                   "version_times": {v: t for v, (t, _) in self.versions.items()}}
         (self.directory / f"stage{stage}.json").write_text(json.dumps(record))
@@ -219,7 +219,7 @@ def run_trainer(schedule: str, m: int, seed: int, steps: int, args: argparse.Nam
             curve.append((version, times[version], validation_loss(evaluated, corpus(args.corpus_bytes)[1])))
     return {"schedule": schedule, "microbatches": m, "seed": seed, "curve": curve, "seconds": stages[0]["seconds"],
             "batch_ends": stages[0]["batch_ends"], **{key: [st[key] for st in stages] for key in (
-                "peak_inflight", "peak_activation_bytes", "model_bytes", "lookahead_bytes")}}
+                "peak_inflight", "peak_activation_bytes", "model_bytes", "prediction_bytes")}}
 
 
 def steps_per_second(ends: list[float], skip: int, drop_last: int = 0) -> float:
@@ -271,8 +271,8 @@ def _time_run(args: argparse.Namespace) -> dict[str, Any]:
     print("val loss at equal samples, paci vs 1f1b: " + "; ".join(f"step {s}: {p:.4f} vs {f:.4f} ({100 * d:+.2f}%)"
                                                                    for s, p, f, d in equal))
     base = [a + b for a, b in zip(paci[0]["model_bytes"], paci[0]["peak_activation_bytes"])]
-    print("look-ahead's extra memory per stage, KiB (share of parameters + optimizer state + activations): "
-          + " ".join(f"{e / 1024:.1f} ({100 * e / b:.2f}%)" for e, b in zip(paci[0]["lookahead_bytes"], base)))
+    print("weight prediction's extra memory per stage, KiB (share of parameters + optimizer state + activations): "
+          + " ".join(f"{e / 1024:.1f} ({100 * e / b:.2f}%)" for e, b in zip(paci[0]["prediction_bytes"], base)))
     if args.plot:
         plot_curves({name: [(t, loss) for _, t, loss in c] for name, c in curves.items()}, "wall clock (s)", args.plot,
               target)
@@ -298,14 +298,14 @@ def _reference_curve(job: tuple[tuple[str, str, str], int, argparse.Namespace]) 
                 snapshots.setdefault(version, {}).update(
                     {k: v.detach().clone() for k, v in pipeline.modules[stage].state_dict().items()})
         runtime.update_hooks.append(keep)
-    pipeline.run(build(schedule, args.stages, args.microbatches, args.microbatches, args.max_steps),
+    pipeline.run(build_schedule(schedule, args.stages, args.microbatches, args.microbatches, args.max_steps),
                  [b for _, b in zip(range(args.max_steps), loader)])
     curve = []
     for version in sorted(snapshots):
         model.load_state_dict(snapshots[version])
         curve.append((version, float(version), validation_loss(model, corpus(args.corpus_bytes)[1])))
     return {"config": f"{schedule}:{compensation}:{recompute}", "seed": seed, "curve": curve,
-            "lookahead_bytes": [r.lookahead.peak_extra_bytes if r.lookahead is not None else 0
+            "prediction_bytes": [r.prediction.peak_extra_bytes if r.prediction is not None else 0
                                 for r in pipeline.runtimes]}
 
 
@@ -342,7 +342,7 @@ def _reference_run(args: argparse.Namespace) -> dict[str, Any]:
             ratio = time_to(curve, base[-1][2]) / base[-1][0]
         summary[name] = {"final_relative": (curve[-1][2] - base[-1][2]) / base[-1][2], "updates_ratio": ratio,
                          "worst_relative": max((p[2] - f[2]) / f[2] for p, f in zip(curve, base)),
-                         "lookahead_bytes": max(max(r["lookahead_bytes"]) for r in runs if r["config"] == name)}
+                         "prediction_bytes": max(max(r["prediction_bytes"]) for r in runs if r["config"] == name)}
         line = (f"{name}: final {100 * summary[name]['final_relative']:+.2f}%, worst "
                 f"{100 * summary[name]['worst_relative']:+.2f}%, {ratio:.3f}x the updates for the same loss")
         if args.rates:
@@ -376,7 +376,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     add("--layers", type=int, help="transformer blocks (default: one per stage)")
     add("--dim", type=int, default=64, help="model width")
     add("--corpus-bytes", type=int, help="default 600000; --reference 2500000")
-    add("--compensation", choices=("auto", "lookahead", "none"), default="auto", help="the time runs' paci")
+    add("--compensation", choices=("auto", "predict", "none"), default="auto", help="the time runs' paci")
     add("--rate-steps", type=int, default=12, help="steps of each flush throughput run")
     add("--target", type=float, help="validation loss to reach (default: the lowest common)")
     add("--fixed-ms", type=float, default=20.0, help="forward time per block and micro-batch")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
@@ -28,12 +29,23 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "SimulationResult",
-    "build",
+    "BuildMismatchError",
+    "CrossingError",
+    "DataMismatchError",
+    "LightningAPIError",
+    "MetaLoadError",
+    "NcclRuleError",
+    "ReplicaMismatchError",
+    "StageFailure",
+    "StageMismatchError",
+    "TensorPickleError",
+    "WeightsError",
+    "build_schedule",
     "drift_bound",
-    "simulate",
-    "validate",
+    "simulate_schedule",
+    "validate_schedule",
 ]
-__version__ = "0.1.0.dev0"
+__version__ = "0.4.0.dev0"
 
 _HOME = {
     "PACIStrategy": "strategy",
@@ -48,16 +60,34 @@ _HOME = {
     "ReferencePipeline": "integration.reference_pipeline",
     "Action": "schedules",
     "Schedule": "schedules",
-    "ScheduleError": "schedules",
-    "build": "schedules",
+    "ScheduleError": "errors",
+    "BuildMismatchError": "errors",
+    "CrossingError": "errors",
+    "DataMismatchError": "errors",
+    "LightningAPIError": "errors",
+    "MetaLoadError": "errors",
+    "NcclRuleError": "errors",
+    "ReplicaMismatchError": "errors",
+    "StageFailure": "errors",
+    "StageMismatchError": "errors",
+    "TensorPickleError": "errors",
+    "WeightsError": "errors",
+    "build_schedule": "schedules",
     "drift_bound": "schedules",
-    "validate": "schedules",
+    "validate_schedule": "schedules",
     "SimulationResult": "simulation",
-    "simulate": "simulation",
+    "simulate_schedule": "simulation",
 }
 
 
+_RENAMED = {"build": "build_schedule", "validate": "validate_schedule"}  # the names of 0.3 and before
+
+
 def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        warnings.warn(f"`lightning_paci.{name}` is `lightning_paci.{_RENAMED[name]}`; the old name will be removed.",
+                      DeprecationWarning, stacklevel=2)
+        return __getattr__(_RENAMED[name])
     if name not in _HOME:
         raise AttributeError(f"module 'lightning_paci' has no attribute {name!r}")
     value = getattr(importlib.import_module(f"lightning_paci.{_HOME[name]}"), name)
@@ -84,10 +114,24 @@ def _running_own_tool() -> bool:
 if TYPE_CHECKING:
     from lightning_paci.callbacks import BubbleMonitor, DriftMonitor, MemoryMonitor, SavePretrained, TimelineMonitor
     from lightning_paci.config import PACIConfig
+    from lightning_paci.errors import (
+        BuildMismatchError,
+        CrossingError,
+        DataMismatchError,
+        LightningAPIError,
+        MetaLoadError,
+        NcclRuleError,
+        ReplicaMismatchError,
+        ScheduleError,
+        StageFailure,
+        StageMismatchError,
+        TensorPickleError,
+        WeightsError,
+    )
     from lightning_paci.integration.reference_pipeline import ReferencePipeline
     from lightning_paci.partition import PartitionPlan, plan_partition
-    from lightning_paci.schedules import Action, Schedule, ScheduleError, build, drift_bound, validate
-    from lightning_paci.simulation import SimulationResult, simulate
+    from lightning_paci.schedules import Action, Schedule, build_schedule, drift_bound, validate_schedule
+    from lightning_paci.simulation import SimulationResult, simulate_schedule
     from lightning_paci.strategy import PACIStrategy
 elif not _running_own_tool():
     from lightning_paci.strategy import PACIStrategy  # registers "paci", "paci_fork", "paci_spawn"

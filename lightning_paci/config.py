@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
 from lightning_paci.engine.recompute import RECOMPUTE_MODES
 from lightning_paci.engine.topology import check_size_option
-from lightning_paci.optim.lookahead import COMPENSATIONS
+from lightning_paci.optim.weight_prediction import COMPENSATIONS
 from lightning_paci.partition import PartitionSpec
 from lightning_paci.schedules import SCHEDULE_NAMES, ScheduleName
 
@@ -66,13 +67,14 @@ class PACIConfig:
             torch, Lightning and transformers holds ~470k objects, and each full collection over them paused a
             stage for 1-1.5 s; in a pipeline every stage's pause stalls all the others (measured: 1.6-2.9 s steps
             instead of 0.8 s, several times per 200 steps). Objects created during training are still collected.
-        compensation: staleness compensation (see [Note: exact look-ahead] in optim/lookahead.py). ``"auto"``
-            (default): a micro-batch that will cross ``k`` local updates between its forward and its backward is
-            forwarded with the weights moved ``k`` predicted steps of the optimizer itself ahead (SGD with momentum,
-            Adam, AdamW; the window's gradient so far plus the momentum's rate for the rest), exactly undone after
-            the forward: no weight copy, no parameter-sized
-            buffer; other optimizers train uncompensated with a warning. ``"lookahead"``: the same, but an
-            unsupported optimizer is an error. ``"none"``: the paper's PACI, forwards with the weights as they are.
+        compensation: staleness compensation by weight prediction (see [Note: exact weight prediction] in
+            optim/weight_prediction.py). ``"auto"`` (default): a micro-batch that will cross ``k`` local updates
+            between its forward and its backward is forwarded with the weights moved ``k`` predicted steps of the
+            optimizer itself ahead (SGD with momentum, Adam, AdamW; the window's gradient so far plus the momentum's
+            rate for the rest), exactly undone after the forward: no weight copy, no parameter-sized buffer; other
+            optimizers train uncompensated with a warning. ``"predict"``: the same, but an unsupported optimizer is
+            an error (``"lookahead"``, its name up to 0.3, is accepted with a deprecation warning). ``"none"``: the
+            paper's PACI, forwards with the weights as they are.
         pipeline_parallel_size, data_parallel_size: stages x replicas = ``devices x num_nodes`` (``"auto"``: what
             the other leaves; both ``"auto"``: every process a stage, one replica). The replicas of a stage average
             their gradients right before each of their local steps (data_parallel.py); see [Note: rank layout] for
@@ -115,7 +117,7 @@ class PACIConfig:
     max_stream_batches: int = 256
     freeze_gc: bool = True
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
-    compensation: Literal["auto", "lookahead", "none"] = "auto"
+    compensation: Literal["auto", "predict", "none"] = "auto"
     pipeline_parallel_size: int | Literal["auto"] = "auto"
     data_parallel_size: int | Literal["auto"] = "auto"
     local_sgd_steps: int | None = None
@@ -139,6 +141,10 @@ class PACIConfig:
             raise ValueError(f"`failure_timeout` must be > 0 seconds, got {self.failure_timeout!r}. The default 20.0 "
                              f"declares a stage dead after 20 s without a heartbeat.")
         _choice("start_method", self.start_method, ("popen", "spawn", "fork", "forkserver"))
+        if self.compensation == "lookahead":  # the name of 0.3 and before
+            warnings.warn("`compensation='lookahead'` is `compensation='predict'` (weight prediction); the old name "
+                          "will be removed.", DeprecationWarning, stacklevel=4)
+            object.__setattr__(self, "compensation", "predict")
         _choice("compensation", self.compensation, COMPENSATIONS)
         check_size_option("pipeline_parallel_size", self.pipeline_parallel_size)
         check_size_option("data_parallel_size", self.data_parallel_size)

@@ -3,16 +3,15 @@
 ``import lightning_paci`` registers ``Trainer(strategy="paci")`` (processes started like ``ddp``), ``"paci_fork"``
 (forked, for CPU tests and notebooks) and ``"paci_spawn"``.
 
-One class, as each of Lightning's strategies is: every hook delegates to the module that owns the concept --
-options (config.py), processes and collectives (integration/processes.py), the model's construction and the plan
-(integration/stage_build.py), this process's stage and everything that runs it (integration/local_stage.py:
-runtime, stream driver, [Note: no flush per Lightning batch]), the Trainer's checks and patches
-(integration/trainer_glue.py), checkpoints (integration/checkpoint.py), failures (engine/supervision.py) and
-Lightning's private API (integration/lightning_api.py). Two per-batch synchronisations would turn PACI into a flush
-and are avoided: Lightning's per-batch SIGTERM broadcast from rank 0 (a full barrier on gloo) is replaced by a
-local check (Lightning's launchers deliver the signal to every process), and logged values travel upstream with
-the gradients instead of being broadcast (logs.py).
-"""
+One class, as each of Lightning's strategies is: every hook delegates to the module that owns the concept -- options
+(config.py), processes and collectives (integration/processes.py), the model's construction and the plan
+(integration/stage_build.py), this process's stage and everything that runs it (integration/local_stage.py: runtime,
+stream driver, [Note: no flush per Lightning batch]), the Trainer's checks (integration/trainer_checks.py), the fit
+loop's data, drain points and patches (integration/fit_loop.py), checkpoints (integration/checkpoint.py), failures
+(engine/supervision.py) and Lightning's private API (integration/lightning_api.py). Two per-batch synchronisations
+would turn PACI into a flush and are avoided: Lightning's per-batch SIGTERM broadcast from rank 0 (a full barrier on
+gloo) is replaced by a local check (Lightning's launchers deliver the signal to every process), and logged values
+travel upstream with the gradients instead of being broadcast (logs.py)."""
 
 from __future__ import annotations
 
@@ -41,9 +40,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_paci.config import PACIConfig
+from lightning_paci.engine.activity import activity
 from lightning_paci.engine.communicators import transport_device
 from lightning_paci.engine.runtime import StageRuntime
-from lightning_paci.engine.supervision import activity, mark_setup_error
+from lightning_paci.engine.supervision import mark_setup_error
 from lightning_paci.engine.topology import Topology, check_topology, resolve_sizes
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.checkpoint import (
@@ -51,6 +51,13 @@ from lightning_paci.integration.checkpoint import (
     after_fit_message,
     cpu_state,
     receive_after_fit,
+)
+from lightning_paci.integration.fit_loop import (
+    ends_epoch,
+    must_drain,
+    patch_for_pipeline,
+    same_data_on_every_stage,
+    seed_workers_alike,
 )
 from lightning_paci.integration.lightning_program import LightningHooks
 from lightning_paci.integration.local_stage import LocalStage, StageLinks
@@ -64,14 +71,7 @@ from lightning_paci.integration.processes import (
     start_process_groups,
 )
 from lightning_paci.integration.stage_build import StageBuilder, meta_stays_on_meta
-from lightning_paci.integration.trainer_glue import (
-    check_trainer,
-    ends_epoch,
-    must_drain,
-    patch_for_pipeline,
-    same_data_on_every_stage,
-    seed_workers_alike,
-)
+from lightning_paci.integration.trainer_checks import check_trainer
 from lightning_paci.optim.stage_optimizer import optimizer_and_step_schedulers
 from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage
 from lightning_paci.schedules import ScheduleName
@@ -129,7 +129,7 @@ class PACIStrategy(ParallelStrategy):
         max_stream_batches: int = 256,
         freeze_gc: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        compensation: Literal["auto", "lookahead", "none"] = "auto",
+        compensation: Literal["auto", "predict", "none"] = "auto",
         pipeline_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_size: int | Literal["auto"] = "auto",
         local_sgd_steps: int | None = None,

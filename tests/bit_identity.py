@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from lightning_paci import ReferencePipeline, build, plan_partition  # noqa: E402
+from lightning_paci import ReferencePipeline, build_schedule, plan_partition  # noqa: E402
 
 from helpers import DumpLastStageLosses, RecordLosses, fit  # noqa: E402
 from models import HFCausalLM, LoopTransformer, SequentialMLP, regression_loader, token_loader  # noqa: E402
@@ -44,7 +44,7 @@ def _reference(make: Any, loader: Any, schedule: str) -> dict[str, Any]:
     plan = plan_partition(model, num_stages=STAGES, partition="parameters")
     reference = ReferencePipeline(model, plan)
     batches = list(loader)
-    reference.run(build(schedule, STAGES, MICROBATCHES, ACCUMULATION, num_minibatches=len(batches),
+    reference.run(build_schedule(schedule, STAGES, MICROBATCHES, ACCUMULATION, num_minibatches=len(batches),
                         tied=bool(plan.tied)), batches)
     losses = reference.runtimes[-1].records.losses
     return {"losses": torch.tensor([losses[k] for k in sorted(losses)], dtype=torch.float64),

@@ -67,7 +67,7 @@ def _sync(device: torch.device) -> None:
 def _reference_run(device: torch.device, *, deterministic: bool, count_syncs: bool = False) -> dict[str, Any]:
     import lightning as L
 
-    from lightning_paci import ReferencePipeline, build, plan_partition
+    from lightning_paci import ReferencePipeline, build_schedule, plan_partition
 
     from models import HFCausalLM, token_loader
 
@@ -79,7 +79,7 @@ def _reference_run(device: torch.device, *, deterministic: bool, count_syncs: bo
     reference = ReferencePipeline(model, plan)
     data = [tuple(t.to(device) for t in batch) for batch in token_loader(num_batches=batches, batch_size=16,
                                                                             vocab=64, seq=33)]
-    schedule = build("paci", stages, m, a, num_minibatches=batches, tied=True)
+    schedule = build_schedule("paci", stages, m, a, num_minibatches=batches, tied=True)
     for runtime in reference.runtimes:  # per forward, as the precision plugin's train_step_context is entered
         runtime.program.context = lambda: torch.autocast(device.type, dtype=torch.bfloat16,
                                                          enabled=device.type == "cuda")

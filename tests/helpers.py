@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 
-from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
+from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
 
 from models import SequentialMLP
 
@@ -177,7 +177,7 @@ def one_device(max_epochs: int = 1, **trainer_kwargs) -> L.Trainer:
 def reference_run(initial, schedule: str, stages: int, m: int, a: int, batches, *, tied: bool = False):
     """The one-process reference executor run on ``batches`` with the split the tests' runs use."""
     reference = ReferencePipeline(initial, plan_partition(initial, stages, partition="parameters"))
-    reference.run(build(schedule, stages, m, a, len(batches), tied=tied), list(batches))
+    reference.run(build_schedule(schedule, stages, m, a, len(batches), tied=tied), list(batches))
     return reference
 
 

@@ -18,9 +18,9 @@ from lightning_paci import (
     DriftMonitor,
     MemoryMonitor,
     ReferencePipeline,
-    build,
+    build_schedule,
     plan_partition,
-    simulate,
+    simulate_schedule,
 )
 from lightning_paci.callbacks.bubble_monitor import bubble_window_metrics
 from lightning_paci.callbacks.drift_monitor import drift_window_metrics
@@ -52,7 +52,7 @@ def _run(tmp_path, schedule, accumulation, steps=6, callbacks=None, **kwargs):
 @pytest.mark.parametrize("schedule,accumulation", [("paci", 1), ("paci", 2), ("paci", 4), ("1f1b", 4)])
 def test_every_stage_writes_its_tags_and_drift_equals_the_simulator(tmp_path, schedule, accumulation):
     _, directory = _run(tmp_path, schedule, accumulation)
-    predicted = simulate(build(schedule, 4, 4, accumulation, 6))
+    predicted = simulate_schedule(build_schedule(schedule, 4, 4, accumulation, 6))
     for s in range(4):
         scalars = _scalars(directory, s)
         for figure in ("drift_max", "drift_mean", "drift_bound", "weight_drift_max", "weight_drift_mean",
@@ -95,7 +95,7 @@ def test_memory_monitor_shows_paci_holds_what_1f1b_holds(tmp_path):
 def test_weight_drift_matches_brute_force_copies(accumulation):
     # the reference executor, with the test stashing a full copy of each stage's weights at every forward;
     # a = 3 = N - 1: at most one update per window, the monitor is exact; a = 1: it is an upper bound. (The drift
-    # is the distance between the versions at F and at B; a look-ahead would move the forward's weights.)
+    # is the distance between the versions at F and at B; a weight prediction would move the forward's weights.)
     torch.manual_seed(21)
     model = SequentialMLP(depth=4, lr=0.5)
     plan = plan_partition(model, 4, partition="parameters")
@@ -120,7 +120,7 @@ def test_weight_drift_matches_brute_force_copies(accumulation):
 
         program.forward, records.add_backward = forward, add_backward
     batches = list(regression_loader(num_batches=6))
-    reference.run(build("paci", 4, 4, accumulation, 6), batches)
+    reference.run(build_schedule("paci", 4, 4, accumulation, 6), batches)
     checked = 0
     for runtime in reference.runtimes:
         for mb, gap, drift, exact in runtime.records.backwards:
@@ -201,7 +201,7 @@ def test_drift_monitor_shows_the_tied_replica_lag_and_its_bound_on_the_last_stag
         devices=4, max_steps=6, schedule="paci", microbatches=2, accumulation=1, partition="parameters",
         callbacks=[DriftMonitor(weight_drift=False)], trainer_kwargs={"logger": logger, "log_every_n_steps": 2})
     last = _scalars(tmp_path / "tb" / "version_0", 3)
-    bound = max(static_tied_lags(build("paci", 4, 2, 1, 6, tied=True).actions[3]).values())
+    bound = max(static_tied_lags(build_schedule("paci", 4, 2, 1, 6, tied=True).actions[3]).values())
     assert bound == 4 and set(last["paci/tied_lag_bound/stage_3"]) == {4.0}
     assert max(last["paci/tied_lag_max/stage_3"]) == 4.0  # reached in the steady state
     assert "paci/tied_lag_bound/stage_0" not in _scalars(tmp_path / "tb" / "version_0", 0)

@@ -1,6 +1,6 @@
-"""Staleness compensation (optim/lookahead.py): the look-ahead predicts the optimizer's own next update, undoes it bit
-for bit, touches no autograd version counter, is chosen and refused at setup as documented, and the runtime's
-count of crossed updates is the list's."""
+"""Staleness compensation (optim/weight_prediction.py): the weight prediction predicts the optimizer's own next
+update, undoes it bit for bit, touches no autograd version counter, is chosen and refused at setup as documented,
+and the runtime's count of crossed updates is the list's."""
 
 from __future__ import annotations
 
@@ -14,9 +14,14 @@ from torch import nn
 
 from lightning_paci import ReferencePipeline, plan_partition
 from lightning_paci.engine.driver import _crossings
-from lightning_paci.optim.lookahead import LookAhead, costly_regime, lookahead_for, lookahead_unsupported
 from lightning_paci.optim.stage_optimizer import StageOptimizer
-from lightning_paci.schedules import OPT, B, F, build, static_drift
+from lightning_paci.optim.weight_prediction import (
+    WeightPrediction,
+    costly_regime,
+    prediction_unsupported,
+    weight_prediction_for,
+)
+from lightning_paci.schedules import OPT, B, F, build_schedule, static_drift
 
 from helpers import RecordSetupWarnings, fit
 from models import SequentialMLP, regression_loader
@@ -62,15 +67,15 @@ def test_undo_is_exact_and_leaves_version_counters_alone(name: str, k: int, rest
     gen = torch.Generator().manual_seed(1)
     for p in params:  # part of the next window's gradient already accumulated
         p.grad = torch.randn(p.shape, generator=gen)
-    lookahead = LookAhead(optimizer.optimizer, optimizer.pairs)
-    whole = LookAhead(optimizer.optimizer, optimizer.pairs)
+    prediction = WeightPrediction(optimizer.optimizer, optimizer.pairs)
+    whole = WeightPrediction(optimizer.optimizer, optimizer.pairs)
     with whole.moved(k, rest):
         expected = [p.detach().clone() for p in params]  # in one chunk per tensor
-    lookahead.chunk = chunk or lookahead.chunk  # 100: many chunks per tensor, the last one short
+    prediction.chunk = chunk or prediction.chunk  # 100: many chunks per tensor, the last one short
     before = [p.detach().clone() for p in params]
     versions = [p._version for p in params]
     x = torch.randn(5, 32, generator=gen)
-    with lookahead.moved(k, rest):
+    with prediction.moved(k, rest):
         moved = [p.detach().clone() for p in params]
         out = (x @ params[0].t() + params[1].sum()).square().sum()  # a graph saving the parameters
     assert all(not torch.equal(m, b) for m, b in zip(moved, before))
@@ -79,19 +84,19 @@ def test_undo_is_exact_and_leaves_version_counters_alone(name: str, k: int, rest
         assert torch.equal(p.detach(), b), "the undo must restore every bit"
     assert [p._version for p in params] == versions
     out.backward()  # the saved parameters were not modified "in place" as far as autograd knows
-    assert lookahead.moves == 1
+    assert prediction.moves == 1
 
 
 def test_undo_keeps_the_elements_rounding_lost() -> None:
     """Tiny weights moved by much larger steps cannot be recovered by subtraction; the kept elements make the
-    undo exact anyway, and their bytes are what the look-ahead reports."""
+    undo exact anyway, and their bytes are what the weight prediction reports."""
     params, optimizer = _stepped("adamw")
-    lookahead = LookAhead(optimizer.optimizer, optimizer.pairs)
+    prediction = WeightPrediction(optimizer.optimizer, optimizer.pairs)
     before = [p.detach().clone() for p in params]
-    moved = lookahead.apply(1)
+    moved = prediction.apply(1)
     lost = sum(len(idx) for idx, _ in moved.kept.values())
     assert 0 < lost < sum(p.numel() for p in params) // 20
-    lookahead.revert(moved)
+    prediction.revert(moved)
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
     assert moved.kept_bytes == lost * 8  # an int32 index and a float32 value each
 
@@ -100,17 +105,17 @@ def test_undo_keeps_the_elements_rounding_lost() -> None:
 @pytest.mark.parametrize("name", ["sgd_momentum", "sgd_nesterov", "sgd_dampening", "adam", "adamw_amsgrad"])
 def test_the_prediction_is_the_update_for_the_known_share_scaled_to_the_window(name: str, rest: float) -> None:
     """``rest = 0``: the window's gradient is complete, so the predicted step is the optimizer's step (weight
-    decay aside, which the look-ahead leaves out). ``rest = 0.75``: a quarter of the window is accumulated; the
+    decay aside, which the weight prediction leaves out). ``rest = 0.75``: a quarter of the window is accumulated; the
     prediction is the step for four times that (the known micro-batches stand for the rest)."""
     params, optimizer = _stepped(name)
     gen = torch.Generator().manual_seed(2)
     grads = [torch.randn(p.shape, generator=gen) for p in params]
     for p, g in zip(params, grads):
         p.grad = g * (1 - rest)  # the known share as the window accumulates it
-    lookahead = LookAhead(optimizer.optimizer, optimizer.pairs)
-    moved = lookahead.apply(1, rest=rest)
+    prediction = WeightPrediction(optimizer.optimizer, optimizer.pairs)
+    moved = prediction.apply(1, rest=rest)
     predicted = [p.detach().clone() for p in params]
-    lookahead.revert(moved)
+    prediction.revert(moved)
     start = [p.detach().clone() for p in params]
     actual = _next_update(params, optimizer, grads)
     for p0, p1, d in zip(start, predicted, actual):
@@ -122,11 +127,11 @@ def test_with_nothing_known_sgd_follows_its_momentum_buffer() -> None:
     the buffer implies."""
     params, optimizer = _stepped("sgd_momentum")
     buffers = [optimizer.optimizer.state[alias]["momentum_buffer"].clone() for alias, _ in optimizer.pairs]
-    lookahead = LookAhead(optimizer.optimizer, optimizer.pairs)
+    prediction = WeightPrediction(optimizer.optimizer, optimizer.pairs)
     start = [p.detach().clone() for p in params]
-    moved = lookahead.apply(1)
+    moved = prediction.apply(1)
     predicted = [p.detach() - s for p, s in zip(params, start)]
-    lookahead.revert(moved)
+    prediction.revert(moved)
     actual = _next_update(params, optimizer, [(1 - 0.9) * b for b in buffers])
     for d_pred, d in zip(predicted, actual):
         torch.testing.assert_close(d_pred, d, rtol=1e-5, atol=1e-6)  # differences of weights ~1: ulp 1.2e-7
@@ -136,27 +141,27 @@ def test_no_state_no_move() -> None:
     """Before the first update there is nothing to predict from: the weights stay as they are."""
     params = [nn.Parameter(torch.ones(3))]
     optimizer = StageOptimizer(torch.optim.AdamW(params, lr=0.1), params)
-    lookahead = LookAhead(optimizer.optimizer, optimizer.pairs)
-    with lookahead.moved(1):
+    prediction = WeightPrediction(optimizer.optimizer, optimizer.pairs)
+    with prediction.moved(1):
         assert torch.equal(params[0].detach(), torch.ones(3))
 
 
 def test_choice_and_refusal() -> None:
     params = [nn.Parameter(torch.ones(3))]
     rms = torch.optim.RMSprop(params)
-    assert "torch.optim.rmsprop.RMSprop is not one of the optimizers" in lookahead_unsupported(rms)
+    assert "torch.optim.rmsprop.RMSprop is not one of the optimizers" in prediction_unsupported(rms)
     plain = torch.optim.SGD(params, lr=0.1)
-    assert "SGD without momentum" in lookahead_unsupported(plain)
+    assert "SGD without momentum" in prediction_unsupported(plain)
     pairs = StageOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), params).pairs
-    with pytest.raises(ValueError, match=r"compensation='lookahead'\)`: torch.optim.rmsprop.RMSprop .* pass "
+    with pytest.raises(ValueError, match=r"compensation='predict'\)`: torch.optim.rmsprop.RMSprop .* pass "
                                          r"`compensation='none'`"):
-        lookahead_for("lookahead", rms, pairs, warn=None)
+        weight_prediction_for("predict", rms, pairs, warn=None)
     warnings: list[str] = []
-    assert lookahead_for("auto", rms, pairs, warn=warnings.append) is None
+    assert weight_prediction_for("auto", rms, pairs, warn=warnings.append) is None
     assert len(warnings) == 1 and "no staleness compensation for this run" in warnings[0]
-    assert lookahead_for("none", rms, pairs, warn=warnings.append) is None
-    with pytest.raises(ValueError, match="`compensation` must be one of 'auto', 'lookahead', 'none', got 'yes'"):
-        lookahead_for("yes", rms, pairs, warn=None)
+    assert weight_prediction_for("none", rms, pairs, warn=warnings.append) is None
+    with pytest.raises(ValueError, match="`compensation` must be one of 'auto', 'predict', 'none', got 'yes'"):
+        weight_prediction_for("yes", rms, pairs, warn=None)
 
 
 class _Counter:
@@ -169,7 +174,7 @@ def test_runtime_count_of_crossed_updates_is_the_lists(name: str, n: int, m: int
     """The driver counts the updates a micro-batch crosses from the window arithmetic; the reference executor
     reads them off the list (``static_drift``). Both must agree on every schedule, stage and window offset."""
     for offset in range(a):
-        schedule = build(name, n, m, a, 5, backward_offset=offset)
+        schedule = build_schedule(name, n, m, a, 5, backward_offset=offset)
         for stage, actions in enumerate(schedule.actions):
             expected = static_drift(actions)
             counter = _Counter()
@@ -187,21 +192,21 @@ class _AdamMLP(SequentialMLP):
         return torch.optim.AdamW(self.parameters(), lr=0.02, betas=(0.9, 0.95), weight_decay=0.0)
 
 
-class _DumpLookAhead(L.Callback):
+class _DumpWeightPrediction(L.Callback):
     """Every stage writes how many forwards it ran ahead."""
 
     def __init__(self, directory) -> None:
         self.directory = directory
 
     def on_train_end(self, trainer, pl_module) -> None:
-        lookahead = trainer.strategy.runtime.lookahead
+        prediction = trainer.strategy.runtime.prediction
         (self.directory / f"moves{trainer.strategy.stage_index}.json").write_text(
-            json.dumps(None if lookahead is None else lookahead.moves))
+            json.dumps(None if prediction is None else prediction.moves))
 
 
 @pytest.mark.parametrize("accumulation", [4, 2])
 def test_processes_equal_the_reference_executor_bit_for_bit_with_compensation(tmp_path, accumulation):
-    """The look-ahead in 4 forked processes (the driver's count of crossed updates, gloo) computes exactly what
+    """The weight prediction in 4 forked processes (the driver's count of crossed updates, gloo) computes exactly what
     the one-process reference executor computes from the lists; and it is on: without it the weights differ."""
     torch.manual_seed(3)
     num_stages, m, steps = 4, 4, 5
@@ -209,18 +214,18 @@ def test_processes_equal_the_reference_executor_bit_for_bit_with_compensation(tm
     initial = copy.deepcopy(model)
     loader = regression_loader(num_batches=steps)
     fit(model, loader, devices=num_stages, schedule="paci", microbatches=m, accumulation=accumulation,
-        max_steps=steps, partition="parameters", compensation="lookahead", callbacks=[_DumpLookAhead(tmp_path)])
+        max_steps=steps, partition="parameters", compensation="predict", callbacks=[_DumpWeightPrediction(tmp_path)])
     plan = plan_partition(initial, num_stages, partition="parameters")
-    schedule = build("paci", num_stages, m, accumulation, steps)
+    schedule = build_schedule("paci", num_stages, m, accumulation, steps)
     expected = {}
-    for compensation in ("lookahead", "none"):
+    for compensation in ("predict", "none"):
         reference = ReferencePipeline(copy.deepcopy(initial), plan, compensation=compensation)
         reference.run(schedule, list(loader))
         expected[compensation] = reference.state_dict()
-        if compensation == "lookahead":
-            moves = [r.lookahead.moves for r in reference.runtimes]
+        if compensation == "predict":
+            moves = [r.prediction.moves for r in reference.runtimes]
     for key, value in model.state_dict().items():
-        assert torch.equal(value, expected["lookahead"][key]), key
+        assert torch.equal(value, expected["predict"][key]), key
     assert any(not torch.equal(v, expected["none"][k]) for k, v in model.state_dict().items())
     # every forward whose micro-batch crosses an update ran ahead, once the optimizer had state (after update 1)
     for stage in range(num_stages):
@@ -234,14 +239,14 @@ def test_auto_warns_for_an_optimizer_it_cannot_follow(tmp_path):
     torch.manual_seed(4)
     model = SequentialMLP(depth=4)  # torch.optim.SGD without momentum
     fit(model, regression_loader(num_batches=2), devices=2, schedule="paci", microbatches=2, max_steps=2,
-        partition="parameters", callbacks=[_DumpLookAhead(tmp_path), RecordSetupWarnings(tmp_path / "w.json")])
+        partition="parameters", callbacks=[_DumpWeightPrediction(tmp_path), RecordSetupWarnings(tmp_path / "w.json")])
     seen = json.loads((tmp_path / "w.json").read_text())
     assert any("no staleness compensation for this run: SGD without momentum" in w for w in seen)
     assert json.loads((tmp_path / "moves0.json").read_text()) is None
 
 
 def test_the_costly_regime_is_named_at_setup(tmp_path):
-    """Adam/AdamW at a constant lr >= 3e-3 without a scheduler: the regime the look-ahead does not rescue
+    """Adam/AdamW at a constant lr >= 3e-3 without a scheduler: the regime the weight prediction does not rescue
     (RESULTS.md); said once at setup with the measured figures and the fixes."""
     params = [nn.Parameter(torch.ones(2))]
     said = costly_regime(torch.optim.AdamW(params, lr=3e-3), [])

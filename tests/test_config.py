@@ -48,3 +48,9 @@ def test_the_strategys_pipeline_options_are_the_configs_fields():
     assert [p.default for p in params] == [f.default for f in fields]
     assert [str(p.annotation) for p in params] == [str(f.type) for f in fields]
     assert PACIStrategy().config == PACIConfig()
+
+
+def test_the_old_compensation_name_is_weight_prediction_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match=r"`compensation='lookahead'` is `compensation='predict'`"):
+        config = PACIConfig(compensation="lookahead")  # type: ignore[arg-type]
+    assert config.compensation == "predict"

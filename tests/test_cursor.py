@@ -10,7 +10,7 @@ import pytest
 
 from lightning_paci.engine import cursor as cursor_module
 from lightning_paci.engine.cursor import StreamCursor
-from lightning_paci.schedules import Action, assign_rounds, build
+from lightning_paci.schedules import Action, assign_rounds, build_schedule
 
 NAMES = ("paci", "1f1b", "gpipe")
 STAGES = (1, 2, 3, 4, 8)
@@ -40,9 +40,9 @@ def _offsets(a: int) -> list[int]:
 
 
 def _check_streams(name: str, n: int, m: int, a: int, offset: int, tied: bool, lengths: list[int]) -> None:
-    """For every stage: segment(k) is round k of a long build, and segments 0..K-2 + drain(K) is build(K)."""
+    """For every stage: segment(k) is round k of a long build, and segments 0..K-2 + drain(K) is build_schedule(K)."""
     longest = max(lengths)
-    reference = build(name, n, m, a, longest + 2, backward_offset=offset, tied=tied)
+    reference = build_schedule(name, n, m, a, longest + 2, backward_offset=offset, tied=tied)
     rounds = assign_rounds(reference)
     by_round: list[list[list[Action]]] = [[[] for _ in range(longest + 2)] for _ in range(n)]
     for stage in range(n):
@@ -52,7 +52,7 @@ def _check_streams(name: str, n: int, m: int, a: int, offset: int, tied: bool, l
     ran: list[list[Action]] = [[] for _ in range(n)]
     for k in range(longest):  # all stages in step, as in a run (and the templates' caches are shared)
         if k + 1 in lengths:  # a drain after k + 1 calls: segments 0 .. k-1 ran
-            exact = build(name, n, m, a, k + 1, backward_offset=offset, tied=tied).actions
+            exact = build_schedule(name, n, m, a, k + 1, backward_offset=offset, tied=tied).actions
             for stage, cursor in enumerate(cursors):
                 drained = copy.copy(cursor)
                 assert ran[stage] + drained.drain(k + 1) == list(exact[stage]), (offset, tied, stage, k + 1)
@@ -84,13 +84,13 @@ def test_cursor_equals_full_builds_on_long_streams(name, n, m, a, tied):
 
 
 class _Rebuilding:
-    """The first cursor's definition, by brute force: every answer comes from full builds of the stream."""
+    """The cursor's definition, by brute force: every answer comes from full builds of the stream."""
 
     def __init__(self, name: str, n: int, m: int, a: int, stage: int, offset: int, tied: bool) -> None:
         self.args, self.stage, self.offset, self.tied, self.position = (name, n, m, a), stage, offset, tied, 0
 
     def _long(self, horizon: int) -> tuple[tuple[Action, ...], tuple[int, ...]]:
-        schedule = build(*self.args, horizon, backward_offset=self.offset, tied=self.tied)
+        schedule = build_schedule(*self.args, horizon, backward_offset=self.offset, tied=self.tied)
         return schedule.actions[self.stage], assign_rounds(schedule)[self.stage]
 
     def segment(self, call: int) -> list[Action]:
@@ -104,7 +104,7 @@ class _Rebuilding:
     def drain(self, k: int) -> list[Action]:
         if k == 0:
             return []
-        actions = build(*self.args, k, backward_offset=self.offset, tied=self.tied).actions[self.stage]
+        actions = build_schedule(*self.args, k, backward_offset=self.offset, tied=self.tied).actions[self.stage]
         longest, _ = self._long(max(k, 8) + 2 + self.position)
         if tuple(actions[:self.position]) != tuple(longest[:self.position]):
             raise AssertionError("drained list does not extend the executed prefix")
@@ -172,7 +172,7 @@ def test_work_per_call_is_bounded(monkeypatch, name, n, m, a):
     """Nothing is built after the first call of a 300-call stream, and the drain only builds small templates."""
     built: list[int] = []
     ranked: list[int] = []
-    real_build, real_rounds = cursor_module.build, cursor_module.assign_rounds
+    real_build, real_rounds = cursor_module.build_schedule, cursor_module.assign_rounds
 
     def counting_build(*args, **kwargs):
         built.append(args[4])
@@ -182,7 +182,7 @@ def test_work_per_call_is_bounded(monkeypatch, name, n, m, a):
         ranked.append(schedule.num_minibatches)
         return real_rounds(schedule)
 
-    monkeypatch.setattr(cursor_module, "build", counting_build)
+    monkeypatch.setattr(cursor_module, "build_schedule", counting_build)
     monkeypatch.setattr(cursor_module, "assign_rounds", counting_rounds)
     _clear_caches()
     try:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader
 
-from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
+from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
 from lightning_paci.engine.data_parallel import ReplicaMismatchError, average_gradients
 from lightning_paci.engine.topology import Topology, resolve_sizes
 
@@ -82,7 +82,7 @@ def test_paci_replicas_equal_the_reference_executor_with_averaged_gradients(tmp_
         data_parallel_size=2, trainer_kwargs={"use_distributed_sampler": True}, callbacks=[RecordBatches(tmp_path)])
     per_replica = _replica_batches(tmp_path, loader, 2)
     reference = ReferencePipeline(initial, plan_partition(initial, 2), replicas=2)
-    reference.run(build("paci", 2, m, accumulation, steps), per_replica)
+    reference.run(build_schedule("paci", 2, m, accumulation, steps), per_replica)
     replica1 = {k: v for module in reversed(reference.replica_modules[1]) for k, v in module.state_dict().items()}
     for key, value in reference.state_dict().items():  # the replicas stayed equal bit for bit
         torch.testing.assert_close(replica1[key], value, rtol=0, atol=0)
@@ -90,7 +90,7 @@ def test_paci_replicas_equal_the_reference_executor_with_averaged_gradients(tmp_
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
     # and the averaging matters: one replica alone ends elsewhere
     alone = ReferencePipeline(copy.deepcopy(initial), plan_partition(initial, 2))
-    alone.run(build("paci", 2, m, accumulation, steps), per_replica[0])
+    alone.run(build_schedule("paci", 2, m, accumulation, steps), per_replica[0])
     assert not torch.allclose(alone.state_dict()["net.0.weight"], reference.state_dict()["net.0.weight"])
 
 
@@ -275,13 +275,13 @@ def test_local_sgd_equals_the_reference_executor_and_ends_with_one_model(tmp_pat
         local_sgd_steps=3, trainer_kwargs={"use_distributed_sampler": True}, callbacks=[RecordBatches(tmp_path)])
     per_replica = _replica_batches(tmp_path, loader, 2)
     reference = ReferencePipeline(initial, plan_partition(initial, 2), replicas=2, local_sgd_steps=3)
-    reference.run(build("paci", 2, m, m, steps), per_replica)
+    reference.run(build_schedule("paci", 2, m, m, steps), per_replica)
     replica1 = {k: v for module in reversed(reference.replica_modules[1]) for k, v in module.state_dict().items()}
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(replica1[key], value, rtol=0, atol=0)  # one model after the drain
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
     every_step = ReferencePipeline(copy.deepcopy(initial), plan_partition(initial, 2), replicas=2)
-    every_step.run(build("paci", 2, m, m, steps), per_replica)  # gradient averaging: another run
+    every_step.run(build_schedule("paci", 2, m, m, steps), per_replica)  # gradient averaging: another run
     assert not torch.allclose(every_step.state_dict()["net.0.weight"], model.state_dict()["net.0.weight"])
 
 

@@ -20,14 +20,14 @@ from lightning_paci.integration.evaluation import forward_only_actions
 from lightning_paci.schedules import (
     SCHEDULE_NAMES,
     ScheduleError,
-    build,
+    build_schedule,
     check_deadlock_free,
     check_group_creation,
     communicator,
     layout_communicators,
     setup_groups,
     stage_lists_from_text,
-    validate,
+    validate_schedule,
 )
 
 from helpers import fit
@@ -38,9 +38,9 @@ from models import SequentialMLP, regression_loader
 @pytest.mark.parametrize("num_stages", [2, 4, 8])
 def test_one_shared_communicator_deadlocks_in_the_1f1b_steady_state(name, num_stages):
     # 0.1's layout: activations and gradients on one communicator; gloo's buffered sends hid it
-    schedule = build(name, num_stages, 8, 8, 2)
-    validate(schedule)  # the buffered-send model accepts it
-    with pytest.raises(ScheduleError, match="deadlock under strict rendezvous with the 'shared'") as info:
+    schedule = build_schedule(name, num_stages, 8, 8, 2)
+    validate_schedule(schedule)  # the buffered-send model accepts it
+    with pytest.raises(ScheduleError, match="deadlock under strict send-receive pairing with the 'shared'") as info:
         check_deadlock_free(schedule, layout="shared")
     # the cycle named: a stage's gradient receive queued behind its own activation send
     assert "waits for RECV_B" in str(info.value) and "first in its communicators: SEND_F" in str(info.value)
@@ -49,7 +49,7 @@ def test_one_shared_communicator_deadlocks_in_the_1f1b_steady_state(name, num_st
 
 def test_gpipe_alone_survives_the_shared_communicator():
     # all forwards, then all backwards: no stage ever has a send and a receive to opposite sides pending
-    check_deadlock_free(build("gpipe", 4, 8, 8, 2), layout="shared")
+    check_deadlock_free(build_schedule("gpipe", 4, 8, 8, 2), layout="shared")
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
@@ -57,11 +57,11 @@ def test_gpipe_alone_survives_the_shared_communicator():
 def test_lazily_created_communicators_deadlock_at_batch_0_with_receives_posted_ahead(name, num_stages):
     # NCCL left to itself ([Note: communicator creation]): stage 0 posts its first RECV_B on B(1->0) and waits
     # there for stage 1, which posted its first RECV_F on F(0->1) and waits for stage 0
-    schedule = build(name, num_stages, 8, 4, 3)
+    schedule = build_schedule(name, num_stages, 8, 4, 3)
     check_deadlock_free(schedule, connect="eager")  # gloo's groups, connected when created: no deadlock
     check_deadlock_free(schedule, connect="lazy", posted_ahead=False)  # the lists alone meet in order
-    with pytest.raises(ScheduleError, match="deadlock under strict rendezvous with the 'directed' communicator "
-                                            "layout and 'lazy' communicator creation") as info:
+    with pytest.raises(ScheduleError, match="deadlock under strict send-receive pairing with the 'directed' "
+                                            "communicator layout and 'lazy' communicator creation") as info:
         check_deadlock_free(schedule, connect="lazy")
     text = str(info.value)
     assert "stage 0 waits for the creation of communicator ('p2p', 0, 'B', 1, 0)" in text
@@ -73,7 +73,7 @@ def test_lazily_created_communicators_deadlock_at_batch_0_with_receives_posted_a
 def test_lazily_created_tied_communicators_deadlock_even_without_posting(name):
     # stage 0's first SEND_T creates T(0->3) and waits for stage 3, which waits for an activation stage 0 has not
     # sent yet
-    schedule = build(name, 4, 8, 8, 3, tied=True)
+    schedule = build_schedule(name, 4, 8, 8, 3, tied=True)
     with pytest.raises(ScheduleError, match=r"stage 0 waits for the creation of communicator \('p2p', 0, 'T', 0, 3\)"):
         check_deadlock_free(schedule, connect="lazy", posted_ahead=False)
     check_deadlock_free(schedule, connect="warm")
@@ -84,7 +84,7 @@ def test_every_built_list_set_is_deadlock_free_under_the_directed_layout():
     two data-parallel replicas (the gradient all-reduce before every OPT); plus the epoch-end closing step."""
     checked = 0
     for name, n, m, a in itertools.product(SCHEDULE_NAMES, range(1, 9), range(1, 17), range(1, 17)):
-        schedule = build(name, n, m, a, 2, tied=n > 1)
+        schedule = build_schedule(name, n, m, a, 2, tied=n > 1)
         lists = [list(actions) + closing_actions(s, n, tied=n > 1) for s, actions in enumerate(schedule.actions)]
         # as the runtime runs them: communicators connected at setup, receives posted ahead
         check_deadlock_free(lists, layout="directed", replicas=2 if (m + a) % 2 else 1, connect="warm",
@@ -97,21 +97,21 @@ def test_every_built_list_set_is_deadlock_free_under_the_directed_layout():
 @pytest.mark.parametrize("offset", [0, 1, 5])
 def test_streams_after_a_drain_and_replicas_are_deadlock_free(replicas, offset):
     for name in SCHEDULE_NAMES:
-        schedule = build(name, 4, 6, 7, 3, backward_offset=offset, tied=True)
-        validate(schedule, rendezvous="directed", replicas=replicas)
+        schedule = build_schedule(name, 4, 6, 7, 3, backward_offset=offset, tied=True)
+        validate_schedule(schedule, communicators="directed", replicas=replicas)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_lists_cut_into_the_runtimes_calls_are_deadlock_free(replicas):
     # a Schedule is posted ahead per call (its rounds), as ReceivesAhead does within each Lightning call
     for name, n, m, a in itertools.product(SCHEDULE_NAMES, (2, 3, 8), (1, 4, 8), (1, 3, 8)):
-        check_deadlock_free(build(name, n, m, a, 4, tied=True), replicas=replicas)
+        check_deadlock_free(build_schedule(name, n, m, a, 4, tied=True), replicas=replicas)
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 8])
 def test_evaluation_lists_are_deadlock_free(num_stages):
     lists = [forward_only_actions(s, num_stages, 5) for s in range(num_stages)]
-    validate(lists, rendezvous="directed", replicas=2)
+    validate_schedule(lists, communicators="directed", replicas=2)
 
 
 def test_messages_received_in_another_order_than_sent_are_refused():
@@ -120,7 +120,7 @@ def test_messages_received_in_another_order_than_sent_are_refused():
         "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B1 0B1 0RECV_B0 0B0",
         "1RECV_F1 1RECV_F0 1F0 1F1 1B1 1SEND_B1 1B0 1SEND_B0",
     ])
-    validate(lists)
+    validate_schedule(lists)
     with pytest.raises(ScheduleError, match="NCCL would pair them, the messages are in different orders"):
         check_deadlock_free(lists)
 
@@ -147,11 +147,11 @@ def test_directed_layout_gives_each_direction_of_each_pair_its_own_communicator(
 
 def test_bad_layout_and_replicas_are_refused():
     with pytest.raises(ValueError, match="`layout` must be one of 'directed', 'shared', got 'ring'"):
-        check_deadlock_free(build("paci", 2, 2, 2, 1), layout="ring")
+        check_deadlock_free(build_schedule("paci", 2, 2, 2, 1), layout="ring")
     with pytest.raises(ValueError, match="`replicas` must be an int >= 1, got 0"):
-        check_deadlock_free(build("paci", 2, 2, 2, 1), replicas=0)
+        check_deadlock_free(build_schedule("paci", 2, 2, 2, 1), replicas=0)
     with pytest.raises(ValueError, match="`connect` must be one of 'eager', 'lazy', 'warm', got 'late'"):
-        check_deadlock_free(build("paci", 2, 2, 2, 1), connect="late")
+        check_deadlock_free(build_schedule("paci", 2, 2, 2, 1), connect="late")
 
 
 def test_the_setups_group_creation_is_deadlock_free_on_a_bound_world():

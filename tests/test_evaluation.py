@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from lightning_paci.integration.evaluation import forward_only_actions
-from lightning_paci.schedules import validate
+from lightning_paci.schedules import validate_schedule
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 8])
 @pytest.mark.parametrize("num_microbatches", [1, 4])
 def test_forward_only_lists_are_valid_and_forward_in_order(num_stages, num_microbatches):
     lists = [forward_only_actions(s, num_stages, num_microbatches) for s in range(num_stages)]
-    validate(lists)
+    validate_schedule(lists)
     for s, actions in enumerate(lists):
         assert [a.microbatch for a in actions if a.kind == "F"] == list(range(num_microbatches))
         assert all(a.kind != "B" and a.kind != "OPT" for a in actions)

@@ -5,8 +5,8 @@ On an accelerator a host read of a device value (``item``, ``float``, ``bool``, 
 ``TorchFunctionMode`` sees every such call; counted are those made by lightning_paci's own code (the user's model
 and torch's internals are not ours), per action, while every stage of the reference executor runs a second stream
 (the first warmed the optimizer state up) with the losses and log values kept as tensors
-([Note: no host sync per micro-batch]), the look-ahead's static path ([Note: a look-ahead without host reads]) and
-the weight-drift measurement of DriftMonitor on (its norms read when the records are read).
+([Note: no host sync per micro-batch]), the weight prediction's static path ([Note: weight prediction without host
+reads]) and the weight-drift measurement of DriftMonitor on (its norms read when the records are read).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from lightning_paci import ReferencePipeline, build, plan_partition
+from lightning_paci import ReferencePipeline, build_schedule, plan_partition
 from lightning_paci.schedules import OPT
 
 from models import HFCausalLM, token_loader
@@ -71,8 +71,8 @@ def _pipeline(schedule: str, compensation: str) -> tuple[ReferencePipeline, list
         runtime.device_losses = True
         runtime.program.device_logs = True
         runtime.records.measure(weight_drift=True)
-        if runtime.lookahead is not None:
-            runtime.lookahead.static = True
+        if runtime.prediction is not None:
+            runtime.prediction.static = True
     return reference, list(token_loader(num_batches=4, batch_size=8, vocab=64))
 
 
@@ -94,18 +94,18 @@ def _count(reference: ReferencePipeline, schedule: Any, batches: list[Any]) -> H
     return mode
 
 
-@pytest.mark.parametrize("schedule, compensation", [("paci", "lookahead"), ("1f1b", "none")])
+@pytest.mark.parametrize("schedule, compensation", [("paci", "predict"), ("1f1b", "none")])
 def test_no_host_read_per_microbatch_and_at_most_one_per_update(schedule, compensation):
     reference, batches = _pipeline(schedule, compensation)
-    lists = build(schedule, 4, 4, 4, num_minibatches=len(batches), tied=True)
+    lists = build_schedule(schedule, 4, 4, 4, num_minibatches=len(batches), tied=True)
     reference.run(lists, batches)  # first stream: optimizer state, first-use reads
-    moves = sum(r.lookahead.moves for r in reference.runtimes if r.lookahead is not None)
+    moves = sum(r.prediction.moves for r in reference.runtimes if r.prediction is not None)
     mode = _count(reference, lists, batches)
-    if compensation == "lookahead":  # the look-ahead did run ahead in the counted stream
-        assert sum(r.lookahead.moves for r in reference.runtimes) > moves > 0
+    if compensation == "predict":  # the weight prediction did run ahead in the counted stream
+        assert sum(r.prediction.moves for r in reference.runtimes) > moves > 0
     updates = 4 * len(batches)  # every stage steps once per batch (a = m)
     assert mode.counts["microbatch"] == 0, mode.sites
-    # per update: the one check before it (losses, look-ahead, gradients); the drift measurement's norms wait on
+    # per update: the one check before it (losses, weight prediction, gradients); the drift measurement's norms wait on
     # the device until a monitor reads the records ([Note: drift norms read when read])
     assert mode.counts["update"] <= updates, mode.sites
     assert mode.counts["other"] == 0, mode.sites
@@ -116,35 +116,35 @@ def test_no_host_read_per_microbatch_and_at_most_one_per_update(schedule, compen
     assert mode.counts["other"] == 4, mode.sites  # reading them: one read per stage for all its pending updates
 
 
-def test_the_static_look_ahead_moves_the_same_bits_as_the_dynamic_one():
+def test_the_static_weight_prediction_moves_the_same_bits_as_the_dynamic_one():
     results = []
     for static in (False, True):
         L.seed_everything(0, verbose=False)
         model = HFCausalLM("gpt2", layers=4, tied=True)
         reference = ReferencePipeline(model, plan_partition(model, num_stages=4, partition="parameters"),
-                                      compensation="lookahead")
+                                      compensation="predict")
         for runtime in reference.runtimes:
-            runtime.lookahead.static = static
+            runtime.prediction.static = static
         batches = list(token_loader(num_batches=6, batch_size=8, vocab=64))
-        reference.run(build("paci", 4, 4, 4, num_minibatches=6, tied=True), batches)
-        assert all(r.lookahead.take_overflow() is None for r in reference.runtimes)  # checked before each update
+        reference.run(build_schedule("paci", 4, 4, 4, num_minibatches=6, tied=True), batches)
+        assert all(r.prediction.take_overflow() is None for r in reference.runtimes)  # checked before each update
         results.append(reference.state_dict())
     for key, value in results[0].items():
         torch.testing.assert_close(results[1][key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
 
 
-def test_a_look_ahead_that_loses_more_than_it_can_keep_warns_and_counts():
+def test_a_weight_prediction_that_loses_more_than_it_can_keep_warns_and_counts():
     L.seed_everything(0, verbose=False)
     model = HFCausalLM("gpt2", layers=2, tied=False, lr=0.5)  # large steps: many elements lose bits on the way
     reference = ReferencePipeline(model, plan_partition(model, num_stages=2, partition="parameters"),
-                                  compensation="lookahead")
+                                  compensation="predict")
     for runtime in reference.runtimes:
-        runtime.lookahead.static, runtime.lookahead.capacity = True, 1
-    with pytest.warns(UserWarning, match=r"stage 0: a look-ahead lost more than 1 elements of a chunk on its way "
-                                         r"back \(before optimizer step \d+"):
-        reference.run(build("paci", 2, 4, 2, num_minibatches=4), list(token_loader(num_batches=4, vocab=64)))
-    assert reference.runtimes[0].lookahead.inexact_reverts > 0
-    assert reference.runtimes[1].lookahead.moves == 0  # the last stage never runs ahead
+        runtime.prediction.static, runtime.prediction.capacity = True, 1
+    with pytest.warns(UserWarning, match=r"stage 0: a weight prediction lost more than 1 elements of a chunk on its "
+                                         r"way back \(before optimizer step \d+"):
+        reference.run(build_schedule("paci", 2, 4, 2, num_minibatches=4), list(token_loader(num_batches=4, vocab=64)))
+    assert reference.runtimes[0].prediction.inexact_reverts > 0
+    assert reference.runtimes[1].prediction.moves == 0  # the last stage never runs ahead
 
 
 class _CountBatches(L.Callback):
@@ -156,8 +156,8 @@ class _CountBatches(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         runtime = trainer.strategy.runtime
         runtime.device_losses, runtime.program.device_logs = True, True
-        if runtime.lookahead is not None:
-            runtime.lookahead.static = True
+        if runtime.prediction is not None:
+            runtime.prediction.static = True
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
         if index == 3:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -75,6 +76,6 @@ def test_a_refused_crossing_leaves_the_failing_stages_traceback_last_and_one_lin
     assert out.stderr.count("Traceback (most recent call last)") == 1, out.stderr[-4000:]  # the cause's only
     cause = out.stderr[out.stderr.index("Traceback (most recent call last)"):]
     assert "CrossingError: Stage 0: the output of `embed` that a later stage reads was modified in place" in cause
-    others = [line for line in out.stderr.splitlines() if line.startswith("lightning_paci: stage")
-              and "stage 0 failed" in line]
+    lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in out.stderr.splitlines()]  # torch's rank prefix
+    others = [line for line in lines if line.startswith("lightning_paci: stage") and "stage 0 failed" in line]
     assert others and all("stage 1" in line for line in others)  # stage 1 says in one line who failed

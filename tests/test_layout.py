@@ -223,3 +223,27 @@ def test_the_runtime_write_check_finds_a_write():
     assert _runtime_writes(ast.parse("runtime.loss_scale = 2.0\nself.runtime.version += 1\n"
                                      "a, runtimes[0].crossings = 1, f\nrt = runtime.version\n")) == [
         "runtime.loss_scale", "self.runtime.version", "runtimes[0].crossings"]
+
+
+def test_every_user_facing_error_is_defined_in_errors_py_and_exported():
+    import lightning_paci
+    from lightning_paci import errors
+
+    defined_elsewhere = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith(("Error", "Failure")) and \
+                    name != "lightning_paci.errors":
+                defined_elsewhere.append(f"{name}.{node.name}")
+    assert defined_elsewhere == []
+    classes = [n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, Exception)]
+    assert len(classes) >= 12 and set(classes) <= set(lightning_paci.__all__)
+    assert all(getattr(lightning_paci, n) is getattr(errors, n) for n in classes)
+
+
+def test_the_old_verbs_still_resolve_with_a_deprecation_warning():
+    import lightning_paci
+
+    with pytest.warns(DeprecationWarning, match=r"`lightning_paci.build` is `lightning_paci.build_schedule`"):
+        assert lightning_paci.build is lightning_paci.build_schedule
+    assert "build" not in lightning_paci.__all__ and "validate_schedule" in lightning_paci.__all__

@@ -280,7 +280,7 @@ class _SGDCausalLM(HFCausalLM):
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_window_left_open_at_the_epoch_end_is_stepped_as_on_one_device(tied):
     # accumulate_grad_batches=2 over epochs of 3 batches: Lightning steps after batches 2 and 3 (the epoch's last,
-    # a window of one batch); before, the pipeline carried that batch's gradient into the next epoch's window
+    # a window of one batch), not carried into the next epoch's window
     torch.manual_seed(48)
     if tied:
         model, loader = _SGDCausalLM("gpt2", layers=4, tied=True), token_loader(num_batches=3, vocab=64)

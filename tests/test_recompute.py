@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
+from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
 
 from helpers import fit
 from models import SequentialMLP, regression_loader
@@ -54,7 +54,7 @@ def _reference(initial, schedule: str, *, recompute: str = "off", stages: int = 
     for runtime in reference.runtimes:
         runtime.records.measure(activation_bytes=measure)
     batches = list(regression_loader(num_batches=4, batch_size=BATCH))
-    reference.run(build(schedule, stages, M, M, len(batches)), batches)
+    reference.run(build_schedule(schedule, stages, M, M, len(batches)), batches)
     return reference
 
 
@@ -138,6 +138,6 @@ def test_a_tied_transformers_model_recomputes_in_processes_as_in_the_reference_e
     fit(model, loader, devices=2, max_steps=3, microbatches=2, partition="parameters", recompute="blocks")
     torch.manual_seed(7)
     reference = ReferencePipeline(initial, plan_partition(initial, 2, partition="parameters"), recompute="blocks")
-    reference.run(build("paci", 2, 2, 2, 3, tied=True), list(loader))
+    reference.run(build_schedule("paci", 2, 2, 2, 3, tied=True), list(loader))
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")

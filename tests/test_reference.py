@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from lightning_paci import ReferencePipeline, build, plan_partition
+from lightning_paci import ReferencePipeline, build_schedule, plan_partition
 from lightning_paci.engine.reference import run_lists
 from lightning_paci.schedules import ScheduleError, stage_lists_from_text
 
@@ -22,7 +22,7 @@ def test_a_flush_schedule_equals_single_device_gradient_accumulation(schedule):
     single = copy.deepcopy(model)
     batches = [[t.double() for t in batch] for batch in regression_loader(num_batches=3)]
     reference = ReferencePipeline(model, plan_partition(model, 3, partition="parameters"))
-    reference.run(build(schedule, 3, 4, 4, 3), batches)
+    reference.run(build_schedule(schedule, 3, 4, 4, 3), batches)
     reference_accumulation(single, batches, num_microbatches=4, num_steps=3)
     expected = single.state_dict()
     for key, value in reference.state_dict().items():

@@ -15,7 +15,7 @@ from lightning_paci.integration.reference_pipeline import ReferencePipeline
 from lightning_paci.partition import carve_stage, plan_partition
 from lightning_paci.partition.carve import CrossingError
 from lightning_paci.partition.plan import CallTrace, call_order
-from lightning_paci.schedules import build
+from lightning_paci.schedules import build_schedule
 
 from helpers import fit, one_device
 from models import (
@@ -40,7 +40,7 @@ def test_a_long_skip_travels_through_every_stage_between_and_trains_as_on_one_de
     model = LongSkip()
     expected = reference_accumulation(copy.deepcopy(model), _batches(), num_microbatches=2, num_steps=3)
     pipeline = ReferencePipeline(model, plan_partition(model, 4, partition="parameters"))
-    pipeline.run(build("1f1b", 4, 2, 2, 3), _batches())
+    pipeline.run(build_schedule("1f1b", 4, 2, 2, 3), _batches())
     for key, value in expected.state_dict().items():
         torch.testing.assert_close(pipeline.state_dict()[key], value, msg=lambda m: f"{key}: {m}")
     (relay,) = pipeline.relays.relays
@@ -55,7 +55,7 @@ def test_a_module_used_on_two_stages_is_refused_at_setup_naming_it():
     pipeline = ReferencePipeline(model, plan_partition(model, 2, partition="parameters"))
     with pytest.raises(CrossingError, match=r"Stage 1 reads call 1 of `embed`.*lives on stage 0, which ends after 1 "
                                             r"call\(s\) of it"):
-        pipeline.run(build("1f1b", 2, 2, 2, 1), _batches(1))
+        pipeline.run(build_schedule("1f1b", 2, 2, 2, 1), _batches(1))
 
 
 class _HeadRegisteredFirst(SequentialMLP):

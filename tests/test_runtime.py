@@ -8,9 +8,9 @@ from torch import nn
 
 from lightning_paci.engine.reference import LocalComm, run_lists
 from lightning_paci.engine.runtime import ForwardOutput, StageRuntime
-from lightning_paci.engine.supervision import StageFailure
+from lightning_paci.errors import StageFailure
 from lightning_paci.optim.stage_optimizer import StageOptimizer
-from lightning_paci.schedules import Action, build, static_drift
+from lightning_paci.schedules import Action, build_schedule, static_drift
 
 
 class LinearStage:
@@ -54,7 +54,7 @@ def _feed(runtimes: list[StageRuntime], num_minibatches: int, m: int) -> None:
 
 def test_every_action_kind_runs_through_its_handler_and_is_recorded():
     runtimes = _pipeline(3)
-    schedule = build("paci", 3, 4, 2, 3)
+    schedule = build_schedule("paci", 3, 4, 2, 3)
     _feed(runtimes, 3, 4)
     run_lists(runtimes, schedule.actions)
     for s, runtime in enumerate(runtimes):
@@ -89,7 +89,7 @@ def test_a_nonfinite_loss_fails_naming_the_stage_and_the_microbatch():
     runtimes[1].step_label = "Lightning batch 1"
     with pytest.raises(StageFailure, match=r"stage 1: the loss of micro-batch 2 is nan at Lightning batch 1\. Pass "
                                            r"`PACIStrategy\(nonfinite='skip'\)`"):
-        run_lists(runtimes, build("1f1b", 2, 2, 2, 2).actions)
+        run_lists(runtimes, build_schedule("1f1b", 2, 2, 2, 2).actions)
 
 
 def test_losses_kept_on_the_device_train_exactly_as_losses_read_at_once():
@@ -100,7 +100,7 @@ def test_losses_kept_on_the_device_train_exactly_as_losses_read_at_once():
         for runtime in runtimes:
             runtime.device_losses = keep
         _feed(runtimes, 3, 4)
-        run_lists(runtimes, build("paci", 3, 4, 4, 3).actions)
+        run_lists(runtimes, build_schedule("paci", 3, 4, 4, 3).actions)
         runs.append(runtimes)
     for host, device in zip(*runs):
         for a, b in zip(host.program.module.parameters(), device.program.module.parameters()):
@@ -120,7 +120,7 @@ def test_a_nonfinite_loss_kept_on_the_device_fails_before_the_update_that_would_
     runtimes[1].step_label = "Lightning batch 1"
     with pytest.raises(StageFailure, match=r"stage 1: the loss of micro-batch 2 is nan at Lightning batch 1\. Pass "
                                            r"`PACIStrategy\(nonfinite='skip'\)`"):
-        run_lists(runtimes, build("1f1b", 2, 2, 2, 2).actions)
+        run_lists(runtimes, build_schedule("1f1b", 2, 2, 2, 2).actions)
     assert runtimes[1].version == 1  # the first window's update only: none used the NaN loss
 
 
@@ -137,7 +137,7 @@ def test_a_skipped_microbatch_sends_zero_gradients_and_no_loss():
         original(backward)
 
     first.records.add_backward = record
-    run_lists(runtimes, build("1f1b", 2, 2, 2, 2).actions)
+    run_lists(runtimes, build_schedule("1f1b", 2, 2, 2, 2).actions)
     assert sorted(runtimes[1].records.losses) == [0, 1]  # micro-batches 2 and 3 (batch 1) were dropped
     # batch 0 accumulated gradients; batch 1's window starts from cleared gradients and its backwards add nothing
     assert grads[0] is not None and torch.count_nonzero(grads[1]) > 0

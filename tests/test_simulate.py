@@ -8,16 +8,16 @@ import sys
 
 import pytest
 
-from lightning_paci.schedules import build, drift_bound, static_drift
+from lightning_paci.schedules import build_schedule, drift_bound, static_drift
 from lightning_paci.simulate import main
-from lightning_paci.simulation import simulate
+from lightning_paci.simulation import simulate_schedule
 
 
 @pytest.mark.parametrize("num_stages", [2, 4, 8, 16])
 @pytest.mark.parametrize("accumulation", [1, 2, 4, 8, 16])
 def test_simulated_paci_drift_is_tight_at_the_bound(num_stages, accumulation):
     num_minibatches = max(4, 2 + 4 * accumulation // num_stages)
-    result = simulate(build("paci", num_stages, num_stages, accumulation, num_minibatches))
+    result = simulate_schedule(build_schedule("paci", num_stages, num_stages, accumulation, num_minibatches))
     for report in result.stages:
         assert report.max_drift == drift_bound(num_stages, report.stage, accumulation)
         assert report.drift_bound == report.max_drift
@@ -25,22 +25,22 @@ def test_simulated_paci_drift_is_tight_at_the_bound(num_stages, accumulation):
 
 @pytest.mark.parametrize("name", ["1f1b", "gpipe"])
 def test_flush_schedules_show_zero_drift(name):
-    result = simulate(build(name, 8, 8, 8, 4))
+    result = simulate_schedule(build_schedule(name, 8, 8, 8, 4))
     assert all(report.max_drift == 0 and report.drift_bound == 0 for report in result.stages)
 
 
 def test_simulated_drift_equals_the_static_drift_of_the_lists():
-    schedule = build("paci", 4, 6, 3, 5)
-    result = simulate(schedule, forward_cost=[1, 3, 1, 2], backward_cost=[2, 1, 4, 2], comm_cost=0.5)
+    schedule = build_schedule("paci", 4, 6, 3, 5)
+    result = simulate_schedule(schedule, forward_cost=[1, 3, 1, 2], backward_cost=[2, 1, 4, 2], comm_cost=0.5)
     for report in result.stages:
         assert report.drift == static_drift(schedule.actions[report.stage])
 
 
 @pytest.mark.parametrize("num_stages,num_microbatches,total", [(4, 4, 4), (8, 8, 4), (8, 4, 4), (4, 2, 5)])
 def test_peak_inflight(num_stages, num_microbatches, total):
-    paci = simulate(build("paci", num_stages, num_microbatches, num_microbatches, total))
-    flush = simulate(build("1f1b", num_stages, num_microbatches, num_microbatches, total))
-    gpipe = simulate(build("gpipe", num_stages, num_microbatches, num_microbatches, total))
+    paci = simulate_schedule(build_schedule("paci", num_stages, num_microbatches, num_microbatches, total))
+    flush = simulate_schedule(build_schedule("1f1b", num_stages, num_microbatches, num_microbatches, total))
+    gpipe = simulate_schedule(build_schedule("gpipe", num_stages, num_microbatches, num_microbatches, total))
     for s in range(num_stages):
         assert paci.stages[s].peak_inflight == min(num_stages - s, num_microbatches * total)
         assert flush.stages[s].peak_inflight == min(num_stages - s, num_microbatches)
@@ -50,31 +50,31 @@ def test_peak_inflight(num_stages, num_microbatches, total):
 @pytest.mark.parametrize("num_stages,num_microbatches", [(8, 8), (4, 4), (4, 8), (8, 16)])
 def test_steady_bubble_paci_zero_flush_schedules_analytic(num_stages, num_microbatches):
     expected = (num_stages - 1) / (num_microbatches + num_stages - 1)
-    paci = simulate(build("paci", num_stages, num_microbatches, num_microbatches, 6))
+    paci = simulate_schedule(build_schedule("paci", num_stages, num_microbatches, num_microbatches, 6))
     assert all(report.steady_bubble_fraction == 0.0 for report in paci.stages)
     for name in ("1f1b", "gpipe"):
-        result = simulate(build(name, num_stages, num_microbatches, num_microbatches, 6))
+        result = simulate_schedule(build_schedule(name, num_stages, num_microbatches, num_microbatches, 6))
         for report in result.stages:
             assert report.steady_bubble_fraction == pytest.approx(expected)
             assert report.startup_idle + report.steady_idle + report.drain_idle == pytest.approx(report.idle)
 
 
 def test_steady_bubble_n8_m8_is_0467():
-    result = simulate(build("1f1b", 8, 8, 8, 4))
+    result = simulate_schedule(build_schedule("1f1b", 8, 8, 8, 4))
     assert [round(r.steady_bubble_fraction, 3) for r in result.stages] == [0.467] * 8
 
 
 @pytest.mark.parametrize("num_stages,num_microbatches", [(8, 8), (4, 4), (4, 8), (2, 4), (8, 16)])
 def test_makespan_ratio_matches_the_flush_overhead(num_stages, num_microbatches):
-    flush = simulate(build("1f1b", num_stages, num_microbatches, num_microbatches, 32))
-    paci = simulate(build("paci", num_stages, num_microbatches, num_microbatches, 32))
+    flush = simulate_schedule(build_schedule("1f1b", num_stages, num_microbatches, num_microbatches, 32))
+    paci = simulate_schedule(build_schedule("paci", num_stages, num_microbatches, num_microbatches, 32))
     ideal = (num_microbatches + num_stages - 1) / num_microbatches
     assert flush.makespan / paci.makespan == pytest.approx(ideal, rel=0.03)
 
 
 def test_per_stage_costs_and_comm_cost_lengthen_the_run():
-    base = simulate(build("paci", 4, 4, 4, 4))
-    slow = simulate(build("paci", 4, 4, 4, 4), forward_cost=[1, 1, 3, 1], comm_cost=0.5)
+    base = simulate_schedule(build_schedule("paci", 4, 4, 4, 4))
+    slow = simulate_schedule(build_schedule("paci", 4, 4, 4, 4), forward_cost=[1, 1, 3, 1], comm_cost=0.5)
     assert slow.makespan > base.makespan
     # the slowest stage sets the pace: it is never idle in steady state
     assert slow.stages[2].steady_bubble_fraction == 0.0
@@ -82,7 +82,7 @@ def test_per_stage_costs_and_comm_cost_lengthen_the_run():
 
 def test_wrong_number_of_per_stage_costs_is_rejected():
     with pytest.raises(ValueError, match="`forward_cost` has 3 per-stage costs but the schedule has 4 stages"):
-        simulate(build("paci", 4, 4, 4, 2), forward_cost=[1, 1, 1])
+        simulate_schedule(build_schedule("paci", 4, 4, 4, 2), forward_cost=[1, 1, 1])
 
 
 def test_cli_json(capsys):
@@ -115,7 +115,7 @@ def test_cli_rejects_bad_input_with_the_argument_name():
 def test_measured_phases_agree_with_the_simulator_on_its_own_intervals(name):
     from lightning_paci.simulation import measured_phases
 
-    result = simulate(build(name, 4, 4, 4, 5), forward_cost=[1, 2, 1, 1], comm_cost=0.25)
+    result = simulate_schedule(build_schedule(name, 4, 4, 4, 5), forward_cost=[1, 2, 1, 1], comm_cost=0.25)
     for report in result.stages:
         mine = [iv for iv in result.intervals if iv.stage == report.stage]
         phases = measured_phases(mine, 4, 5, 0.0, result.makespan)

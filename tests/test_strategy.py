@@ -12,7 +12,7 @@ import torch
 from torch.multiprocessing import ProcessRaisedException
 
 import lightning_paci
-from lightning_paci import PACIStrategy, ReferencePipeline, build, plan_partition
+from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
 from lightning_paci.schedules import drift_bound
 
 from helpers import DumpStageRecords, KeepVersion, RecordFreezeCount, RecordLosses, fit, read_stage_records
@@ -81,7 +81,7 @@ def test_paci_equals_reference_executor_and_drift_is_at_the_bound(tmp_path, accu
         max_steps=steps, callbacks=[DumpStageRecords(tmp_path)])
     plan = plan_partition(initial, num_stages)
     reference = ReferencePipeline(initial, plan)
-    reference.run(build("paci", num_stages, m, accumulation, steps), list(loader)[:steps])
+    reference.run(build_schedule("paci", num_stages, m, accumulation, steps), list(loader)[:steps])
     _assert_state_close(model, reference.state_dict(), rtol=1e-6)
     for record in read_stage_records(tmp_path, num_stages):
         s = record["stage"]
@@ -116,7 +116,7 @@ def test_update_hooks_give_version_k_weights_mid_stream_equal_to_the_reference(t
             if v == version:
                 expected.update({k: t.clone() for k, t in reference.modules[stage].state_dict().items()})
         runtime.update_hooks.append(keep)
-    reference.run(build("paci", num_stages, m, m, steps), list(loader)[:steps])
+    reference.run(build_schedule("paci", num_stages, m, m, steps), list(loader)[:steps])
     kept: dict[str, torch.Tensor] = {}
     for stage in range(num_stages):
         assert json.loads((tmp_path / f"versions{stage}.json").read_text()) == list(range(1, steps + 1))
@@ -140,7 +140,7 @@ def test_peak_activation_bytes_equal_1f1b_for_m_at_least_n():
         reference = ReferencePipeline(model, plan_partition(model, num_stages, partition="parameters"))
         for runtime in reference.runtimes:
             runtime.records.measure(activation_bytes=True)
-        reference.run(build(schedule, num_stages, m, m, steps), batches)
+        reference.run(build_schedule(schedule, num_stages, m, m, steps), batches)
         peaks[schedule] = [(r.records.peak_inflight, r.records.peak_activation_bytes) for r in reference.runtimes]
     assert peaks["paci"] == peaks["1f1b"]
     for s, ((inflight, nbytes), (gpipe_inflight, gpipe_bytes)) in enumerate(zip(peaks["paci"], peaks["gpipe"])):
@@ -188,11 +188,11 @@ def test_dropout_is_independent_across_stages_and_equals_the_reference_executor(
     fit(model, loader, devices=4, max_steps=4, microbatches=4, partition="parameters",
         callbacks=[_RecordMasks(tmp_path)])
     reference = ReferencePipeline(initial, plan_partition(initial, 4, partition="parameters"))
-    reference.run(build("paci", 4, 4, 4, 4), list(loader))
+    reference.run(build_schedule("paci", 4, 4, 4, 4), list(loader))
     _assert_state_close(model, reference.state_dict(), rtol=0)
     masks = [json.loads((tmp_path / f"masks{s}.json").read_text()) for s in range(4)]
     assert all(len(m) == 16 for m in masks)
-    for s in range(1, 4):  # before, every rank drew in lock step: stage s repeated stage 0's masks
+    for s in range(1, 4):  # drawing in lock step, stage s would repeat stage 0's masks
         assert masks[s] != masks[0]
 
 
@@ -380,13 +380,13 @@ def test_setup_logs_the_time_balanced_split(tmp_path, monkeypatch):
     # block times come from a clock the blocks themselves advance, so CPU load cannot change the decision
     from functools import partial
 
-    from lightning_paci.integration import trainer_glue
+    from lightning_paci.integration import setup_probe
     from lightning_paci.partition import profile_block_costs
 
     from test_partition import FakeClock, TickBlock
 
     clock = FakeClock()
-    monkeypatch.setattr(trainer_glue, "profile_block_costs", partial(profile_block_costs, clock=clock))  # forked
+    monkeypatch.setattr(setup_probe, "profile_block_costs", partial(profile_block_costs, clock=clock))  # forked
 
     class Ticking(SequentialMLP):
         def __init__(self):
@@ -443,7 +443,7 @@ def test_long_streams_drain_every_max_stream_batches_and_equal_the_reference():
     batches = list(loader)
     done = 0
     for start, count in ((0, 3), (3, 3), (6, 1)):
-        reference.run(build("paci", 4, 4, 3, count, backward_offset=done % 3), batches[start:start + count])
+        reference.run(build_schedule("paci", 4, 4, 3, count, backward_offset=done % 3), batches[start:start + count])
         done += 4 * count
     _assert_state_close(model, reference.state_dict(), rtol=1e-6)
 
@@ -451,7 +451,7 @@ def test_long_streams_drain_every_max_stream_batches_and_equal_the_reference():
 def test_stage_processes_on_the_cpu_share_the_cores_unless_omp_num_threads_is_set():
     import os
 
-    from lightning_paci.integration.trainer_glue import share_cpu_cores
+    from lightning_paci.integration.processes import share_cpu_cores
 
     before = torch.get_num_threads()
     try:

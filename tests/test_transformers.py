@@ -159,7 +159,7 @@ def test_tied_embedding_under_1f1b_equals_single_device_accumulation(kind, devic
 
 
 def test_tied_copies_go_through_identical_versions_under_paci(tmp_path):
-    from lightning_paci import ReferencePipeline, build, plan_partition
+    from lightning_paci import ReferencePipeline, build_schedule, plan_partition
     from lightning_paci.schedules import static_tied_lags
 
     from helpers import DumpStageRecords, read_stage_records
@@ -175,11 +175,11 @@ def test_tied_copies_go_through_identical_versions_under_paci(tmp_path):
     assert len(first["tied_fingerprints"]) == 6
     assert last["tied_fingerprints"] == first["tied_fingerprints"]
     # the replica's staleness is what the last stage's list says (here at most 1 update: N = m = a = 4)
-    expected_lags = static_tied_lags(build("paci", 4, 4, 4, 6, tied=True).actions[3])
+    expected_lags = static_tied_lags(build_schedule("paci", 4, 4, 4, 6, tied=True).actions[3])
     assert {int(k): v for k, v in last["tied_lags"].items()} == expected_lags and max(expected_lags.values()) == 1
     # the multi-process run equals the reference executor of the same (tied) action lists
     reference = ReferencePipeline(initial, plan_partition(initial, 4, partition="parameters"))
-    reference.run(build("paci", 4, 4, 4, 6, tied=True), list(loader)[:6])
+    reference.run(build_schedule("paci", 4, 4, 4, 6, tied=True), list(loader)[:6])
     expected = reference.state_dict()
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, expected[key], rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
@@ -189,13 +189,13 @@ def test_tied_copies_go_through_identical_versions_under_paci(tmp_path):
 def test_the_tied_replica_lag_is_read_from_the_lists(schedule, accumulation, bound):
     # N = 4, m = 2: the last stage's forwards use tied weights as many updates old as its list says; a flush
     # schedule is current at every mini-batch start only when the window is the whole mini-batch (a = m)
-    from lightning_paci import ReferencePipeline, build, plan_partition
+    from lightning_paci import ReferencePipeline, build_schedule, plan_partition
     from lightning_paci.schedules import static_tied_lags
 
     torch.manual_seed(17)
     model = HFCausalLM("gpt2", layers=4, tied=True)
     reference = ReferencePipeline(model, plan_partition(model, 4, partition="parameters"))
-    schedule_lists = build(schedule, 4, 2, accumulation, 6, tied=True)
+    schedule_lists = build_schedule(schedule, 4, 2, accumulation, 6, tied=True)
     reference.run(schedule_lists, list(token_loader(num_batches=6, batch_size=4, vocab=64, seq=12)))
     recorded = dict(reference.runtimes[-1].records.tied_lags)
     assert recorded == static_tied_lags(schedule_lists.actions[3])

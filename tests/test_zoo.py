@@ -22,7 +22,7 @@ from lightning_paci.integration.reference_pipeline import ReferencePipeline
 from lightning_paci.partition import plan_partition
 from lightning_paci.partition.carve import CrossingError
 from lightning_paci.partition.plan import call_order
-from lightning_paci.schedules import build
+from lightning_paci.schedules import build_schedule
 
 from models import HFModel, hf_model_reference
 
@@ -66,12 +66,12 @@ def _trains_like_one_device(module: nn.Module, batch: dict[str, torch.Tensor], *
     reference = copy.deepcopy(module)
     plan = _plan(module, {k: v[: len(v) // 2] for k, v in batch.items()}, stages)
     pipeline = ReferencePipeline(module, plan)
-    pipeline.run(build("1f1b", stages, 2, 2, 1, tied=bool(plan.tied)), [batch])
+    pipeline.run(build_schedule("1f1b", stages, 2, 2, 1, tied=bool(plan.tied)), [batch])
     hf_model_reference(reference, [batch], num_microbatches=2)
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(pipeline.state_dict()[key], value, rtol=1e-6, atol=1e-9,
                                    msg=lambda m: f"{key}: {m}")
-    pipeline.run(build("paci", stages, 2, 2, 4, tied=bool(plan.tied)), [batch] * 4)
+    pipeline.run(build_schedule("paci", stages, 2, 2, 4, tied=bool(plan.tied)), [batch] * 4)
     losses = pipeline.runtimes[-1].records.losses
     assert losses[max(losses)] < losses[min(losses)], losses
 
@@ -165,7 +165,7 @@ def test_lightnings_demo_transformer_trains_as_on_one_device_at_four_stages():
     batch = {"input_ids": torch.randint(0, 64, (4, 10)), "labels": torch.randint(0, 64, (4, 10))}
     plan = _plan(module, {k: v[:2] for k, v in batch.items()}, 4)
     pipeline = ReferencePipeline(module, plan)
-    pipeline.run(build("1f1b", 4, 2, 2, 1), [batch])
+    pipeline.run(build_schedule("1f1b", 4, 2, 2, 1), [batch])
     optimizer = reference.configure_optimizers()
     for i in range(2):
         (reference.training_step({k: v[2 * i: 2 * i + 2] for k, v in batch.items()}, 0) / 2).backward()
@@ -173,7 +173,7 @@ def test_lightnings_demo_transformer_trains_as_on_one_device_at_four_stages():
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(pipeline.state_dict()[key], value, msg=lambda m: f"{key}: {m}")
     assert pipeline.relays.relays[0].module == "model.transformer.encoder"  # stage 0 -> 2, through stage 1
-    pipeline.run(build("paci", 4, 2, 2, 4), [batch] * 4)
+    pipeline.run(build_schedule("paci", 4, 2, 2, 4), [batch] * 4)
     losses = pipeline.runtimes[-1].records.losses
     assert losses[max(losses)] < losses[min(losses)]
 
@@ -196,7 +196,7 @@ def test_litgpt_trains_as_on_one_device():
     plan = _plan(module, {"input_ids": batch["input_ids"][:2]})
     assert plan.after == ("model.lm_head", "model.transformer.ln_f")
     pipeline = ReferencePipeline(module, plan)
-    pipeline.run(build("1f1b", 2, 2, 2, 1), [batch])
+    pipeline.run(build_schedule("1f1b", 2, 2, 2, 1), [batch])
     optimizer = reference.configure_optimizers()
     for part in torch.tensor_split(batch["input_ids"], 2):
         (reference.training_step({"input_ids": part}, 0) / 2).backward()

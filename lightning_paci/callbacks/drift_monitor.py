@@ -16,7 +16,7 @@ from lightning_paci.callbacks.stage_monitor import (
     stage_writer,
 )
 from lightning_paci.engine.records import BackwardRecord
-from lightning_paci.schedules import build, derived_drift_bound, static_tied_lags
+from lightning_paci.schedules import build_schedule, derived_drift_bound, static_tied_lags
 
 __all__ = ["DriftMonitor", "drift_window_metrics"]
 
@@ -85,7 +85,7 @@ class DriftMonitor(StageMonitor):
         records.measure(weight_drift=self.weight_drift)
         self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index, strategy.replica_index)
         tied = bool(strategy.plan.tied)
-        schedule = build(strategy.config.schedule, strategy.num_stages, strategy.num_microbatches,
+        schedule = build_schedule(strategy.config.schedule, strategy.num_stages, strategy.num_microbatches,
                          strategy.accumulation, 4 + 2 * strategy.accumulation, tied=tied)
         own = schedule.actions[strategy.stage_index]
         self._bound = derived_drift_bound(own, strategy.accumulation)

@@ -19,7 +19,8 @@ import lightning as L
 from typing_extensions import override
 
 from lightning_paci.callbacks.stage_monitor import StageMonitor, monitor_directory, paci_strategy, stage_writer
-from lightning_paci.simulation.timeline import Interval, draw_timeline, write_chrome_trace
+from lightning_paci.schedules import Interval
+from lightning_paci.simulation.timeline import draw_timeline, write_chrome_trace
 
 __all__ = ["TimelineMonitor", "recent_intervals"]
 

@@ -105,7 +105,7 @@ class DistComm:
     def _route(self, channel: int, src: int, dst: int, header: bool = False) -> tuple[dist.ProcessGroup, int, int]:
         """The process group of a message, the peer's rank in it and the tag, looked up once per link and direction
         (sends and receives are per micro-batch; ``dist.isend``'s checks and rank translation cost ~0.1 ms of cold
-        host time per call on the 2-core machine, so messages go to ``ProcessGroup.send``/``recv`` directly)."""
+        host time per call on a 2-core CPU host, so messages go to ``ProcessGroup.send``/``recv`` directly)."""
         key = (channel, src, dst, header)
         route = self._routes.get(key)
         if route is None:
@@ -208,7 +208,7 @@ class DistComm:
     def post(self, stage: int) -> None:
         """[Note: receives posted ahead]
         A message that arrives before its receive is posted waits in the socket until the receive comes, and is then
-        read by gloo's thread, which wakes the caller: ~0.2 ms per message on the 2-core machine, on the critical
+        read by gloo's thread, which wakes the caller: ~0.2 ms per message on a 2-core CPU host, on the critical
         path, against ~0.03 ms when the receive was posted first and the bytes are already in its buffer. The
         runtime posts each stage's next activation and gradient receive as soon as the previous one on that link
         completed and the next is in the actions it was given (``StageRuntime.run``), so every posted receive is

@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightning_paci.engine.supervision import activity
+from lightning_paci.engine.activity import activity
 from lightning_paci.schedules.deadlock import HOST_GROUP, Communicator, setup_groups
 
 __all__ = ["HEADER_TAGS", "PipelineLinks", "connections_warning", "create_communicators", "new_group",

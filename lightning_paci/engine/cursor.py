@@ -2,10 +2,10 @@
 
 A *stream* is the run between two drains. Call ``k`` of a stream delivers mini-batch ``k``; the stage runs the
 actions of round ``k`` (:func:`lightning_paci.schedules.assign_rounds`) of its list, and the drain after ``K``
-calls runs the rest of the list built for exactly ``K`` mini-batches. The first cursor rebuilt all stages' lists
-for doubling horizons (at calls 7, 15, 31, 63, 127, ...): every stage stalled 0.7-1.0 s at call 127 of an
-8-stage run, all at once, and each drain built the whole stream again. Here a stage materialises only its own
-list, a round at a time, from one small template per configuration.
+calls runs the rest of the list built for exactly ``K`` mini-batches. Rebuilding all stages' lists for growing
+horizons would stall every stage at once (0.7-1.0 s at call 127 of an 8-stage run, measured) and build the whole
+stream again at each drain; instead a stage materialises only its own list, a round at a time, from one small
+template per configuration.
 
 [Note: periodic schedules]
 Let ``P = a / gcd(a, m)`` and let ``sigma`` add ``P*m`` to every micro-batch index and ``P*m/a`` to every
@@ -22,7 +22,7 @@ tied-weight index (``OPT`` carries none). Three facts make a stream's list perio
    shows that the equality holds for every later action: rounds ``r >= H-1`` are ``sigma`` copies of rounds
    ``r - P``.
 3. Stability. The rounds ``0 .. H-2`` of a list built for ``H`` mini-batches are those of any longer list
-   (``assign_rounds``: the cool-down begins only in round ``H-1``). The first cursor relied on this too.
+   (``assign_rounds``: the cool-down begins only in round ``H-1``).
 
 ``_steady_horizon`` checks both premises of fact 2 on the template (all stages; for tied lists also on the
 untied ones). If a receive waits longer than the template covers (tied weights with ``N > m``), it makes the
@@ -42,7 +42,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from lightning_paci.schedules import RECV_KINDS, RECV_T, SEND_KINDS, SEND_T, Action, assign_rounds, build, message_key
+from lightning_paci.schedules import (
+    RECV_KINDS,
+    RECV_T,
+    SEND_KINDS,
+    SEND_T,
+    Action,
+    assign_rounds,
+    build_schedule,
+    message_key,
+)
 
 __all__ = ["StreamCursor"]
 
@@ -85,7 +94,7 @@ def _starts(rounds: Sequence[int], count: int) -> tuple[int, ...]:
 def _built(key: _Key, num_minibatches: int) -> tuple[tuple[tuple[Action, ...], ...], tuple[tuple[int, ...], ...]]:
     """All stages' lists and rounds for one horizon (a few templates per process; the stage slices are kept)."""
     name, n, m, a, offset, tied = key
-    schedule = build(name, n, m, a, num_minibatches, backward_offset=offset, tied=tied)
+    schedule = build_schedule(name, n, m, a, num_minibatches, backward_offset=offset, tied=tied)
     return schedule.actions, assign_rounds(schedule)
 
 
@@ -223,12 +232,12 @@ class StreamCursor:
         self.tied = tied
         self.position = 0  # actions of the stream's list already handed out
         self._key: _Key | None = None
-        self._stage_template: _StageTemplate | None = None  # fetched at the first call, like the first cursor's build
+        self._stage_template: _StageTemplate | None = None  # fetched at the first call
 
     def _template(self) -> _StageTemplate:
         if self._stage_template is None:
             # the builder's own argument checks, with its messages, before anything is derived from the arguments
-            build(*self.args, 1, backward_offset=self.backward_offset, tied=self.tied)
+            build_schedule(*self.args, 1, backward_offset=self.backward_offset, tied=self.tied)
             name, n, m, a = self.args
             self._key = (name, n, m, a, self.backward_offset % a, bool(self.tied))  # only the offset mod a matters
             self._stage_template = _stage_template(self._key, self.stage)
@@ -252,10 +261,10 @@ class StreamCursor:
         if num_minibatches == 0:
             return []
         if isinstance(num_minibatches, bool) or not isinstance(num_minibatches, int) or num_minibatches < 1:
-            build(*self.args, num_minibatches, backward_offset=self.backward_offset, tied=self.tied)  # raises
+            build_schedule(*self.args, num_minibatches, backward_offset=self.backward_offset, tied=self.tied)  # raises
         template = self._template()
         cut = template.start(num_minibatches - 1)  # where the cool-down starts: rounds 0..K-2 are the stream's
-        if self.position > cut:  # a call past the cool-down's start ran already: compare like the first cursor
+        if self.position > cut:  # a call past the cool-down's start ran already: build and compare
             return self._drain_rebuilt(template, num_minibatches)
         out = template.take(self.position, cut)
         tail = self._cool_down(template, num_minibatches)
@@ -280,7 +289,7 @@ class StreamCursor:
     def _drain_rebuilt(self, template: _StageTemplate, num_minibatches: int) -> list[Action]:
         """Drain after a call that ran part of round ``K-1`` or later: only correct if the list built for ``K``
         starts with what ran, which is checked against the full list (never the case in a strategy's stream)."""
-        schedule = build(*self.args, num_minibatches, backward_offset=self.backward_offset, tied=self.tied)
+        schedule = build_schedule(*self.args, num_minibatches, backward_offset=self.backward_offset, tied=self.tied)
         own = schedule.actions[self.stage]
         if tuple(own[:self.position]) != tuple(template.take(0, self.position)):
             raise AssertionError("drained list does not extend the executed prefix")

@@ -30,12 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_paci.errors import ReplicaMismatchError
+
 __all__ = ["GradientAverage", "ParameterAverage", "ReplicaMismatchError", "average_gradients", "average_parameters",
            "join_replicas"]
-
-
-class ReplicaMismatchError(RuntimeError):
-    """The replicas of a stage disagree on which parameters received a gradient."""
 
 
 def _buckets(params: Sequence[nn.Parameter]) -> list[list[int]]:

@@ -14,12 +14,10 @@ from typing import Any
 
 import torch
 
+from lightning_paci.errors import StageMismatchError
+
 __all__ = ["ALIGN", "FIRST_BYTES", "StageMismatchError", "TensorMeta", "as_bytes", "describe", "flatten",
            "from_bytes", "map_leaves", "map_tensors", "metas_of", "unflatten"]
-
-
-class StageMismatchError(RuntimeError):
-    """A message between stages does not have the form the receiver can use."""
 
 
 FIRST_BYTES = 16384

@@ -96,7 +96,7 @@ def microbatch_rng(seed: int, stage: int, microbatch: int, replica: int = 0) -> 
     and the CPU generator restored afterwards. Dropout masks and any other draw of a forward are then independent
     across stages (every rank starts from the same RNG state: drawing in lock step, stage 1's block 2 used stage 0's
     block 0 masks), the same whatever the timing, equal in the one-process reference executor and the processes,
-    and the main RNG stream (samplers, augmentation) no longer depends on how many forwards a stage ran.
+    and the main RNG stream (samplers, augmentation) does not depend on how many forwards a stage ran.
     Data-parallel replicas (``replica`` > 0) mix their index in: their samples get their own masks, as the samples
     of one device's larger batch would.
     """

@@ -40,16 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from lightning_paci.errors import NcclRuleError
+
 __all__ = ["ENV", "NcclEmulation", "NcclRuleError", "emulation", "enabled", "install"]
 
 ENV = "LIGHTNING_PACI_EMULATE_NCCL"
 
-_RULES = {
-    1: "group creation on a device-bound world",
-    2: "a pair's first point-to-point operation meets the peer's",
-    3: "collectives in one order on every member",
-    4: "NCCL operations take device tensors only",
-}
 _POLL = 0.005  # seconds between two looks at the store while waiting for other ranks
 _COLLECTIVES = ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
                 "allgather_into_tensor_coalesced", "reduce", "gather", "scatter", "reduce_scatter",
@@ -59,14 +55,6 @@ _COLLECTIVES = ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "_
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether ``LIGHTNING_PACI_EMULATE_NCCL`` asks for the emulation (``1``, ``true`` or ``yes``)."""
     return environ.get(ENV, "").strip().lower() in ("1", "true", "yes")
-
-
-class NcclRuleError(RuntimeError):
-    """A rule of NCCL's broken under the emulation; ``rule`` is its number in [Note: NCCL emulation]."""
-
-    def __init__(self, rule: int, message: str) -> None:
-        super().__init__(f"NCCL emulation, rule {rule} ({_RULES[rule]}): {message}")
-        self.rule = rule
 
 
 @dataclass(frozen=True)

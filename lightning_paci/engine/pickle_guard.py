@@ -20,14 +20,12 @@ from typing import Any
 
 import torch
 
+from lightning_paci.errors import TensorPickleError
+
 __all__ = ["TensorPickleError", "check_no_tensors", "guarded_dumps"]
 
 _MARKERS = (b"torch._utils", b"torch.storage")  # every pickled tensor or storage refers to one of them
 _DEPTH = 12  # how deep the naming walk looks
-
-
-class TensorPickleError(TypeError):
-    """A tensor or storage was about to be pickled into a message header or an object collective."""
 
 
 def guarded_dumps(obj: Any, *, what: str, host_tensors: bool = False) -> bytes:

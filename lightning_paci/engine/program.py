@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from lightning_paci.engine.supervision import StageFailure
+from lightning_paci.errors import StageFailure
 
 __all__ = ["LOSS_KEY", "BackwardHooks", "ForwardOutput", "LogRecord", "StageProgram", "check_losses", "loss_value",
            "own_values", "padding_forward"]

@@ -18,8 +18,8 @@ What a backward then computes, by weight version:
   (which version ``v`` of the earlier blocks produced), and differentiates that: the gradient of the current
   weights at activations that mix versions. The upstream gradient still comes from the loss of the version-``v``
   forward. Under 1f1b and gpipe ``d = 0``, so recomputation is exact (same weights bit for bit, tested); under
-  PACI it is a second, different staleness, measured in benchmarks/RESULTS.md. With the look-ahead
-  (optim/lookahead.py) the forward ran at the predicted version ``v + d`` and the recomputation at the real one.
+  PACI it is a second, different staleness, measured in benchmarks/RESULTS.md. With the weight prediction
+  (optim/weight_prediction.py) the forward ran at the predicted version ``v + d`` and the recomputation at the real one.
 
 The random state of each block's forward is saved with its input and restored for the recomputation, so dropout
 draws the same masks (on top of [Note: randomness per micro-batch]); a user's own ``torch.utils.checkpoint`` inside

@@ -21,7 +21,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 
 from lightning_paci.engine.messages import flatten
-from lightning_paci.simulation.timeline import Interval
+from lightning_paci.schedules import Interval
 
 __all__ = ["PHASES", "ActivationMeter", "BackwardRecord", "RecentDict", "StageRecords"]
 

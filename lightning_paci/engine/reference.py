@@ -21,7 +21,7 @@ from lightning_paci.engine.data_parallel import ReplicaMismatchError
 from lightning_paci.engine.messages import StageMismatchError, flatten, metas_of, unflatten
 from lightning_paci.engine.pickle_guard import guarded_dumps
 from lightning_paci.engine.runtime import StageRuntime
-from lightning_paci.schedules import OPT, RECV_KINDS, Action, message_key, validate
+from lightning_paci.schedules import OPT, RECV_KINDS, Action, message_key, validate_schedule
 
 __all__ = ["LocalComm", "ReplicaAverage", "ReplicaParameterAverage", "run_lists"]
 
@@ -56,7 +56,7 @@ def run_lists(runtimes: Sequence[StageRuntime], lists: Sequence[Sequence[Action]
     for runtime in runtimes:
         runtime.settle()
     if any(positions[i] < len(lists[i % n]) for i in range(len(runtimes))):
-        validate(lists)  # raises with the grid
+        validate_schedule(lists)  # raises with the grid
         raise AssertionError("reference executor stalled on a list the validator accepts")
 
 

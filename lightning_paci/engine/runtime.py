@@ -36,9 +36,9 @@ from lightning_paci.engine.program import (
 )
 from lightning_paci.engine.records import BackwardRecord, StageRecords
 from lightning_paci.engine.runtime_state import RuntimeState
-from lightning_paci.engine.supervision import StageFailure
-from lightning_paci.optim.lookahead import LookAhead
-from lightning_paci.optim.stage_optimizer import StageOptimizer
+from lightning_paci.errors import StageFailure
+from lightning_paci.optim.stage_optimizer import StageOptimizer, Step
+from lightning_paci.optim.weight_prediction import WeightPrediction
 from lightning_paci.schedules import (
     OPT,
     RECV_B,
@@ -52,9 +52,9 @@ from lightning_paci.schedules import (
     Action,
     B,
     F,
+    Interval,
     message_key,
 )
-from lightning_paci.simulation.timeline import Interval
 
 __all__ = ["BackwardHooks", "ForwardOutput", "StageProgram", "StageRuntime"]
 
@@ -88,7 +88,7 @@ class StageRuntime(RuntimeState):
         retention: per-micro-batch records kept (:class:`~lightning_paci.engine.records.StageRecords`). hooks: called
             around each local backward (:class:`BackwardHooks`).
         seed: base of every forward's random stream (``torch.initial_seed()``; [Note: randomness per micro-batch]).
-        lookahead: the staleness compensation's weight prediction ([Note: exact look-ahead]), or None.
+        prediction: the staleness compensation's weight prediction ([Note: exact weight prediction]), or None.
 
     Its counters (runtime_state.py) change through their methods only, never by another module writing its fields
     (tests/test_layout.py checks).
@@ -109,7 +109,7 @@ class StageRuntime(RuntimeState):
         retention: int = 16384,
         seed: int | None = None,
         hooks: BackwardHooks | None = None,
-        lookahead: LookAhead | None = None,
+        prediction: WeightPrediction | None = None,
     ) -> None:
         self.stage, self.num_stages, self.program, self.comm = stage, num_stages, program, comm
         super().__init__(loss_scale)
@@ -129,8 +129,9 @@ class StageRuntime(RuntimeState):
         self._skipping: set[int] = set()  # dropped micro-batches whose "skip" still has to travel upstream
         self.tied = list(tied)
         self.tied_version = 0  # updates of the tied weights applied here (stage 0: made, last stage: installed)
-        # [Note: exact look-ahead]: a forward that will cross ``crossings(mb)`` updates runs with the weights ahead
-        self.lookahead = lookahead
+        # [Note: exact weight prediction]: a forward that will cross ``crossings(mb)`` updates runs with the weights
+        # ahead
+        self.prediction = prediction
         self.current: tuple[Action, float] | None = None  # the action running and when it began
         # [Note: no host sync per micro-batch]: losses kept on the device (None: where the loss is) until the update
         self.device_losses: bool | None = None
@@ -202,8 +203,8 @@ class StageRuntime(RuntimeState):
         if weight != 1.0 and not padding:
             self.loss_weights[mb] = weight
         ahead: contextlib.AbstractContextManager[Any] = _NO_CONTEXT
-        if self.lookahead is not None and not padding:
-            ahead = self.lookahead.moved(self.crossings(mb), max(0.0, 1.0 - self.window_backwards * self.loss_scale))
+        if self.prediction is not None and not padding:
+            ahead = self.prediction.moved(self.crossings(mb), max(0.0, 1.0 - self.window_backwards * self.loss_scale))
         context = padding_forward(self.program.module) if padding else ahead
         with microbatch_rng(self.seed, self.stage, key, self.replica), context:
             if records.activations:
@@ -286,13 +287,11 @@ class StageRuntime(RuntimeState):
             raise AssertionError(f"stage {self.stage}: OPT scheduled on a stage without an optimizer")
         if self.reduce_gradients is not None:  # before the check: every replica then sees (and names) a bad value
             self.reduce_gradients()
-        _check_before_update(self)
-        measuring = self.records.weight_drift
-        squares = self.optimizer.step(measure=measuring)
+        step = _update(self, self.optimizer)
         self.version += 1
         self.window_backwards = 0
-        if measuring:
-            self.records.record_update(self.version, squares)
+        if self.records.weight_drift:
+            self.records.record_update(self.version, step.squares)
         if self.tied and self.stage == 0:
             self.records.fingerprint(self.tied)
         for hook in self.update_hooks:
@@ -324,7 +323,7 @@ class StageRuntime(RuntimeState):
 # [Note: after the send]
 # A backward's input gradients are on the next stage's critical path; its Lightning ``on_after_backward`` hooks and
 # its drift record are not. They run when the stage's next action other than a send begins (or when the call ends,
-# ``settle``), so the gradient message leaves first (0.1-0.3 ms sooner on the 2-core machine). No hook can see the
+# ``settle``), so the gradient message leaves first (0.1-0.3 ms sooner on a 2-core CPU host). No hook can see the
 # difference: they still run after this backward and before the next backward, the next update and the next
 # activation message (which carries the log records they make).
 
@@ -356,27 +355,29 @@ def _receive_tied(runtime: StageRuntime) -> None:
         runtime.records.fingerprint(runtime.tied)
 
 
-def _check_before_update(runtime: StageRuntime) -> None:
-    """Everything that must hold before an update, in one host read: the losses kept on the device are finite
-    ([Note: no host sync per micro-batch]), the look-ahead kept every element it moved ([Note: a look-ahead
-    without host reads]), every gradient is finite. Only a failure reads more, to name what failed."""
+def _update(runtime: StageRuntime, optimizer: StageOptimizer) -> Step:
+    """One optimizer call that checks everything that must hold before an update, in one host read: the losses
+    kept on the device are finite ([Note: no host sync per micro-batch]), the weight prediction kept every element
+    it moved ([Note: weight prediction without host reads]), every gradient is finite. Only a failure reads more,
+    to name what failed; an inexact prediction is reported and the update made without it."""
     losses, runtime.unchecked_losses[:] = list(runtime.unchecked_losses), []
-    overflow = runtime.lookahead.take_overflow() if runtime.lookahead is not None else None
+    overflow = runtime.prediction.take_overflow() if runtime.prediction is not None else None
     flags = [] if overflow is None else [~overflow]
     if losses:
         flags.append(torch.isfinite(torch.stack([loss for _, loss in losses])).all())
     tied = [p.grad for p in runtime.tied if p.grad is not None]
-    if runtime.optimizer.all_finite(tied, flags):  # type: ignore[union-attr]
-        return
+    measure = runtime.records.weight_drift
+    if (step := optimizer.step(measure=measure, extra=tied, flags=flags)).done:
+        return step
     check_losses(losses, runtime.stage, runtime.step_label)
     if overflow is not None and bool(overflow):
-        lookahead = runtime.lookahead
-        if lookahead is None:
-            raise AssertionError("an overflow flag without a look-ahead")
-        lookahead.inexact(f"stage {runtime.stage}", f"optimizer step {runtime.version + 1} at {runtime.step_label}")
-        if runtime.optimizer.all_finite(tied):  # type: ignore[union-attr]
-            return
-    bad = runtime.optimizer.nonfinite(tied) or []  # type: ignore[union-attr]
+        if runtime.prediction is None:
+            raise AssertionError("an overflow flag without a weight prediction")
+        runtime.prediction.inexact(f"stage {runtime.stage}", f"optimizer step {runtime.version + 1} at "
+                                                             f"{runtime.step_label}")
+        if (step := optimizer.step(measure=measure, extra=tied)).done:
+            return step
+    bad = optimizer.nonfinite_parameters()
     names = [n for n, p in runtime.program.module.named_parameters() if any(p is q for q in bad)]
     raise StageFailure(f"stage {runtime.stage}: non-finite gradient in {names[:3]} before optimizer step "
                        f"{runtime.version + 1} at {runtime.step_label}.")

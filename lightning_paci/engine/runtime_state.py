@@ -27,7 +27,7 @@ class RuntimeState:
         self.microbatch_base = 0  # stream-local index -> run-global index (for records across drains)
         self.window_base = 0  # backwards before the current accumulation window's count began (see closing_actions)
         self.crossings: Callable[[int], int] = _no_crossings  # updates micro-batch ``mb``'s forward will cross
-        self.window_backwards = 0  # backwards accumulated since the last update (the look-ahead's known share)
+        self.window_backwards = 0  # backwards accumulated since the last update (the weight prediction's known share)
         self.replica, self.replica_tag = 0, ""  # data-parallel replica (own random streams), " (replica r)" in errors
         self.reduce_gradients: Callable[[], None] | None = None  # data parallel: average over the stage's replicas
         self.step_label = ""  # where the run is, for error messages ("Lightning batch 7 (global step 7)")
@@ -38,7 +38,7 @@ class RuntimeState:
     def begin_stream(self, crossings: Callable[[int], int], window_backwards: int,
                      loss_scale: float | None = None) -> None:
         """A stream of actions starts: ``crossings(mb)`` is how many updates micro-batch ``mb``'s forward will cross
-        (the look-ahead's distance), ``window_backwards`` the backwards already in the open accumulation window,
+        (the weight prediction's distance), ``window_backwards`` the backwards already in the open accumulation window,
         ``loss_scale`` (when given) the new window's ``1 / accumulation``."""
         if loss_scale is not None:
             self.loss_scale = loss_scale

@@ -57,78 +57,19 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["ALL", "ProcessActivity", "StageFailure", "StageWatchdog", "activity", "connect_store",
-           "mark_setup_error", "print_setup_errors_once", "rendezvous_store", "runtime_activity"]
+from lightning_paci.engine.activity import Doing, decode_doing, encode_doing
+from lightning_paci.errors import StageFailure
+
+__all__ = ["StageWatchdog", "connect_store", "mark_setup_error", "print_setup_errors_once", "rendezvous_store"]
 
 _ENDED_AFTER_BEATS = 3  # a reporting stage whose heartbeat has not moved for this many intervals has ended
 PATIENCE = 10  # patient work is judged after PATIENCE * dead_after ([Note: judging progress])
 
 
-class _Everyone:
-    """What a collective of every watched process waits for."""
-
-    def __repr__(self) -> str:
-        return "ALL"
-
-
-ALL = _Everyone()
-Waits = _Everyone | frozenset[int] | None
-# (label, what it waits for, seconds in it, patient)
-Doing = tuple[str, Waits, float, bool]
-
-
-class ProcessActivity:
-    """What this process's main thread is doing, for the watchdog's thread ([Note: judging progress]): a stack of
-    phases (the innermost counts) under an optional base phase (setup), and a source consulted first (a runtime's
-    current action)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self._stack: list[tuple[str, Waits, float, bool]] = []
-        self._base: tuple[str, Waits, float, bool] | None = None
-        self.source: Callable[[], Doing | None] | None = None
-        self._numbers: dict[str, int] = {}
-
-    def begin(self, label: str, *, patient: bool = False) -> None:
-        """The base phase, under the stack's: ``label`` (work) until :meth:`end`."""
-        self._base = (label, None, self.clock(), patient)
-
-    def end(self) -> None:
-        self._base = None
-
-    @contextlib.contextmanager
-    def phase(self, label: str, *, waits: Waits = None) -> Iterator[None]:
-        """``label`` while the block runs: work (``waits=None``) or a wait for ``waits`` (watched ids, or ALL);
-        only the base phase (:meth:`begin`) is patient."""
-        entry = (label, waits, self.clock(), False)
-        self._stack.append(entry)
-        try:
-            yield
-        finally:
-            if self._stack and self._stack[-1] is entry:
-                self._stack.pop()
-
-    def collective(self, label: str, waits: Waits = ALL) -> contextlib.AbstractContextManager[None]:
-        """A wait in a collective, numbered per label: the n-th one reads the same on every member, and members
-        in different ones read differently ([Note: judging progress])."""
-        self._numbers[label] = number = self._numbers.get(label, 0) + 1
-        return self.phase(f"{label} #{number}", waits=waits)
-
-    def now(self) -> Doing | None:
-        if self.source is not None and (current := self.source()) is not None:
-            return current
-        top = self._stack[-1] if self._stack else self._base
-        if top is None:
-            return None
-        label, waits, start, patient = top
-        return label, waits, self.clock() - start, patient
-
-
-activity = ProcessActivity()  # this process's (the watchdog of a stage process reads it)
 
 
 def rendezvous_store(environment: Any, rank: int, world: int, timeout: timedelta) -> Any:
@@ -143,10 +84,6 @@ def rendezvous_store(environment: Any, rank: int, world: int, timeout: timedelta
     hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     return dist.TCPStore(environment.main_address, int(environment.main_port), world, is_master=hosts,
                          timeout=timeout, wait_for_workers=False, multi_tenant=True)
-
-
-class StageFailure(RuntimeError):
-    """A pipeline stage cannot go on; the message names the stage and the reason."""
 
 
 def connect_store(timeout: float = 10.0) -> Any | None:
@@ -255,7 +192,7 @@ class StageWatchdog:
         self._beats += 1
         self.store.set(f"{self.prefix}heartbeat/{self.stage}", str(self._beats))
         now = self.activity() if self.activity is not None else None
-        self.store.set(f"{self.prefix}activity/{self.stage}", "" if now is None else _encode(now))
+        self.store.set(f"{self.prefix}activity/{self.stage}", "" if now is None else encode_doing(now))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -329,11 +266,11 @@ class StageWatchdog:
             key = f"{self.prefix}activity/{other}"
             text = self.store.get(key).decode() if self.store.check([key]) else ""
             if text:
-                doing[other] = _decode(text)
+                doing[other] = decode_doing(text)
         for waiter, (waits_at, waits, waited, _) in doing.items():
             if waits is None or waited < self.dead_after:
                 continue
-            for held in (range(self.num_stages) if isinstance(waits, _Everyone) else waits):
+            for held in (waits if isinstance(waits, frozenset) else range(self.num_stages)):  # a set, or ALL
                 if held == waiter or held not in doing:
                     continue
                 label, its_waits, inside, patient = doing[held]
@@ -343,40 +280,10 @@ class StageWatchdog:
                                   f"{self.name(waiter)} waits for it at {waits_at} (hung in a kernel, a collective "
                                   f"or a host read{grace})")
                 if its_waits is not None and label != waits_at and inside >= self.dead_after and \
-                        (isinstance(its_waits, _Everyone) or waiter in its_waits):
+                        (not isinstance(its_waits, frozenset) or waiter in its_waits):
                     return held, (f"waits at {label} for {inside:.0f} s while {self.name(waiter)} waits for it at "
                                   f"{waits_at}: each waits for the other")
         return None
-
-
-def _encode(now: Doing) -> str:
-    label, waits, seconds, patient = now
-    text = "" if waits is None else "*" if isinstance(waits, _Everyone) else ",".join(map(str, sorted(waits)))
-    return f"{label}\n{text}\n{seconds:.1f}\n{int(patient)}"
-
-
-def _decode(text: str) -> Doing:
-    label, waits, seconds, patient = text.split("\n")
-    parsed: Waits = None if not waits else ALL if waits == "*" else frozenset(int(w) for w in waits.split(","))
-    return label, parsed, float(seconds), patient == "1"
-
-
-def runtime_activity(runtime: Any, watched: Callable[[int], int]) -> Callable[[], Doing | None]:
-    """What ``runtime`` (a StageRuntime) is doing, for :attr:`ProcessActivity.source`: its current action, the
-    watched index (``watched(stage)``) of the stage a receive waits for, the seconds since it began, and whether it
-    is patient (every action before the stage's first update: compilation, autotuning)."""
-    from lightning_paci.schedules import RECV_KINDS, message_key  # light, and no cycle: schedules import nothing here
-
-    def now() -> Doing | None:
-        current = runtime.current
-        if current is None:
-            return None
-        action, start = current
-        key = message_key(action, runtime.num_stages) if action.kind in RECV_KINDS else None
-        waits = None if key is None else frozenset([watched(key[1])])
-        return str(action), waits, runtime.clock() - start, runtime.version == 0
-
-    return now
 
 
 _SETUP_MARK = "_lightning_paci_setup_error"

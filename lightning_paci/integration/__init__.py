@@ -6,7 +6,8 @@
   ``StageProgram``), and Lightning's backward/optimizer hooks at the stage's own backwards and updates;
 * ``processes.py``: the process groups, the device mesh, point-to-point communicators, the watchdog, collectives;
 * ``stage_build.py``, ``setup_probe.py``: the model's construction and partition plan; the setup's sample step;
-* ``trainer_glue.py``: what the strategy reads from and patches in the Trainer;
+* ``trainer_checks.py``: what a pipeline refuses or warns about at setup;
+* ``fit_loop.py``: the same batches on every stage, the drain points, the fit loop's two patches;
 * ``lightning_api.py``: every private Lightning symbol, checked at import or before patching;
 * ``logs.py``: ``self.log`` recorded on the last stage and replayed on every rank;
 * ``evaluation.py``: validation, test and predict as forward-only lists;

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch import nn
 
+from lightning_paci.engine.activity import activity
 from lightning_paci.engine.pickle_guard import check_no_tensors
-from lightning_paci.engine.supervision import activity
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 
 __all__ = [

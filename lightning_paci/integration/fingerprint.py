@@ -4,7 +4,7 @@ Every rank loads its own copy of each batch; stage 0 feeds its inputs to the fir
 labels to the loss, so a batch that differs between ranks pairs one sample's inputs with another's labels -- a run
 that finishes with a plausible curve and a wrong model. The known causes are removed at setup (the user's sampler is
 kept, the RNG states of torch, ``random`` and NumPy are rank 0's, dataloader workers are seeded by the data-parallel
-rank: trainer_glue.py); what remains (loading that depends on the process, the clock, the file system's order) is
+rank: fit_loop.py); what remains (loading that depends on the process, the clock, the file system's order) is
 caught here, never silently.
 
 Cost: per batch, a few small reductions over at most ``SAMPLE`` strided elements of each tensor, accumulated on the
@@ -19,14 +19,11 @@ from typing import Any
 import torch
 
 from lightning_paci.engine.messages import flatten
+from lightning_paci.errors import DataMismatchError
 
 __all__ = ["SAMPLE", "BatchFingerprint", "DataMismatchError"]
 
 SAMPLE = 4096  # elements of each tensor that enter the fingerprint (evenly strided over the whole tensor)
-
-
-class DataMismatchError(RuntimeError):
-    """A stage trained on other batches than stage 0."""
 
 
 class BatchFingerprint:

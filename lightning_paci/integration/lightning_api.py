@@ -27,6 +27,8 @@ from typing import Any
 import lightning
 import torch
 
+from lightning_paci.errors import LightningAPIError
+
 __all__ = [
     "LIGHTNING_VERSION",
     "LightningAPIError",
@@ -46,10 +48,6 @@ __all__ = [
 ]
 
 LIGHTNING_VERSION = lightning.__version__
-
-
-class LightningAPIError(RuntimeError):
-    """A private Lightning symbol that lightning_paci relies on is missing or has changed."""
 
 
 def _missing(symbol: str, detail: str) -> LightningAPIError:

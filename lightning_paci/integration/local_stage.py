@@ -20,13 +20,13 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_paci.config import PACIConfig
+from lightning_paci.engine.activity import Doing, runtime_activity
 from lightning_paci.engine.comm import DistComm
 from lightning_paci.engine.data_parallel import GradientAverage, join_replicas
 from lightning_paci.engine.driver import StreamDriver
 from lightning_paci.engine.microbatch import loss_scale_for
 from lightning_paci.engine.recompute import BlockRecompute, recomputes
 from lightning_paci.engine.runtime import StageRuntime
-from lightning_paci.engine.supervision import Doing, runtime_activity
 from lightning_paci.integration.checkpoint import PipelineCheckpoints, cpu_state, gather_everywhere
 from lightning_paci.integration.evaluation import PipelineEvaluator
 from lightning_paci.integration.fingerprint import BatchFingerprint
@@ -34,8 +34,8 @@ from lightning_paci.integration.lightning_program import LightningHooks, Lightni
 from lightning_paci.integration.logs import LogRelay
 from lightning_paci.integration.optimizer_layout import OptimizerLayout
 from lightning_paci.integration.setup_probe import Sample, find_relays
-from lightning_paci.optim.lookahead import costly_regime, lookahead_for
 from lightning_paci.optim.stage_optimizer import StageOptimizer
+from lightning_paci.optim.weight_prediction import costly_regime, weight_prediction_for
 from lightning_paci.partition import PartitionPlan, StageCarve
 from lightning_paci.partition.relay import RelayPlan, install_relays
 
@@ -139,9 +139,9 @@ class LocalStage:
         self.runtime = StageRuntime(self.index, self.plan.num_stages, program, self.links.connect(), stage_optimizer,
                                     loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
                                     skip_nonfinite=self.config.nonfinite == "skip", hooks=hooks,
-                                    lookahead=lookahead_for(self.config.compensation, optimizer,
+                                    prediction=weight_prediction_for(self.config.compensation, optimizer,
                                                             stage_optimizer.pairs, warn=warn))
-        costly = costly_regime(optimizer, schedulers) if warn is not None and self.runtime.lookahead else None
+        costly = costly_regime(optimizer, schedulers) if warn is not None and self.runtime.prediction else None
         if costly is not None:
             warn(costly)  # type: ignore[misc]
         self.driver = StreamDriver(self.runtime, schedule=self.config.schedule, num_microbatches=self.num_microbatches,

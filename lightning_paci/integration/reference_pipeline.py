@@ -20,10 +20,9 @@ from lightning_paci.engine.recompute import RECOMPUTE_MODES, BlockRecompute, rec
 from lightning_paci.engine.reference import LocalComm, ReplicaAverage, ReplicaParameterAverage, run_lists
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.integration.lightning_program import LightningStageProgram
-from lightning_paci.integration.setup_probe import Sample, run_sample
-from lightning_paci.integration.trainer_glue import without_side_effects
-from lightning_paci.optim.lookahead import lookahead_for
+from lightning_paci.integration.setup_probe import Sample, run_sample, without_side_effects
 from lightning_paci.optim.stage_optimizer import StageOptimizer, optimizer_and_step_schedulers
+from lightning_paci.optim.weight_prediction import weight_prediction_for
 from lightning_paci.partition import PartitionPlan, StageCarve, carve_stage
 from lightning_paci.partition.relay import RelayPlan, install_relays, plan_relays, probe_crossings
 from lightning_paci.schedules import ActionKind, Schedule, static_drift
@@ -36,7 +35,7 @@ class ReferencePipeline:
 
     ``optimizer_factory(module)`` returns ``(optimizer, schedulers)`` for a carved copy; by default it calls the
     module's own ``configure_optimizers`` (a single optimizer, optionally with step-interval schedulers).
-    ``compensation`` is ``PACIStrategy``'s option of that name (see optim/lookahead.py), with the same default;
+    ``compensation`` is ``PACIStrategy``'s option of that name (see optim/weight_prediction.py), with the same default;
     ``recompute`` and ``recompute_stages`` too (recompute.py).
     """
 
@@ -77,7 +76,7 @@ class ReferencePipeline:
                                                  exclude=tied_replica)
                 runtime = StageRuntime(stage, plan.num_stages, LightningStageProgram(copy_, carve), comms[stage],
                                        stage_optimizer, loss_scale=1.0, tied=carve.tied_params,
-                                       lookahead=lookahead_for(compensation, optimizer, stage_optimizer.pairs,
+                                       prediction=weight_prediction_for(compensation, optimizer, stage_optimizer.pairs,
                                                                warn=None))
                 if replicas > 1:
                     runtime.join_replicas(replica, None)
@@ -113,7 +112,7 @@ class ReferencePipeline:
             raise ValueError(
                 f"The plan ties {self.plan.tied[0][0]} = {self.plan.tied[0][1]} across the first and last stage, "
                 f"but the {schedule.name!r} lists were built without tied-weight messages: the replica would never "
-                f"be updated. Build them with `build(..., tied=True)`."
+                f"be updated. Build them with `build_schedule(..., tied=True)`."
             )
         if self.relays is None:
             self._find_relays(split_weighted(per_replica[0][0], schedule.num_microbatches)[0][0])

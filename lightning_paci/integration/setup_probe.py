@@ -1,7 +1,7 @@
 """One sample micro-batch drawn at setup, and what the strategy learns from running the user's step on it.
 
 Three things are decided from the step as the user wrote it rather than from the module's structure: the block
-times of ``partition="balanced"`` (trainer_glue.measure_block_costs), the order in which modules run (which stage
+times of ``partition="balanced"`` (``measure_block_costs``), the order in which modules run (which stage
 an outside module belongs to, [Note: outside modules go where they run] in partition/plan.py), and the values that
 must be relayed past stage boundaries ([Note: relayed crossings] in partition/relay.py). All three use one sample:
 the first micro-batch of the first batch of the dataloader the run is about to iterate, drawn once on every rank
@@ -11,25 +11,27 @@ each use (``without_side_effects``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_paci.engine.microbatch import microbatch_size, split_microbatches
 from lightning_paci.integration import lightning_api as api
+from lightning_paci.integration.lightning_program import extract_loss
 from lightning_paci.integration.logs import recording_logs
-from lightning_paci.integration.trainer_glue import cuda_devices, without_side_effects
-from lightning_paci.partition import PartitionPlan, StageCarve
+from lightning_paci.partition import BlockCosts, PartitionPlan, StageCarve, profile_block_costs
 from lightning_paci.partition.plan import CallTrace, call_order
 from lightning_paci.partition.relay import RelayPlan, StageProbe, plan_relays, probe_crossings
 
-__all__ = ["Sample", "draw_sample", "find_relays", "trace_call_order"]
+__all__ = ["Sample", "cuda_devices", "draw_sample", "find_relays", "measure_block_costs", "trace_call_order",
+           "without_side_effects"]
 
 log = logging.getLogger(__name__)
 
@@ -106,3 +108,49 @@ def find_relays(strategy: Any, module: LightningModule, plan: PartitionPlan, car
         raise RuntimeError(f"lightning_paci: running the step on a sample batch to find the values crossing the "
                            f"stages failed: {failed[0]}")
     return plan_relays(plan, {s: n for s, n in everyone.items() if not isinstance(n, str)})
+
+
+def measure_block_costs(strategy: Any, trainer: Trainer, sample: Any) -> BlockCosts | None:
+    """Time every block's forward+backward on the sample micro-batch (setup_probe.Sample: drawn once, the same on
+    every rank) of the training data (the unchanged module, before any carving); rank 0 measures and shares the
+    result, so every rank plans the same split. Measuring leaves no trace (``without_side_effects``): the run that
+    follows is the one it would be without profiling. A module or step that cannot be timed falls back to
+    parameter counts (logged)."""
+    if trainer.state.fn != TrainerFn.FITTING or sample is None:
+        return None
+    module = strategy.lightning_module
+    costs: BlockCosts | None = None
+    with without_side_effects(module, cuda_devices=cuda_devices(strategy.root_device)):
+        try:
+            def run_step() -> None:
+                with recording_logs(module, [], sample.size, "training_step"), \
+                        strategy.precision_plugin.train_step_context():
+                    loss = extract_loss(module.training_step(sample.data, 0), "training_step")
+                loss.backward()
+                module.zero_grad(set_to_none=True)
+
+            if strategy.is_global_zero:
+                costs = profile_block_costs(module, strategy.config.block_container, run_step)
+        except (RuntimeError, ValueError, TypeError) as err:  # no grads, ...
+            log.warning(f"lightning_paci: block timing not possible ({type(err).__name__}: {err}); balancing by "
+                        f"parameter count")
+    return strategy.broadcast(costs, src=0)
+
+
+def cuda_devices(device: torch.device) -> list[int]:
+    """The CUDA devices whose RNG a side-effect-free run on ``device`` forks (none on the CPU)."""
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+@contextlib.contextmanager
+def without_side_effects(module: torch.nn.Module, *, cuda_devices: list[int]) -> Iterator[None]:
+    """Undo what a profiling step changes besides the time it takes: the CPU RNG state and that of this rank's CUDA
+    device (data order, dropout masks) and the module's buffers (BatchNorm running statistics and batch counts)."""
+    buffers = [(buf, buf.detach().clone()) for buf in module.buffers()]
+    with torch.random.fork_rng(devices=cuda_devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buf, saved in buffers:
+                    buf.copy_(saved)

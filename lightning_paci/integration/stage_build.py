@@ -30,8 +30,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_paci.integration import lightning_api as api
-from lightning_paci.integration.setup_probe import Sample, draw_sample, trace_call_order
-from lightning_paci.integration.trainer_glue import batch_norm_warning, cuda_devices, measure_block_costs
+from lightning_paci.integration.setup_probe import (
+    Sample,
+    cuda_devices,
+    draw_sample,
+    measure_block_costs,
+    trace_call_order,
+)
+from lightning_paci.integration.trainer_checks import batch_norm_warning
 from lightning_paci.partition import PartitionPlan, StageCarve, plan_partition
 from lightning_paci.partition.carve import removed_modules
 from lightning_paci.partition.stage_init import (

@@ -1,9 +1,9 @@
-"""A stage's optimizer: the user's optimizer stepped on the stage's own parameters, and the look-ahead.
+"""A stage's optimizer: the user's optimizer stepped on the stage's own parameters, and the weight prediction.
 
 * ``stage_optimizer.py``: ``StageOptimizer``, the user's optimizer stepped through alias parameters after every
   ``a`` local backwards ([Note: alias optimizer]), with its schedulers and the non-finite policy;
-* ``lookahead.py``: staleness compensation, a forward that will cross ``k`` updates runs with the weights moved
-  ``k`` predicted steps of the user's optimizer ahead, undone bit for bit ([Note: exact look-ahead]).
+* ``weight_prediction.py``: staleness compensation, a forward that will cross ``k`` updates runs with the weights moved
+  ``k`` predicted steps of the user's optimizer ahead, undone bit for bit ([Note: exact weight prediction]).
 
 Lightning-free (the engine imports both); one device's optimizer layout for checkpoints lives with the
 checkpoints (:mod:`lightning_paci.integration.optimizer_layout`).

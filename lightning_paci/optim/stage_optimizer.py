@@ -13,12 +13,12 @@ accumulating.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-__all__ = ["StageOptimizer", "optimizer_and_step_schedulers"]
+__all__ = ["StageOptimizer", "Step", "optimizer_and_step_schedulers"]
 
 
 def optimizer_and_step_schedulers(output: Any) -> tuple[torch.optim.Optimizer, list[Any]]:
@@ -36,6 +36,14 @@ def optimizer_and_step_schedulers(output: Any) -> tuple[torch.optim.Optimizer, l
     if isinstance(output, (list, tuple)) and len(output) == 1:
         return optimizer_and_step_schedulers(output[0])
     raise ValueError(f"Unsupported `configure_optimizers` return value for pipeline training: {type(output).__name__}.")
+
+
+class Step(NamedTuple):
+    """What :meth:`StageOptimizer.step` did: ``done`` is False when a check failed and nothing changed;
+    ``squares``: the measured update's per-tensor squared norms, ``(tensors, 2)``, or None."""
+
+    done: bool
+    squares: torch.Tensor | None = None
 
 
 class StageOptimizer:
@@ -83,32 +91,35 @@ class StageOptimizer:
         if optimizer.state:
             raise ValueError("The optimizer already has state; build it fresh in `configure_optimizers`.")
 
-    def all_finite(self, extra: Sequence[torch.Tensor] = (), flags: Sequence[torch.Tensor] = ()) -> bool:
-        """Whether every gradient (the parameters' and ``extra``) is finite and every 0-dim bool in ``flags`` holds:
-        one host read for all of them."""
+    def nonfinite(self, extra: Sequence[torch.Tensor] = (), flags: Sequence[torch.Tensor] = ()) -> bool:
+        """Whether a gradient (the parameters' or ``extra``) holds a NaN or inf or a 0-dim bool in ``flags`` is
+        false: one host read for all of them."""
         checks = [torch.isfinite(g).all() for g in self.gradients() + list(extra)] + list(flags)
-        return not checks or bool(torch.stack(checks).all())
+        return bool(checks) and not bool(torch.stack(checks).all())
 
-    def nonfinite(self, extra: Sequence[torch.Tensor] = ()) -> list[nn.Parameter] | None:
-        """None when every gradient (the parameters' and ``extra``) is finite, checked with one host sync; otherwise
-        the parameters whose gradient holds a NaN or inf (empty when only ``extra`` does)."""
-        if self.all_finite(extra):
-            return None
+    def nonfinite_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradient holds a NaN or inf (to name them in an error)."""
         return [p for _, p in self.pairs if p.grad is not None and not torch.isfinite(p.grad).all()]
 
     def gradients(self) -> list[torch.Tensor]:
         """The real parameters' accumulated gradients (those that have one)."""
         return [p.grad for _, p in self.pairs if p.grad is not None]
 
-    def step(self, *, measure: bool = False) -> torch.Tensor | None:
-        """One update with the accumulated gradients, then the schedulers; gradients are cleared afterwards.
+    def step(self, *, measure: bool = False, extra: Sequence[torch.Tensor] = (),
+             flags: Sequence[torch.Tensor] = ()) -> Step:
+        """One update with the accumulated gradients, then the schedulers; gradients are cleared afterwards -- if
+        every gradient (the parameters' and ``extra``: tied weights' gradients kept elsewhere) is finite and every
+        0-dim bool in ``flags`` holds, checked in one host read. Otherwise nothing changes and the result says so
+        (``done=False``): the caller names what failed and may step again.
 
         With ``measure`` the parameters are stepped one tensor at a time so that the update's size needs at most
-        one tensor's transient copy; returns, per tensor, the float32 squared norms of its update and of its new
-        value, ``(tensors, 2)`` on the parameters' device, not read (``StageRecords.record_update``; else None).
+        one tensor's transient copy; the result holds, per tensor, the float32 squared norms of its update and of
+        its new value, ``(tensors, 2)`` on the parameters' device, not read (``StageRecords.record_update``).
         Stepping per tensor is equivalent for per-parameter optimizers (SGD, Adam, AdamW, ...), not for ones that
         couple parameters (e.g. a global-norm LAMB).
         """
+        if self.nonfinite(extra, flags):
+            return Step(done=False)
         for alias, p in self.pairs:  # the same tensors: what hooks and clipping do to them, the update sees
             alias.grad = p.grad
         if self.before_step is not None:
@@ -121,7 +132,7 @@ class StageOptimizer:
         for alias, p in self.pairs:
             alias.grad = None
             p.grad = None
-        return squares
+        return Step(done=True, squares=squares)
 
     def _step_measuring(self) -> torch.Tensor | None:
         squares: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # (update's, weight's) per tensor

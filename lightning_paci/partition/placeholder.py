@@ -17,12 +17,9 @@ import torch
 from torch import nn
 
 from lightning_paci.engine.messages import flatten, map_tensors, unflatten
+from lightning_paci.errors import CrossingError
 
 __all__ = ["BoundaryState", "CrossingError", "Placeholder"]
-
-
-class CrossingError(ValueError):
-    """A value computed by a module this stage does not run reaches code it does run, and cannot be relayed."""
 
 
 class Placeholder(nn.Module):

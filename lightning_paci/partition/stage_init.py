@@ -37,19 +37,13 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.overrides import TorchFunctionMode
 
+from lightning_paci.errors import BuildMismatchError, MetaLoadError
+
 __all__ = ["BuildMismatchError", "MetaLoadError", "Recording", "generator_states", "meta_load_guard",
            "owned_registrations", "replay", "rewind_point"]
 
 _META_SKIPPING = ("orthogonal_", "sparse_", "dirac_", "_no_grad_trunc_normal_")  # early return on meta, torch 2.13
 _NO_OP_LOAD = r".*copying from a non-meta parameter in the checkpoint to a meta parameter.*"
-
-
-class BuildMismatchError(RuntimeError):
-    """The replayed ``configure_model`` registered different parameters than the recorded one."""
-
-
-class MetaLoadError(ValueError):
-    """``load_state_dict`` into meta parameters: torch makes it a no-op with a warning; here it is an error."""
 
 
 class Recording:

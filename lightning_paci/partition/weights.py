@@ -29,13 +29,11 @@ from typing import Any
 
 import torch
 
+from lightning_paci.errors import WeightsError
+
 __all__ = ["WeightsError", "WeightsFile", "match_names"]
 
 _INDEX = "model.safetensors.index.json"
-
-
-class WeightsError(ValueError):
-    """``weights=`` cannot fill the model: the file's keys and the module's names do not match."""
 
 
 @dataclass

@@ -3,9 +3,10 @@
 Every part of lightning_paci (the runtime, the one-process reference executor, the simulator, the monitors and the
 timeline pictures) reads the lists built here, so there is exactly one definition of what a stage does and when.
 The package keeps one concept per module and re-exports all of them here, so importers write
-``from lightning_paci.schedules import build, F, validate`` without knowing the layout:
+``from lightning_paci.schedules import build_schedule, F, validate_schedule`` without knowing the layout:
 
 * :mod:`~lightning_paci.schedules.actions`: action kinds, ``Action``, its text form, ``Schedule``, message keys,
+  ``Interval`` (an action placed in time),
 * :mod:`~lightning_paci.schedules.build`: the builder (compute order, lowering, tied-weight exchange),
 * :mod:`~lightning_paci.schedules.analysis`: facts read off the lists (drift, in-flight depth, call rounds),
 * :mod:`~lightning_paci.schedules.validate`: the validator and its step x stage grid,
@@ -31,6 +32,7 @@ from lightning_paci.schedules.actions import (
     ActionKind,
     B,
     F,
+    Interval,
     MessageKey,
     Schedule,
     ScheduleError,
@@ -46,7 +48,7 @@ from lightning_paci.schedules.analysis import (
     static_drift,
     static_tied_lags,
 )
-from lightning_paci.schedules.build import SCHEDULE_NAMES, ScheduleName, build
+from lightning_paci.schedules.build import SCHEDULE_NAMES, ScheduleName, build_schedule
 from lightning_paci.schedules.deadlock import (
     LAYOUTS,
     Communicator,
@@ -56,7 +58,7 @@ from lightning_paci.schedules.deadlock import (
     layout_communicators,
     setup_groups,
 )
-from lightning_paci.schedules.validate import stage_lists_from_text, validate
+from lightning_paci.schedules.validate import stage_lists_from_text, validate_schedule
 
 __all__ = [
     "COMPUTE_KINDS",
@@ -76,12 +78,13 @@ __all__ = [
     "B",
     "Communicator",
     "F",
+    "Interval",
     "MessageKey",
     "Schedule",
     "ScheduleError",
     "ScheduleName",
     "assign_rounds",
-    "build",
+    "build_schedule",
     "check_group_creation",
     "check_deadlock_free",
     "communicator",
@@ -96,5 +99,5 @@ __all__ = [
     "stage_lists_from_text",
     "static_drift",
     "static_tied_lags",
-    "validate",
+    "validate_schedule",
 ]

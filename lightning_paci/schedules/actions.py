@@ -1,4 +1,5 @@
-"""The vocabulary of schedules: action kinds, one ``Action``, its text form, and a ``Schedule`` of per-stage lists.
+"""The vocabulary of schedules: action kinds, one ``Action``, its text form, a ``Schedule`` of per-stage lists, and
+an ``Interval`` (an action placed in time).
 
 Everything that reads or writes action lists (the builder, the validator, the runtime, the simulator, the
 monitors) shares these types, so they live apart from any one algorithm over them. The message identity of a
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
+from lightning_paci.errors import ScheduleError
+
 __all__ = [
     "COMPUTE_KINDS",
     "OPT",
@@ -30,6 +33,7 @@ __all__ = [
     "ActionKind",
     "B",
     "F",
+    "Interval",
     "MessageKey",
     "Schedule",
     "ScheduleError",
@@ -122,13 +126,21 @@ class Action(NamedTuple):
         return cls(int(stage), ActionKind(kind), int(number) if number else None)
 
 
+class Interval(NamedTuple):
+    """An action placed in time: what one stage did (an action kind, ``F``, ``B``, ``OPT``, ...) or waited for
+    (``WAIT_F``, ``WAIT_B``), from ``start`` to ``end`` -- seconds when a runtime measured it, cost units when the
+    simulator predicted it. Records, the simulator and the pictures share it."""
+
+    stage: int
+    kind: str
+    microbatch: int | None
+    start: float
+    end: float
+
+
 def parse_actions(text: str) -> list[Action]:
     """Parse whitespace- or comma-separated tokens (the form :meth:`Schedule.stage_text` writes)."""
     return [Action.from_str(token) for token in re.split(r"[\s,]+", text.strip()) if token]
-
-
-class ScheduleError(ValueError):
-    """An action list that cannot run (bad order, unmatched message, deadlock). The message holds the grid."""
 
 
 @dataclass(frozen=True)

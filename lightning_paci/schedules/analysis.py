@@ -130,5 +130,5 @@ def assign_rounds(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
                         ready.append(waiting.pop(key))
             out.append(current[s])
     if any(len(rounds[s]) < len(lists[s]) for s in range(n)):
-        raise ScheduleError("cannot assign rounds: the schedule deadlocks; run validate() for the grid")
+        raise ScheduleError("cannot assign rounds: the schedule deadlocks; run validate_schedule() for the grid")
     return tuple(tuple(r) for r in rounds)

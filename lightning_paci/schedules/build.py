@@ -46,7 +46,7 @@ from lightning_paci.schedules.actions import (
 )
 from lightning_paci.schedules.analysis import assign_rounds
 
-__all__ = ["SCHEDULE_NAMES", "ScheduleName", "build"]
+__all__ = ["SCHEDULE_NAMES", "ScheduleName", "build_schedule"]
 
 ScheduleName = Literal["paci", "1f1b", "gpipe"]
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
@@ -60,7 +60,7 @@ def _check_positive(name: str, value: object, fix: str) -> int:
     return value
 
 
-def build(
+def build_schedule(
     name: str,
     num_stages: int,
     num_microbatches: int,
@@ -122,7 +122,7 @@ def _collector_paused() -> Iterator[None]:
     (it only stops tracking plain tuples of atomic values), and each one holds an ``ActionKind`` member, which it
     visits too. Every burst of allocations then starts a collection that walks all of them, and every other live
     object too (torch's, in a training process). These collections free nothing, because the lists hold no
-    reference cycles. They took about 80% of the time of ``build("paci", 64, 64, 64, 100)``: 3.0-3.4 s before
+    reference cycles. They took about 80% of the time of ``build_schedule("paci", 64, 64, 64, 100)``: 3.0-3.4 s before
     kinds were Enum members, 3.7-4.1 s after, 0.7 s without the collections. The previous state is restored, so
     a caller that had disabled the collector keeps it disabled.
     """

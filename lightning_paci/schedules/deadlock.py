@@ -83,7 +83,7 @@ def communicator(layout: str, channel: str, src: int, dst: int, replica: int = 0
     group per distinct value (``processes.py``), so what this returns is what the model checks."""
     if layout == "directed":
         return ("p2p", replica, channel, src, dst)
-    if layout == "shared":  # 0.1: one communicator for activations and gradients, one for the tied weights
+    if layout == "shared":  # one communicator for activations and gradients, one for the tied weights
         return ("p2p", replica, "T" if channel == "T" else "FB")
     raise ValueError(f"`layout` must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}.")
 
@@ -360,9 +360,9 @@ def check_deadlock_free(actions: Sequence[Sequence[Action | None]] | Schedule, *
         waits = stream_waits[first]
         step = waits.step if waits is not None and waits.step >= 0 else _first_step(lists[first % n])
         raise ScheduleError(
-            f"Stage {first % n}, step {step}: deadlock under strict rendezvous with the {layout!r} communicator "
-            f"layout and {connect!r} communicator creation ([Note: deadlock model]):\n  " + "\n  ".join(lines) + "\n"
-            + format_grid(lists, error_stage=first % n, error_step=step))
+            f"Stage {first % n}, step {step}: deadlock under strict send-receive pairing with the {layout!r} "
+            f"communicator layout and {connect!r} communicator creation ([Note: deadlock model]):\n  "
+            + "\n  ".join(lines) + "\n" + format_grid(lists, error_stage=first % n, error_step=step))
 
 
 def _first_step(actions: Sequence[Action | None]) -> int:

@@ -32,7 +32,7 @@ from lightning_paci.schedules.actions import (
 )
 from lightning_paci.schedules.deadlock import check_deadlock_free
 
-__all__ = ["stage_lists_from_text", "validate"]
+__all__ = ["stage_lists_from_text", "validate_schedule"]
 
 
 def _fail(actions: Sequence[Sequence[Action | None]], stage: int, step: int, message: str) -> ScheduleError:
@@ -40,14 +40,15 @@ def _fail(actions: Sequence[Sequence[Action | None]], stage: int, step: int, mes
     return ScheduleError(f"Stage {stage}, step {step}: {message}\n{grid}")
 
 
-def validate(actions: Sequence[Sequence[Action | None]] | Schedule, *, rendezvous: str | None = None,
-             replicas: int = 1) -> None:
+def validate_schedule(actions: Sequence[Sequence[Action | None]] | Schedule, *, communicators: str | None = None,
+                      replicas: int = 1) -> None:
     """Reject impossible lists: backward before forward, a micro-batch run twice, an unmatched send or receive,
     and any circular wait (deadlock) under the runtime's semantics (sends never block, receives do).
 
-    ``rendezvous``: also run the lists under the strict model of NCCL ([Note: deadlock model]) with that communicator
-    layout (``"directed"``, what the runtime uses, or ``"shared"``, 0.1's) and ``replicas`` data-parallel
-    replicas per stage, whose gradient all-reduce precedes every ``OPT``.
+    ``communicators``: also run the lists under the strict model of NCCL ([Note: deadlock model]) with that
+    communicator layout (``"directed"``, what the runtime uses, or ``"shared"``, one communicator per pair of
+    neighbours for both directions) and ``replicas`` data-parallel replicas per stage, whose gradient all-reduce
+    precedes every ``OPT``.
 
     ``None`` entries are deliberate bubbles and are skipped. Raises :class:`ScheduleError` with the grid.
     """
@@ -136,8 +137,8 @@ def validate(actions: Sequence[Sequence[Action | None]] | Schedule, *, rendezvou
     if stuck:
         cycle = ", ".join(f"stage {s} waits at {lists[s][position[s]]}" for s in stuck)
         raise _fail(lists, stuck[0], position[stuck[0]], f"deadlock: {cycle}.")
-    if rendezvous is not None:
-        check_deadlock_free(lists, layout=rendezvous, replicas=replicas)
+    if communicators is not None:
+        check_deadlock_free(lists, layout=communicators, replicas=replicas)
 
 
 def stage_lists_from_text(rows: Mapping[int, str] | Iterable[str]) -> list[list[Action]]:

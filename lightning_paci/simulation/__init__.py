@@ -6,8 +6,8 @@
 * :mod:`~lightning_paci.simulation.timeline`: intervals (simulated or measured) -> Gantt PNG and Chrome trace.
 
 It reads the schedules' lists and nothing else of the package: no torch, no Lightning (matplotlib only when a
-picture is drawn). The runtime's records keep their intervals as :class:`~lightning_paci.simulation.timeline.Interval`
-so both kinds draw the same way.
+picture is drawn). The runtime's records and the simulator both produce
+:class:`~lightning_paci.schedules.Interval` records, so both kinds draw the same way.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from lightning_paci.simulation.simulator import (
     format_table,
     main,
     measured_phases,
-    simulate,
+    simulate_schedule,
 )
 
-__all__ = ["SimulationResult", "StageReport", "format_table", "main", "measured_phases", "simulate"]
+__all__ = ["SimulationResult", "StageReport", "format_table", "main", "measured_phases", "simulate_schedule"]

@@ -40,16 +40,17 @@ from lightning_paci.schedules import (
     Action,
     B,
     F,
+    Interval,
     Schedule,
-    build,
+    build_schedule,
     format_grid,
     message_key,
 )
-from lightning_paci.simulation.timeline import Interval, save_timeline_png
+from lightning_paci.simulation.timeline import save_timeline_png
 
-__all__ = ["SimulationResult", "StageReport", "format_table", "main", "measured_phases", "simulate"]
+__all__ = ["SimulationResult", "StageReport", "format_table", "main", "measured_phases", "simulate_schedule"]
 
-# the first line of the old simulate.py docstring: argparse prints it in --help, which the docs show
+# argparse prints it in --help, which the docs show
 _CLI_DESCRIPTION = (
     "``python -m lightning_paci.simulate``: print a schedule's predicted per-stage drift, in-flight depth and bubble."
 )
@@ -129,7 +130,7 @@ def _busy_within(starts: list[float], ends: list[float], lo: float, hi: float) -
     return total
 
 
-def simulate(
+def simulate_schedule(
     schedule: Schedule,
     *,
     forward_cost: float | Sequence[float] = 1.0,
@@ -213,7 +214,7 @@ def simulate(
         pending[s] = blocked
         clock[s] = now
     stuck = [s for s in range(n) if pending[s] is not None]
-    if stuck:  # cannot happen for built schedules; hand-written lists should go through validate() first
+    if stuck:  # cannot happen for built schedules; hand-written lists should go through validate_schedule() first
         step = lists[stuck[0]].index(pending[stuck[0]])
         grid = format_grid(lists, error_stage=stuck[0], error_step=step)
         raise ValueError("Schedule deadlocks in simulation:\n" + grid)
@@ -359,9 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeline", metavar="PNG", help="draw a Gantt chart of the run to this PNG file")
     args = parser.parse_args(argv)
     try:
-        schedule = build(args.schedule, args.stages, args.microbatches,
+        schedule = build_schedule(args.schedule, args.stages, args.microbatches,
                          args.accumulation if args.accumulation is not None else args.microbatches, args.minibatches)
-        result = simulate(schedule, forward_cost=args.forward_cost, backward_cost=args.backward_cost,
+        result = simulate_schedule(schedule, forward_cost=args.forward_cost, backward_cost=args.backward_cost,
                           comm_cost=args.comm_cost, optimizer_cost=args.optimizer_cost)
     except (ValueError, TypeError) as err:
         parser.error(str(err))

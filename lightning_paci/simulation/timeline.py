@@ -9,20 +9,11 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
+
+from lightning_paci.schedules.actions import Interval  # re-exported: the pictures' input
 
 __all__ = ["Interval", "COLORS", "draw_timeline", "save_timeline_png", "to_chrome_trace", "write_chrome_trace"]
-
-
-class Interval(NamedTuple):
-    """``kind`` is an action kind (``F``, ``B``, ``OPT``) or a wait (``WAIT_F``, ``WAIT_B``); times in seconds or
-    simulator units."""
-
-    stage: int
-    kind: str
-    microbatch: int | None
-    start: float
-    end: float
 
 
 COLORS: dict[str, str] = {

@@ -1,11 +1,11 @@
 """Staleness compensation: forward a micro-batch with the weights its backward will use, without a weight copy.
 
-[Note: exact look-ahead]
+[Note: exact weight prediction]
 Under PACI a micro-batch forwarded on stage ``s`` is back-propagated ``k`` local updates later (``k`` is 0 or 1 at
 ``a = m``; the schedule says exactly which micro-batches cross an update, see ``schedules.static_drift``). Its
 backward already runs with the *current* weights (see [Note: alias optimizer]), but its activations came from the
 weights ``k`` updates older: the gradient mixes two versions, and the loss per update suffers, more at higher
-learning rates (benchmarks/RESULTS.md). The look-ahead moves the weights, for that micro-batch's forward only, to
+learning rates (benchmarks/RESULTS.md). The weight prediction moves the weights, for that micro-batch's forward only, to
 where the optimizer is about to take them, ``w + k * d``, and back afterwards:
 
 * ``d`` is the optimizer's own next update for a predicted gradient: the part of the current window already
@@ -22,11 +22,11 @@ where the optimizer is about to take them, ``w + k * d``, and back afterwards:
   the other micro-batches in flight are untouched; the one forwarded keeps the storage, so its backward sees the
   updated weights as before.
 * Undoing it is exact, bit for bit: ``w -> fl(w + d) -> fl(fl(w + d) - d)`` returns ``w`` except for the
-  elements whose rounding lost information (1.5% to 10% of them, measured with AdamW: see [Note: a look-ahead
+  elements whose rounding lost information (1.5% to 10% of them, measured with AdamW: see [Note: weight prediction
   without host reads]); those are found when the move is made and kept (index and value) until the forward is
   over. ``d`` is recomputed for the way back (the same bits: it reads
   nothing the move or the forward changes), so the move costs transient memory of two chunks of elements plus
-  the kept elements (``LookAhead.peak_extra_bytes``), never a parameter-sized buffer.
+  the kept elements (``WeightPrediction.peak_extra_bytes``), never a parameter-sized buffer.
 
 Everything here is a function of the list (``k``), the optimizer's state and the weights: the reference executor
 and the processes compute the same bits whatever the timing.
@@ -43,9 +43,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["COMPENSATIONS", "COSTLY_LR", "LookAhead", "costly_regime", "lookahead_for", "lookahead_unsupported"]
+__all__ = ["COMPENSATIONS", "COSTLY_LR", "WeightPrediction", "costly_regime", "prediction_unsupported",
+           "weight_prediction_for"]
 
-COMPENSATIONS = ("auto", "lookahead", "none")
+COMPENSATIONS = ("auto", "predict", "none")
 
 _NOTHING = contextlib.nullcontext()
 COSTLY_LR = 3e-3  # Adam(W) at a constant lr this high: compensated PACI measured +1.23% vs 1f1b (RESULTS.md)
@@ -87,8 +88,8 @@ def _adam(state: dict, group: dict, scale: float, grad: torch.Tensor | None, res
     """Adam(W)'s next update for the predicted window gradient (:func:`_window_gradient`); with nothing known both
     moments stay where they are (up to the bias correction the next step applies) and the step is ``-lr * m_hat /
     (sqrt(v_hat) + eps)``; else the second moment takes the predicted gradient's square. (``maximize`` is
-    already in the moments; weight decay is left out, see [Note: exact look-ahead].) ``step``: the state's step
-    count, read on the host once (``LookAhead._step_counts``), never per chunk."""
+    already in the moments; weight decay is left out, see [Note: exact weight prediction].) ``step``: the state's step
+    count, read on the host once (``WeightPrediction._step_counts``), never per chunk."""
     if not step:
         return None
     beta1, beta2 = group["betas"]
@@ -113,7 +114,7 @@ def _adam(state: dict, group: dict, scale: float, grad: torch.Tensor | None, res
 
 
 def _direction_of(optimizer: torch.optim.Optimizer) -> _Direction | None:
-    # exact types: a subclass may change the update (the look-ahead would then predict the wrong step)
+    # exact types: a subclass may change the update (the weight prediction would then predict the wrong step)
     kind = type(optimizer)
     if kind is torch.optim.SGD:
         return _sgd if all(g["momentum"] for g in optimizer.param_groups) else None
@@ -122,8 +123,8 @@ def _direction_of(optimizer: torch.optim.Optimizer) -> _Direction | None:
     return None
 
 
-def lookahead_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why the look-ahead cannot predict this optimizer's next update (``None`` if it can)."""
+def prediction_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the weight prediction cannot predict this optimizer's next update (``None`` if it can)."""
     kind = type(optimizer)
     if kind is torch.optim.SGD and not all(g["momentum"] for g in optimizer.param_groups):
         return ("SGD without momentum has no state to predict its next update from (every param group needs "
@@ -141,7 +142,7 @@ _SLICED = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # per-
 
 @dataclass
 class _Moved:
-    """What undoing one look-ahead needs beyond the optimizer's state: the elements whose rounding lost
+    """What undoing one weight prediction needs beyond the optimizer's state: the elements whose rounding lost
     information, per moved tensor (flat indices and their values before the move)."""
 
     scale: float
@@ -150,13 +151,13 @@ class _Moved:
     kept_bytes: int
 
 
-class LookAhead:
-    """Moves a stage's weights to ``w + k * d`` for one forward and back (see [Note: exact look-ahead]).
+class WeightPrediction:
+    """Moves a stage's weights to ``w + k * d`` for one forward and back (see [Note: exact weight prediction]).
 
     The work is elementwise and done a chunk at a time (``chunk`` elements: ``1/128`` of the stage's parameters,
     at least 4096), so its temporaries are two chunks, never a parameter-sized buffer.
 
-    [Note: a look-ahead without host reads]
+    [Note: weight prediction without host reads]
     On an accelerator every host read of a device value waits for the device, so the host could never run ahead.
     Two reads were per chunk and forward: the optimizer's ``step`` count (``float(state["step"])``) and the elements
     the way back misses (``missed.any()``, then ``nonzero()``). The step counts are read once (all tensors in one
@@ -182,9 +183,9 @@ class LookAhead:
 
     def __init__(self, optimizer: torch.optim.Optimizer, pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], *,
                  gradient: bool = True, static: bool | None = None) -> None:
-        reason = lookahead_unsupported(optimizer)
+        reason = prediction_unsupported(optimizer)
         if reason is not None:
-            raise ValueError(f"compensation='lookahead': {reason}.")
+            raise ValueError(f"compensation='predict': {reason}.")
         self.optimizer = optimizer
         self.direction: _Direction = _direction_of(optimizer)  # type: ignore[assignment]
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
@@ -193,14 +194,14 @@ class LookAhead:
         total = sum(alias.numel() for alias, _ in pairs)
         self.chunk = max(4096, -(-total // 128))
         self._temporaries = 2 * max((min(a.numel(), self.chunk) * a.element_size() for a, _ in pairs), default=0)
-        # the most the look-ahead held beyond the model (bytes): kept elements plus two chunks of temporaries
+        # the most the weight prediction held beyond the model (bytes): kept elements plus two chunks of temporaries
         self.peak_extra_bytes = 0
         self.moves = 0  # forwards run ahead
         self.static = static if static is not None else any(a.device.type != "cpu" for a, _ in pairs)
         self.capacity = max(64, self.chunk // 4)  # missed elements kept per chunk on the static path
         self.inexact_reverts = 0  # updates before which an overflow was found (static path)
         self.overflow: torch.Tensor | None = None  # (): a chunk missed more than `capacity` since the last check
-        # step counts on the host ([Note: a look-ahead without host reads]): per entry, and the tensors they were
+        # step counts on the host ([Note: weight prediction without host reads]): per entry, and the tensors they were
         # read from
         self._steps: list[float] = []
         self._step_tensors: list[object] = []
@@ -247,10 +248,10 @@ class LookAhead:
         """Count, and say once, that a way back left some elements a rounding error off (an overflow)."""
         self.inexact_reverts += 1
         if self.inexact_reverts == 1:
-            warnings.warn(f"lightning_paci: {who}: a look-ahead lost more than {self.capacity} elements of a chunk on "
-                          f"its way back (before {before}): those beyond are a rounding error off the unmoved weights "
-                          f"([Note: a look-ahead without host reads]). Counted in `runtime.lookahead."
-                          f"inexact_reverts`; pass `PACIStrategy(compensation='none')` for no look-ahead.",
+            warnings.warn(f"lightning_paci: {who}: a weight prediction lost more than {self.capacity} elements of a "
+                          f"chunk on its way back (before {before}): those beyond are a rounding error off the unmoved "
+                          f"weights ([Note: weight prediction without host reads]). Counted in `runtime.prediction."
+                          f"inexact_reverts`; pass `PACIStrategy(compensation='none')` for no weight prediction.",
                           stacklevel=3)
 
     def take_overflow(self) -> torch.Tensor | None:
@@ -307,7 +308,7 @@ class LookAhead:
         return moved
 
     def _keep_static(self, moved: _Moved, i: int, lo: int, w: torch.Tensor, missed: torch.Tensor) -> None:
-        """The missed elements of one chunk in ``capacity`` slots, no host read ([Note: a look-ahead without host
+        """The missed elements of one chunk in ``capacity`` slots, no host read ([Note: a weight prediction without host
         reads]): spare slots hold the chunk's element 0 and its own value."""
         size = min(self.capacity, w.numel())
         lost = torch.nonzero_static(missed, size=size, fill_value=0).view(-1)  # (size,)
@@ -328,10 +329,10 @@ class LookAhead:
             self.entries[i][0].data.view(-1).index_copy_(0, lost.long(), values)
 
 
-def lookahead_for(compensation: str, optimizer: torch.optim.Optimizer,
+def weight_prediction_for(compensation: str, optimizer: torch.optim.Optimizer,
                   pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], *,
-                  warn: Callable[[str], None] | None) -> LookAhead | None:
-    """The stage's look-ahead for ``PACIStrategy(compensation=...)``: ``"none"`` -> none; ``"lookahead"`` -> one,
+                  warn: Callable[[str], None] | None) -> WeightPrediction | None:
+    """The stage's weight prediction for ``PACIStrategy(compensation=...)``: ``"none"`` -> none; ``"predict"`` -> one,
     or a ``ValueError`` naming why the optimizer is not supported; ``"auto"`` -> one when supported, else a
     ``warn``-ing (where the schedule has drift) that the run is not compensated."""
     if compensation not in COMPENSATIONS:
@@ -339,11 +340,11 @@ def lookahead_for(compensation: str, optimizer: torch.optim.Optimizer,
                          f"{compensation!r}.")
     if compensation == "none":
         return None
-    reason = lookahead_unsupported(optimizer)
+    reason = prediction_unsupported(optimizer)
     if reason is None:
-        return LookAhead(optimizer, pairs)
-    if compensation == "lookahead":
-        raise ValueError(f"`PACIStrategy(compensation='lookahead')`: {reason}. Use one of those optimizers or pass "
+        return WeightPrediction(optimizer, pairs)
+    if compensation == "predict":
+        raise ValueError(f"`PACIStrategy(compensation='predict')`: {reason}. Use one of those optimizers or pass "
                          f"`compensation='none'`.")
     if warn is not None:
         warn(f"lightning_paci: no staleness compensation for this run: {reason}. PACI then loses some loss per "
