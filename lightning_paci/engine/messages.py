@@ -39,15 +39,25 @@ class TensorMeta:
 def map_leaves(node: Any, leaf_type: type, fn: Callable[[Any], Any]) -> Any:
     """Rebuild a nested tuple / namedtuple / list / dict structure with ``fn`` applied to its ``leaf_type`` leaves
     (in depth-first order); other leaves are kept as they are."""
+    # list comprehensions, not generators: a message's walk is per micro-batch, and each step of a generator is
+    # one more Python call
     if isinstance(node, leaf_type):
         return fn(node)
+    kind = type(node)
+    if kind in _PLAIN:
+        return node
+    if kind is tuple or kind is list:
+        return kind([map_leaves(v, leaf_type, fn) for v in node])
     if isinstance(node, tuple) and hasattr(node, "_fields"):  # namedtuple
-        return type(node)(*(map_leaves(v, leaf_type, fn) for v in node))
+        return kind(*[map_leaves(v, leaf_type, fn) for v in node])
     if isinstance(node, (list, tuple)):
-        return type(node)(map_leaves(v, leaf_type, fn) for v in node)
+        return kind([map_leaves(v, leaf_type, fn) for v in node])
     if isinstance(node, dict):
         return _rebuild_mapping(node, {k: map_leaves(v, leaf_type, fn) for k, v in node.items()})
     return node
+
+
+_PLAIN = frozenset([type(None), bool, int, float, str, bytes])  # leaves that are never a container
 
 
 def flatten(structure: Any) -> tuple[Any, list[torch.Tensor]]:

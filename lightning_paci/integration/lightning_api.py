@@ -40,6 +40,8 @@ __all__ = [
     "init_dist_connection",
     "keep_user_samplers",
     "multiprocessing_launcher",
+    "ResultMetric",
+    "patch_class_method",
     "patch_method",
     "should_validate_after_batch",
     "step_dataloader",
@@ -148,6 +150,33 @@ def patch_method(obj: Any, name: str, replacement: Callable[..., Any], *,
             delattr(obj, name)
 
     return undo
+
+
+def patch_class_method(owner: type, name: str, replacement: Callable[..., Any], *,
+                       parameters: tuple[str, ...]) -> Callable[[], None]:
+    """Replace the method ``name`` that ``owner`` itself defines, checked as :func:`patch_method` checks; return
+    the function that restores it. ``replacement`` receives the original method first."""
+    symbol = f"{owner.__module__}.{owner.__qualname__}.{name}"
+    method = vars(owner).get(name)
+    if not callable(method):
+        raise _missing(symbol, "does not define")
+    found = tuple(inspect.signature(method).parameters)[1:]
+    if found != parameters:
+        raise _missing(symbol, f"defines with parameters {found} instead of {parameters}")
+
+    def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return replacement(method, self, *args, **kwargs)
+
+    setattr(owner, name, patched)
+
+    def undo() -> None:
+        if vars(owner).get(name) is patched:
+            setattr(owner, name, method)
+
+    return undo
+
+
+ResultMetric: type = _require("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultMetric")
 
 
 def keep_user_samplers(trainer: Any) -> None:

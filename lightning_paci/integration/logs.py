@@ -66,11 +66,13 @@ def recording_logs(module: LightningModule, records: list[LogRecord], size: int,
             value = float(value)
         records.append(LogRecord(name, value, batch_size, options))
 
-    module.log = log  # type: ignore[method-assign]
+    # straight into the instance's dict: nn.Module.__setattr__/__delattr__ would check parameters, buffers and
+    # submodules on every forward for what is only a function
+    module.__dict__["log"] = log
     try:
         yield
     finally:
-        del module.log
+        module.__dict__.pop("log", None)
 
 
 def host_records(records: list[LogRecord]) -> list[LogRecord]:

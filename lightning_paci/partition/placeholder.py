@@ -46,6 +46,8 @@ class Placeholder(nn.Module):
         self._name = name
         self._may_pass_through = may_pass_through
         self._pass_through = False
+        # [Note: output forms kept]: the last inputs' form and the output form found for it
+        self.__dict__["_form"] = None
 
     def __getattr__(self, attribute: str) -> Any:
         """[Note: placeholders answer attribute reads]
@@ -82,6 +84,7 @@ class Placeholder(nn.Module):
 
         shadow._apply(dtype_only)
         self.__dict__["_device"] = fn(torch.empty(0, device=device)).device
+        self.__dict__["_form"] = None  # the output form may change with the dtype
         return super()._apply(fn, recurse)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -96,11 +99,22 @@ class Placeholder(nn.Module):
         if self._pass_through and not relayed:
             return first
         shadow, device = self.__dict__["_shadow"], self.__dict__["_device"]
+        key = _form_key(shadow, args, kwargs, device) if boundary is None or not boundary.probing else None
+        key = None if key is None else (self.training, key)
+        kept = self.__dict__["_form"]
         try:
-            if boundary is not None:
-                boundary.in_shadow += 1
-            with torch.no_grad():
-                out = _output_form(shadow, args, kwargs, device)
+            if kept is not None and key is not None and kept[0] == key:
+                out = kept[1]
+            else:
+                if boundary is not None:
+                    boundary.in_shadow += 1
+                try:
+                    with torch.no_grad():
+                        out = _output_form(shadow, args, kwargs, device)
+                finally:
+                    if boundary is not None:
+                        boundary.in_shadow -= 1
+                self.__dict__["_form"] = None if key is None else (key, out)
         except Exception as err:  # e.g. an op without a meta kernel: the output form is unknown
             if self._may_pass_through and isinstance(first, torch.Tensor):
                 # a block whose output cannot be found on meta (a mixture of experts routes with torch.nonzero,
@@ -113,9 +127,6 @@ class Placeholder(nn.Module):
                 f"device: {err}. Move the code that uses its output into a module on the same stage, or place the "
                 f"module explicitly with `partition=`."
             ) from err
-        finally:
-            if boundary is not None:
-                boundary.in_shadow -= 1
         if relayed:
             skeleton, metas = flatten(out)
             return unflatten(skeleton, [relayed.get(i, torch.zeros(t.shape, dtype=t.dtype, device=device))
@@ -129,6 +140,40 @@ class Placeholder(nn.Module):
 
     def extra_repr(self) -> str:
         return f"lives on {self.owner}"
+
+
+# [Note: output forms kept]
+# Running a module on the meta device goes through torch's Python decompositions: about a thousand Python calls per
+# placeholder and micro-batch, the largest host cost of a stage's forward. The output form depends on the inputs'
+# forms (structure, shapes, dtypes, devices), on plain values among the inputs, on the module's mode and dtypes and
+# on autocast, so a placeholder keeps the last inputs' form with the output form it found, and reuses it while those
+# stay the same: a steady run finds each form once. Inputs holding anything but tensors and plain immutable values
+# (a cache object, a list of modules) are never matched: their state could change the form unseen.
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def _form_key(shadow: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> Any:
+    """What the output form of ``shadow`` depends on, as a hashable value; None where it cannot be told."""
+    parts: list[Any] = [shadow.training, torch.is_autocast_enabled(device.type)]
+    if parts[-1]:
+        parts.append(torch.get_autocast_dtype(device.type))
+
+    def walk(node: Any) -> bool:
+        if isinstance(node, torch.Tensor):
+            parts.append((tuple(node.shape), node.dtype, node.device.type))
+        elif isinstance(node, _PLAIN):
+            parts.append(node)
+        elif isinstance(node, (tuple, list)):
+            parts.append((type(node), len(node)))
+            return all(walk(v) for v in node)
+        elif type(node) is dict:
+            parts.append((dict, tuple(node)))
+            return all(isinstance(k, str) for k in node) and all(walk(v) for v in node.values())
+        else:
+            return False
+        return True
+
+    return tuple(parts) if walk(args) and walk(kwargs) else None
 
 
 def _to_meta(tensor: torch.Tensor) -> torch.Tensor:
