@@ -20,6 +20,7 @@ import lightning as L
 import pytest
 
 import lightning_paci
+
 from helpers import fit
 from models import SequentialMLP, regression_loader
 
