@@ -72,7 +72,25 @@ def render() -> str:
         lines.append(f"| `{field.name}` | `{default!r}` | {text} |")
     if closing:
         lines += ["", " ".join(closing.replace("``", "`").split())]
+    from lightning_paci.strategy import _LIGHTNING_ARGS
+
+    lines += ["", "Lightning's own arguments of a parallel strategy, passed to `ParallelStrategy` as they are (the "
+              "`Trainer` fills them when they are not given):", "", "| argument | what it is |", "|---|---|"]
+    for name in _LIGHTNING_ARGS:
+        if name not in LIGHTNING_ARGUMENTS:
+            raise SystemExit(f"PACIStrategy's argument {name} has no entry in docs/options.py's LIGHTNING_ARGUMENTS")
+        lines.append(f"| `{name}` | {LIGHTNING_ARGUMENTS[name]} |")
     return "\n".join(lines) + "\n"
+
+
+LIGHTNING_ARGUMENTS = {
+    "accelerator": "the `Accelerator` (`Trainer(accelerator=...)`)",
+    "parallel_devices": "the devices of this node's processes (`Trainer(devices=...)`)",
+    "cluster_environment": "where ranks, addresses and ports come from (torchrun, SLURM, Lightning's own)",
+    "checkpoint_io": "how checkpoint files are written and read (a `CheckpointIO`; the sharded layout writes "
+                     "through it too)",
+    "precision_plugin": "the `Precision` plugin (`Trainer(precision=...)`)",
+}
 
 
 def main() -> int:

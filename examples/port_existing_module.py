@@ -49,7 +49,10 @@ class TinyLM(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+        # the usual recipe: a linear warm-up over the first 4 steps, then a linear decay to zero at step 16
+        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min((step + 1) / 4, (16 - step) / 12))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 def data() -> DataLoader:

@@ -32,6 +32,25 @@ def test_the_option_reference_is_generated_and_current() -> None:
     from lightning_paci.config import PACIConfig
 
     assert all(f"| `{name}` |" in page for name in PACIConfig.__dataclass_fields__)
+    import inspect
+
+    from lightning_paci import PACIStrategy
+
+    arguments = set(inspect.signature(PACIStrategy.__init__).parameters) - {"self"}
+    assert sorted(a for a in arguments if f"| `{a}` |" not in page) == []  # every argument of the strategy
+
+
+_PATH = re.compile(r"(?<![\w/.])((?:lightning_paci|benchmarks|examples|tests|docs)/[\w/.-]*[\w-]\.(?:py|md|png|json))")
+
+
+def test_every_repository_path_the_docs_name_exists() -> None:
+    pages = [ROOT / "README.md", *DOCS.glob("*.md"), ROOT / "benchmarks" / "RESULTS.md"]
+    missing = []
+    for page in pages:
+        for path in _PATH.findall(page.read_text()):
+            if not (ROOT / path).exists() and not (page.parent / path).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert missing == []
 
 
 def _text_files() -> list[Path]:

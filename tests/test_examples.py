@@ -1,9 +1,11 @@
-"""The main example runs as the README says (shortened) and writes the monitors' TensorBoard files."""
+"""The examples run as the README says (shortened), write the monitors' TensorBoard files, and draw no warning
+from lightning_paci (a showcase that warns teaches the wrong recipe)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,11 @@ pytestmark = pytest.mark.distributed
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+def package_warnings(stderr: str) -> list[str]:
+    """Warnings raised from lightning_paci's code: Python prints them as ``<file>:<line>: <message>``."""
+    return [line for line in stderr.splitlines() if re.search(r"lightning_paci/[\w/]+\.py:\d+: ", line)]
+
+
 def test_train_gpt_example_runs_and_writes_drift_and_bubble_tags(tmp_path):
     out = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_gpt.py"), "--devices", "2", "--max-steps", "8", "--layers", "2",
@@ -24,6 +31,7 @@ def test_train_gpt_example_runs_and_writes_drift_and_bubble_tags(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "final validation perplexity:" in out.stdout and "TensorBoard logs:" in out.stdout
+    assert package_warnings(out.stderr) == []
     run = tmp_path / "tb" / "version_0"
     for stage in range(2):
         events = EventAccumulator(str(run / f"stage_{stage}"))
@@ -55,3 +63,11 @@ def test_finetune_pretrained_example_runs_offline_and_exports_a_loadable_directo
     exported = json.loads((tmp_path / "finetuned" / "model.safetensors.index.json").read_text())["weight_map"]
     assert sorted(set(exported.values())) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert "fine-tuned model:" in capsys.readouterr().out
+
+
+def test_the_port_example_trains_on_one_device_and_under_paci_without_a_warning_from_lightning_paci():
+    out = subprocess.run([sys.executable, str(EXAMPLES / "port_existing_module.py")], capture_output=True, text=True,
+                         timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "one device: train_loss=" in out.stdout and "paci, 2 stages: train_loss=" in out.stdout
+    assert package_warnings(out.stderr) == []
