@@ -427,6 +427,12 @@ class PACIStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._evaluate("predict_step", args, kwargs)
 
+    def log_figures(self, figures: dict[str, float], step: int) -> None:
+        """A monitor's figures of this stage (``paci/<figure>/stage_<s>``) for the Trainer's loggers on global rank 0:
+        they travel with the pipeline's own messages (LightningHooks.figures)."""
+        if self._stage is not None and self._stage.hooks is not None:
+            self._stage.hooks.figures(figures, step, last_stage=self._stage.carve.is_last)
+
     # -- collectives (never per training batch) ----------------------------------------------------------------------
     def pipeline_broadcast(self, obj: Any, stage: int) -> Any:
         """Broadcast from ``stage`` of this process's replica to the other stages of that replica."""

@@ -78,7 +78,6 @@ class BubbleMonitor(StageMonitor):
         strategy = paci_strategy(trainer)
         now = strategy.runtime.records.time_snapshot()
         stage = strategy.stage_index
-        for figure, value in bubble_window_metrics(self._last, now).items():
-            self._writer.add_scalar(metric_tag(figure, stage), value, trainer.global_step)
+        self._write(trainer, {metric_tag(figure, stage): value
+                              for figure, value in bubble_window_metrics(self._last, now).items()})
         self._last = now
-        self._writer.flush()

@@ -101,12 +101,12 @@ class DriftMonitor(StageMonitor):
         if not backwards or self._writer is None:
             return
         self._seen = records.num_backwards
-        for figure, value in drift_window_metrics(backwards, self._bound).items():
-            self._writer.add_scalar(metric_tag(figure, stage), value, trainer.global_step)
+        figures = {metric_tag(figure, stage): value
+                   for figure, value in drift_window_metrics(backwards, self._bound).items()}
         lags = records.tied_lags_since(self._seen_lags)
         self._seen_lags = records.tied_lags.count
         if lags:
-            self._writer.add_scalar(metric_tag("tied_lag_max", stage), max(lags), trainer.global_step)
+            figures[metric_tag("tied_lag_max", stage)] = max(lags)
         if self._tied_bound is not None:
-            self._writer.add_scalar(metric_tag("tied_lag_bound", stage), self._tied_bound, trainer.global_step)
-        self._writer.flush()
+            figures[metric_tag("tied_lag_bound", stage)] = self._tied_bound
+        self._write(trainer, figures)

@@ -49,8 +49,6 @@ class MemoryMonitor(StageMonitor):
             return
         strategy = paci_strategy(trainer)
         records, stage = strategy.runtime.records, strategy.stage_index
-        self._writer.add_scalar(metric_tag("peak_inflight", stage), records.peak_inflight, trainer.global_step)
-        self._writer.add_scalar(metric_tag("peak_activation_bytes", stage), records.peak_activation_bytes,
-                                trainer.global_step)
-        self._writer.add_scalar(metric_tag("relayed_bytes", stage), records.peak_relayed_bytes, trainer.global_step)
-        self._writer.flush()
+        self._write(trainer, {metric_tag("peak_inflight", stage): records.peak_inflight,
+                              metric_tag("peak_activation_bytes", stage): records.peak_activation_bytes,
+                              metric_tag("relayed_bytes", stage): records.peak_relayed_bytes})

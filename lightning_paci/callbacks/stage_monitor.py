@@ -1,8 +1,11 @@
 """Where the monitors write: one TensorBoard event directory per stage, written by that stage's own process.
 
 With a ``TensorBoardLogger`` the stage directories live under its ``log_dir`` (resolved on rank 0 once, at setup,
-and shared: other ranks cannot resolve the logger's version themselves). With another logger or ``logger=False``
-the monitors warn once and write under ``<default_root_dir>/paci_monitors``.
+and shared: other ranks cannot resolve the logger's version themselves); otherwise under
+``<default_root_dir>/paci_monitors`` (with ``logger=False`` the monitors warn once that nothing else gets them).
+Every figure also reaches the Trainer's loggers (CSV, MLflow, W&B, TensorBoard, ...) on global rank 0, where
+Lightning's loggers write, as ``paci/<figure>/stage_<s>`` at the step it was made: a stage before the last sends its
+window's figures with its next activation message ([Note: the logging rank] in integration/logs.py).
 """
 
 from __future__ import annotations
@@ -50,10 +53,10 @@ def monitor_directory(trainer: L.Trainer) -> str:
             directory = logger.log_dir
         else:
             directory = os.path.join(trainer.default_root_dir, DEFAULT_SUBDIR)
-            if not _warned:
+            if not _warned and not trainer.loggers:
                 rank_zero_warn(
-                    f"lightning_paci monitors write TensorBoard files; the Trainer has no TensorBoardLogger, so they "
-                    f"go to {directory!r}. Pass `logger=TensorBoardLogger(...)` to write beside your other logs."
+                    f"lightning_paci monitors write each stage's figures to TensorBoard runs and to the Trainer's "
+                    f"loggers; with `logger=False` they go to TensorBoard files in {directory!r} only."
                 )
                 _warned = True
     return str(trainer.strategy.broadcast(directory, src=0))  # rank 0 always has one
@@ -98,6 +101,19 @@ class StageMonitor(Callback, ABC):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+    def _write(self, trainer: L.Trainer, figures: dict[str, float]) -> None:
+        """One window's figures (tag -> value) to this stage's TensorBoard run and to the Trainer's loggers on
+        global rank 0 (``PACIStrategy.log_figures``), at the current global step."""
+        if not figures:
+            return
+        step = trainer.global_step
+        if self._writer is not None:
+            for tag, value in figures.items():
+                self._writer.add_scalar(tag, value, step)
+            self._writer.flush()
+        if trainer.loggers:
+            paci_strategy(trainer).log_figures({tag: float(value) for tag, value in figures.items()}, step)
 
     @abstractmethod
     def _log(self, trainer: L.Trainer) -> None:

@@ -21,7 +21,7 @@ from lightning_paci.integration.logs import LogRecord, recording_logs
 from lightning_paci.partition import StageCarve, StageDone
 from lightning_paci.partition.crossing import CrossingCheck
 
-__all__ = ["LightningHooks", "LightningStageProgram", "extract_loss"]
+__all__ = ["FIGURE_STEP", "LightningHooks", "LightningStageProgram", "extract_loss", "to_loggers"]
 
 def extract_loss(output: Any, step_name: str) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
@@ -133,7 +133,35 @@ class LightningHooks:
 
     def replay_hook_logs(self) -> None:
         """On the last stage: log every record that has arrived, one ``self.log`` call each (as the hooks made them,
-        so epoch aggregates see every call and the step value is the newest)."""
+        so epoch aggregates see every call and the step value is the newest); a monitor's figures go to the
+        Trainer's loggers at the step they were made (``figures``)."""
         records, self.logs[:] = list(self.logs), []
+        figures: dict[int, dict[str, float]] = {}  # step -> the monitors' figures made at that step
         for record in records:
-            self.module.log(record.name, record.value, batch_size=record.batch_size, **dict(record.options))
+            options = dict(record.options)
+            if FIGURE_STEP in options:
+                figures.setdefault(options[FIGURE_STEP], {})[record.name] = float(record.value)
+                continue
+            self.module.log(record.name, record.value, batch_size=record.batch_size, **options)
+        for step, values in sorted(figures.items()):
+            to_loggers(self.trainer, values, step)
+
+    def figures(self, figures: dict[str, float], step: int, *, last_stage: bool) -> None:
+        """A monitor's figures of this stage for the Trainer's loggers, which live on global rank 0 (the last
+        stage): logged at once there, else carried downstream with the next activation message, as the hooks'
+        records are (no message of their own, no synchronisation)."""
+        if last_stage:
+            to_loggers(self.trainer, figures, step)
+        else:
+            self.logs.extend(LogRecord(name, float(value), 1, ((FIGURE_STEP, step),))
+                             for name, value in figures.items())
+
+
+FIGURE_STEP = "paci_figure_step"  # the option marking a monitor's figure among the hooks' log records
+
+
+def to_loggers(trainer: Any, figures: dict[str, float], step: int) -> None:
+    """``log_metrics`` on every logger of the Trainer, as Lightning's own monitors do (the loggers write on global
+    rank 0 only)."""
+    for logger in trainer.loggers:
+        logger.log_metrics(figures, step=step)
