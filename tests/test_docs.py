@@ -80,3 +80,13 @@ def test_ci_runs_the_readmes_two_set_up_commands() -> None:
     readme = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
     assert ci[0] == readme[0].replace("pip install", "python3 -m pip install")
     assert ci[1] == readme[1] == "python3 -m pytest && python3 -m ruff check . && python3 -m mypy"
+
+
+def test_every_test_the_support_table_names_exists() -> None:
+    table = (DOCS / "support.md").read_text()
+    named = re.findall(r"`(test_\w+\.py)(?:::(\w+))?`", table)
+    assert len(named) >= 20
+    missing = [f"{file}::{test}" for file, test in named
+               if not (ROOT / "tests" / file).exists()
+               or (test and not re.search(rf"^def {test}\(", (ROOT / "tests" / file).read_text(), re.M))]
+    assert missing == []

@@ -1,0 +1,61 @@
+"""The rows of docs/support.md not shown elsewhere: Lightning features under ``strategy="paci"`` that work (and
+give one device's result), and those refused with a clear error, here Lightning's or Fabric's own."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import RecordLosses, fit
+from models import SequentialMLP, regression_loader
+
+pytestmark = pytest.mark.distributed
+
+
+class _Tested(SequentialMLP):
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self(x), y))
+
+
+def test_fast_dev_run_trains_one_batch(tmp_path):
+    record = RecordLosses(tmp_path)
+    fit(SequentialMLP(), regression_loader(num_batches=4), devices=2, max_steps=-1, partition="parameters",
+        callbacks=[record], trainer_kwargs={"fast_dev_run": True})
+    assert len(record.values()) == 1
+
+
+def test_the_simple_profiler_times_the_strategys_steps(tmp_path):
+    fit(SequentialMLP(), regression_loader(num_batches=3), devices=2, max_steps=3, partition="parameters",
+        trainer_kwargs={"profiler": L.pytorch.profilers.SimpleProfiler(dirpath=tmp_path, filename="profile")})
+    reports = sorted(tmp_path.glob("*profile*.txt"))
+    assert reports, list(tmp_path.iterdir())
+    assert all("[Strategy]PACIStrategy.training_step" in report.read_text() for report in reports)
+
+
+def test_trainer_test_gives_one_devices_result():
+    torch.manual_seed(5)
+    model = _Tested()
+    expected = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False).test(copy.deepcopy(model), regression_loader(num_batches=3),
+                                                          verbose=False)
+    trainer = fit(model, regression_loader(num_batches=2), devices=2, max_steps=0, partition="parameters")
+    got = trainer.test(model, regression_loader(num_batches=3), verbose=False)
+    torch.testing.assert_close(got[0]["test_loss"], expected[0]["test_loss"])
+
+
+def test_a_compiled_module_is_refused_naming_the_strategy():
+    with pytest.raises(RuntimeError, match=r"compiled model is incompatible with the current strategy: `PACIStrategy`"):
+        fit(torch.compile(SequentialMLP()), regression_loader(num_batches=2), devices=2, max_steps=1,
+            partition="parameters")
+
+
+def test_fabric_refuses_the_strategy_name():
+    from lightning.fabric import Fabric
+
+    with pytest.raises(ValueError, match=r"invalid strategy name: `strategy='paci'`"):
+        Fabric(strategy="paci", devices=2, accelerator="cpu")
