@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import RecordLosses, fit
+from helpers import RecordLosses, fit, one_device
 from models import SequentialMLP, regression_loader
 
 pytestmark = pytest.mark.distributed
@@ -59,3 +59,25 @@ def test_fabric_refuses_the_strategy_name():
 
     with pytest.raises(ValueError, match=r"invalid strategy name: `strategy='paci'`"):
         Fabric(strategy="paci", devices=2, accelerator="cpu")
+
+
+class _FrozenFirstLayer(SequentialMLP):
+    """A frozen first layer (as a frozen embedding, or the base weights under an adapter): no gradient, no update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0].requires_grad_(False)
+
+
+def test_frozen_parameters_stay_and_the_rest_trains_as_on_one_device():
+    torch.manual_seed(11)
+    model = _FrozenFirstLayer()
+    expected, frozen = copy.deepcopy(model), copy.deepcopy(model.net[0].state_dict())
+    loader = regression_loader(num_batches=4)
+    one_device().fit(expected, loader)
+    fit(model, loader, devices=2, max_steps=4, schedule="1f1b", microbatches=2, partition="parameters")
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected.state_dict()[key], rtol=1e-5, atol=1e-7)
+    for key, value in model.net[0].state_dict().items():
+        assert torch.equal(value, frozen[key])
+
