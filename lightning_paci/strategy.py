@@ -331,7 +331,7 @@ class PACIStrategy(ParallelStrategy):
         self._trainer = trainer
         module = self.lightning_module
         assert module is not None
-        check_trainer(trainer, module, self.num_stages)
+        check_trainer(trainer, module, self.num_stages, self.config.start_method)
         same_data_on_every_stage(trainer, self.broadcast, self.data_parallel_size)
         if self._stage is None:
             plan = self._builder.plan_stages(trainer, module)  # and logged

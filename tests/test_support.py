@@ -81,3 +81,16 @@ def test_frozen_parameters_stay_and_the_rest_trains_as_on_one_device():
     for key, value in model.net[0].state_dict().items():
         assert torch.equal(value, frozen[key])
 
+
+
+def test_the_tuner_under_a_fork_launcher_is_refused_naming_the_default_launcher(tmp_path):
+    from lightning.pytorch.tuner import Tuner
+    from torch.multiprocessing import ProcessRaisedException
+
+    from lightning_paci import PACIStrategy
+
+    trainer = L.Trainer(strategy=PACIStrategy(start_method="fork", partition="parameters"), accelerator="cpu",
+                        devices=2, max_steps=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    with pytest.raises(ProcessRaisedException, match=r"`LearningRateFinder` .*Use the default launcher"):
+        Tuner(trainer).lr_find(SequentialMLP(), regression_loader(num_batches=4), num_training=4)

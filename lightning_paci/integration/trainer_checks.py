@@ -34,8 +34,17 @@ def batch_norm_warning(module: nn.Module, num_microbatches: int) -> str | None:
             f"micro-batches (`PACIStrategy(microbatches=...)`, larger batches), if the difference matters.")
 
 
-def check_trainer(trainer: Trainer, module: LightningModule, num_stages: int) -> None:
+def check_trainer(trainer: Trainer, module: LightningModule, num_stages: int, start_method: str = "popen") -> None:
     """Refuse, at setup, what a pipeline cannot run, naming the setting and the fix."""
+    tuners = [type(c).__name__ for c in trainer.callbacks  # type: ignore[attr-defined]  # set in Trainer.__init__
+              if type(c).__name__ in ("LearningRateFinder", "BatchSizeFinder")]
+    if tuners and start_method != "popen":
+        raise ValueError(
+            f"`{tuners[0]}` (Lightning's Tuner) with `PACIStrategy(start_method={start_method!r})`: the finder ends "
+            f"its run by raising in the launched processes, and its result would stay there, not in the process "
+            f"that called the Tuner. Use the default launcher (`strategy='paci'`, `start_method='popen'`) or "
+            f"torchrun for the Tuner."
+        )
     if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
         raise ValueError(
             "`PACIStrategy` supports automatic optimization only (`self.automatic_optimization = True`): in "
