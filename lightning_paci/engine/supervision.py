@@ -224,13 +224,18 @@ class StageWatchdog:
         if not self.store.check([f"{self.prefix}unwinding/{stage}"]):
             return False
         now = time.monotonic()
+        _, silent = self._silence(stage, now)
+        return silent < _ENDED_AFTER_BEATS * self.interval and now - self._heard_at < self.dead_after
+
+    def _silence(self, stage: int, now: float) -> tuple[int, float]:
+        """``stage``'s heartbeat counter and the seconds since it last moved (0 when it moved since the last look)."""
         key = f"{self.prefix}heartbeat/{stage}"
         count = int(self.store.get(key)) if self.store.check([key]) else 0
         last, since = self._seen.get(stage, (-1, now))
         if count != last:
             self._seen[stage] = (count, now)
-            since = now
-        return now - since < _ENDED_AFTER_BEATS * self.interval and now - self._heard_at < self.dead_after
+            return count, 0.0
+        return count, now - since
 
     def _failure(self) -> tuple[int, str] | None:
         if (reported := self._reported()) is not None:
@@ -245,16 +250,12 @@ class StageWatchdog:
         for other in range(self.num_stages):
             if other == self.stage or self.store.check([f"{self.prefix}done/{other}"]):
                 continue
-            key = f"{self.prefix}heartbeat/{other}"
-            count = int(self.store.get(key)) if self.store.check([key]) else 0
-            last, since = self._seen.get(other, (-1, now))
-            if count != last:
-                self._seen[other] = (count, now)
-            elif count == 0 and now - since > self.dead_after * PATIENCE:  # started, imports, joins: patient
-                return other, (f"never joined: no heartbeat in {now - since:.0f} s since this process started "
+            count, silent = self._silence(other, now)
+            if count == 0 and silent > self.dead_after * PATIENCE:  # started, imports, joins: patient
+                return other, (f"never joined: no heartbeat in {silent:.0f} s since this process started "
                                f"watching (it did not start, or failed before setup)")
-            elif count > 0 and now - since > self.dead_after:
-                return other, (f"stopped responding (no heartbeat for {now - since:.0f} s: "
+            if count > 0 and silent > self.dead_after:
+                return other, (f"stopped responding (no heartbeat for {silent:.0f} s: "
                                f"killed, out of memory or hung)")
         return None
 
