@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
@@ -37,7 +38,7 @@ def batch_norm_warning(module: nn.Module, num_microbatches: int) -> str | None:
 def check_trainer(trainer: Trainer, module: LightningModule, num_stages: int, start_method: str = "popen") -> None:
     """Refuse, at setup, what a pipeline cannot run, naming the setting and the fix."""
     tuners = [type(c).__name__ for c in trainer.callbacks  # type: ignore[attr-defined]  # set in Trainer.__init__
-              if type(c).__name__ in ("LearningRateFinder", "BatchSizeFinder")]
+              if isinstance(c, (LearningRateFinder, BatchSizeFinder))]
     if tuners and start_method != "popen":
         raise ValueError(
             f"`{tuners[0]}` (Lightning's Tuner) with `PACIStrategy(start_method={start_method!r})`: the finder ends "
