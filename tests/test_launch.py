@@ -44,6 +44,8 @@ def test_two_torchrun_nodes_train_checkpoint_and_resume_as_pp2_dp2_and_pp4_dp1(t
     said = "".join(node.stdout for node in nodes)
     for rank in range(4):
         assert f"OK rank {rank}: pipeline 2 x data 2 and pipeline 4 x data 1 trained, saved, resumed" in said
+    suggestions = {float(tmp_path.joinpath(f"lr{rank}").read_text()) for rank in range(4)}
+    assert len(suggestions) == 1 and 1e-3 < suggestions.pop() < 1.0  # lr_find: one learning rate on every rank
 
 
 def test_sigkill_of_one_rank_under_torchrun_brings_every_rank_down_naming_it(tmp_path):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import RecordLosses, fit, one_device
-from models import SequentialMLP, regression_loader
+from models import HFCausalLM, SequentialMLP, hf_reference_accumulation, regression_loader, token_loader
 
 pytestmark = pytest.mark.distributed
 
@@ -81,6 +81,54 @@ def test_frozen_parameters_stay_and_the_rest_trains_as_on_one_device():
     for key, value in model.net[0].state_dict().items():
         assert torch.equal(value, frozen[key])
 
+
+class _LoRACausalLM(HFCausalLM):
+    """GPT-2 under peft's LoRA, wrapped as a user wraps it: the base weights frozen, adapters in every attention
+    projection; SGD over the trainable parameters (an error in the adapters' gradients shows at SGD's scale)."""
+
+    def __init__(self) -> None:
+        super().__init__("gpt2", layers=4)
+        from peft import LoraConfig, get_peft_model
+
+        self.model = get_peft_model(self.model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
+                                                           fan_in_fan_out=True, lora_dropout=0.0))
+        for name, param in self.model.named_parameters():  # B starts at zero: give the adapters a gradient in A
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.02)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5)
+
+
+def test_peft_lora_adapters_train_as_on_one_device_and_the_base_weights_stay():
+    pytest.importorskip("peft")
+    torch.manual_seed(10)
+    model = _LoRACausalLM()
+    reference = copy.deepcopy(model)
+    frozen = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+    adapters = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+    loader = token_loader(num_batches=6, vocab=64, seq=12)
+    fit(model, loader, devices=2, schedule="1f1b", microbatches=4)
+    hf_reference_accumulation(reference, list(loader)[:5], num_microbatches=4)
+    expected = reference.state_dict()
+    assert model.state_dict().keys() == expected.keys()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        if key in frozen:
+            assert torch.equal(value, frozen[key]), key
+    assert len(adapters) == 8 and all(not torch.equal(model.state_dict()[k], v) for k, v in adapters.items())
+
+
+def test_scale_batch_size_is_refused_by_lightning_for_the_distributed_strategy(tmp_path):
+    from lightning.pytorch.tuner import Tuner
+
+    from lightning_paci import PACIStrategy
+
+    trainer = L.Trainer(strategy=PACIStrategy(start_method="fork", partition="parameters"), accelerator="cpu",
+                        devices=2, max_steps=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"Tuning the batch size is currently not supported with distributed"):
+        Tuner(trainer).scale_batch_size(SequentialMLP(), mode="power", max_trials=2)
 
 
 def test_the_tuner_under_a_fork_launcher_is_refused_naming_the_default_launcher(tmp_path):

@@ -1,5 +1,6 @@
 """One of two torchrun "nodes" (2 processes each): train, checkpoint and resume as pipeline 2 x data 2, then as
-pipeline 4 x data 1 from that checkpoint, checkpoint and resume again; or, with ``kill``, SIGKILL the rank running
+pipeline 4 x data 1 from that checkpoint, checkpoint and resume again, then run the Tuner's ``lr_find`` as pipeline
+2 x data 2 (every rank writes its suggestion to ``OUT/lr<rank>``); or, with ``kill``, SIGKILL the rank running
 stage 1 of replica 1.
 
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint localhost:PORT \\
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.tuner import Tuner
 
 from lightning_paci import PACIStrategy
 
@@ -58,4 +60,9 @@ if __name__ == "__main__":
     again = trainer(4, 7)
     again.fit(SequentialMLP(depth=6), loader, ckpt_path=out / "pp4xdp1.ckpt")
     assert again.global_step == 7, again.global_step
+    # the finder's results are broadcast from global rank 0: every rank takes the same learning rate
+    finder = Tuner(trainer(2, 7, default_root_dir=out)).lr_find(
+        SequentialMLP(depth=6), regression_loader(num_batches=24, batch_size=4), num_training=20, min_lr=1e-3)
+    assert finder is not None
+    out.joinpath(f"lr{rank}").write_text(repr(finder.suggestion()))
     print(f"OK rank {rank}: pipeline 2 x data 2 and pipeline 4 x data 1 trained, saved, resumed", flush=True)
