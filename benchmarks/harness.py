@@ -38,8 +38,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_paci import PACIStrategy
 from lightning_paci.schedules import Interval
 
-__all__ = ["Benchmark", "EmulatedModel", "OneThread", "add_shape_arguments", "emulated_loader", "main", "median",
-           "plot_curves", "print_table", "run_emulated", "run_seconds", "sleep_until", "steady_seconds", "time_to"]
+__all__ = ["Benchmark", "EmulatedModel", "OneThread", "add_shape_arguments", "emulated_loader", "floor_efficiency",
+           "main", "median", "plot_curves", "print_table", "run_emulated", "run_seconds", "sleep_until",
+           "steady_seconds", "time_to"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SPIN_S = 0.0003  # the last stretch of an emulated kernel is spun, not slept (see sleep_until)
@@ -299,3 +300,77 @@ def steady_seconds(stages: Sequence[Sequence[Interval]], num_microbatches: int, 
         sys.exit(f"--minibatches ({num_minibatches}) must be at least 3: the steady window is mini-batches 1..K-2")
     forward_start = {iv.microbatch: iv.start for iv in stages[0] if iv.kind == "F"}
     return forward_start[(num_minibatches - 1) * num_microbatches] - forward_start[num_microbatches]
+
+
+_FLOOR_BYTES = 16384  # one message of the size our first framed buffer has (FIRST_BYTES)
+
+
+def _floor_stage(rank: int, shape: tuple[int, int, int, float, float], path: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from lightning_paci import build_schedule
+    from lightning_paci.schedules import RECV_B, RECV_F, SEND_B, SEND_F, B
+    from lightning_paci.schedules import F as FORWARD
+
+    n, m, k, forward_s, backward_s = shape
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n,
+                            timeout=timedelta(seconds=60))
+    # one group per neighbour pair and direction (the "directed" layout), created in the same order on every rank
+    links = {(kind, s): dist.new_group([s, s + 1]) for s in range(n - 1) for kind in ("F", "B")}
+    actions = build_schedule("paci", n, m, m, k).actions[rank]
+    peer_of = {SEND_F: rank + 1, SEND_B: rank - 1, RECV_F: rank - 1, RECV_B: rank + 1}
+    link_of = {SEND_F: ("F", rank), SEND_B: ("B", rank - 1), RECV_F: ("F", rank - 1), RECV_B: ("B", rank)}
+    left = {kind: sum(a.kind is kind for a in actions) for kind in (RECV_F, RECV_B)}
+    posted: dict[Any, Any] = {}
+
+    def post(kind: Any) -> None:  # each receive posted as soon as the previous one of its link completed
+        group = links[link_of[kind]]
+        buffer = torch.empty(_FLOOR_BYTES, dtype=torch.uint8)
+        posted[kind] = (group.recv([buffer], dist.get_group_rank(group, peer_of[kind]), 0), buffer)
+
+    message = torch.zeros(_FLOOR_BYTES, dtype=torch.uint8)
+    sends = []
+    starts: dict[int, float] = {}
+    for kind, count in left.items():
+        if count:
+            post(kind)
+    dist.barrier()
+    for action in actions:
+        kind = action.kind
+        if kind is FORWARD:
+            starts[action.microbatch] = time.perf_counter()
+            sleep_until(starts[action.microbatch] + forward_s)
+        elif kind is B:
+            sleep_until(time.perf_counter() + backward_s)
+        elif kind is SEND_F or kind is SEND_B:
+            group = links[link_of[kind]]
+            sends.append(group.send([message], dist.get_group_rank(group, peer_of[kind]), 0))
+        elif kind is RECV_F or kind is RECV_B:
+            posted.pop(kind)[0].wait()
+            left[kind] -= 1
+            if left[kind]:
+                post(kind)
+    for work in sends:
+        work.wait()
+    if rank == 0:
+        Path(out).write_text(json.dumps(starts[(k - 1) * m] - starts[m]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def floor_efficiency(num_stages: int, num_microbatches: int, num_minibatches: int, forward_ms: float,
+                     backward_ms: float) -> float:
+    """The ceiling of this machine for a flush-free 1F1B on the emulated cluster: every stage's ``"paci"`` list
+    executed with nothing but the emulated kernels and one raw 16 KiB gloo message per send (directed groups,
+    receives posted ahead) -- no framing, no model, no Lightning. Steady efficiency as ``steady_seconds`` measures
+    it; whatever a real runtime adds comes on top of this."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "steady")
+        shape = (num_stages, num_microbatches, num_minibatches, forward_ms / 1e3, backward_ms / 1e3)
+        mp.start_processes(_floor_stage, args=(shape, str(Path(tmp) / "rdv"), out), nprocs=num_stages,
+                           start_method="fork")
+        steady = json.loads(Path(out).read_text())
+    return (num_minibatches - 2) * num_microbatches * (forward_ms + backward_ms) / 1e3 / steady

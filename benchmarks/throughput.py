@@ -12,9 +12,10 @@ rate); "whole run" includes both.
 * ``overhead``: paci and 1f1b through the Trainer; the steady idle fraction of every stage against the simulator's
   prediction for the same lists and costs, and paci's time per micro-batch split into the emulated device time,
   the framework (the rest of F, B and OPT), sends, receives (latency plus real waiting) and the time between
-  actions (Lightning's loop, per-batch work, hooks, wake-ups). ``--bare`` adds the bare runtime running the same
-  lists without the Trainer, ``--torch`` torch's Schedule1F1B, ``--monitors`` DriftMonitor + BubbleMonitor:
-  their TensorBoard figures against the simulator and their cost.
+  actions (Lightning's loop, per-batch work, hooks, wake-ups). ``--floor`` adds the bare message loop (the same
+  lists with only the emulated kernels and raw messages: this machine's ceiling), ``--bare`` the bare runtime
+  running the same lists without the Trainer, ``--torch`` torch's Schedule1F1B, ``--monitors`` DriftMonitor +
+  BubbleMonitor: their TensorBoard figures against the simulator and their cost.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from benchmarks.harness import (
     EmulatedModel,
     add_shape_arguments,
     emulated_loader,
+    floor_efficiency,
     median,
     print_table,
     run_emulated,
@@ -316,6 +318,9 @@ def _overhead_arguments(parser: argparse.ArgumentParser) -> None:
     add_shape_arguments(parser, blocks_per_stage=1, repeats=3)
     parser.add_argument("--bare", action="store_true", help="also run the same lists without the Trainer")
     parser.add_argument("--torch", action="store_true", help="also run torch's Schedule1F1B on the same blocks")
+    parser.add_argument("--floor", action="store_true",
+                        help="also run the bare message loop: the same paci lists with only the emulated kernels "
+                             "and one raw gloo message per send (this machine's ceiling)")
     parser.add_argument("--monitors", action="store_true",
                         help="also train with DriftMonitor + BubbleMonitor: their figures and their cost")
     parser.add_argument("--timeline-png", type=Path, help="with --monitors: save paci's measured timeline here")
@@ -334,7 +339,10 @@ def _overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
                          forward_ms=fwd, backward_ms=bwd)
             names = ["paci", "1f1b"] + ["bare"] * args.bare + ["paci+monitors"] * args.monitors
             runs: dict[str, list[Stages]] = {name: [] for name in names}
+            floors: list[float] = []
             for _ in range(args.repeats):  # alternating, so drifting machine load hits every configuration alike
+                if args.floor:
+                    floors.append(floor_efficiency(n, m, k, per_stage * fwd, per_stage * bwd))
                 for name in names:
                     if name == "bare":
                         runs[name].append(run_bare(n, m, k, fwd, bwd, per_stage))
@@ -363,6 +371,9 @@ def _overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
                     row[key] = f"{min(p[key] for p in parts):.2f}-{max(p[key] for p in parts):.2f}"
                 row["lost_ms"] = max(p["wall"] for p in parts) - device_ms
                 rows.append(row)
+            if args.floor:
+                rows.append({"N": n, "m": m, "run": "floor", "steady_efficiency": median(floors),
+                             "efficiencies": floors})
             if args.torch:
                 _, steady = run_torch("torch_1f1b", n, m, k, fwd, bwd, per_stage)
                 rows.append({"N": n, "m": m, "run": "torch_1f1b", "steady_efficiency": (k - 2) * m * device_ms / 1e3
