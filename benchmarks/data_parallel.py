@@ -5,9 +5,12 @@ a fixed time, so the P x D stage processes do not compete for the cores; the rep
 each local step is real (gloo, in the stage's process). Each replica trains on its own shard at the same
 per-replica batch, so D replicas should give D times the samples per second, less what the reduction and the extra
 processes cost. Throughput is stage 0 of replica 0's steady window (mini-batches 1 .. K-1: no fill, no final
-drain); steady efficiency is the bubble-free limit over that time. ``--interconnect-ms`` emulates a slow link
-(every reduction over the replicas waits that long first) and ``--local-sgd-steps k`` adds runs that average
-parameters every k steps instead of gradients every step (``PACIStrategy(local_sgd_steps=k)``).
+drain); steady efficiency is the bubble-free limit over that time. ``--interconnect-ms`` emulates a slow link: a
+stage's whole gradient takes that long on it, each reduction its share by bytes, one after the other, completing in
+the background (what waits is the ``wait()`` on it, as on a real network); ``--reduce-bucket-mb`` compares the
+blocking average at the step (``none``) with buckets started during the backward (``PACIStrategy(reduce_bucket_mb=)``);
+``--local-sgd-steps k`` adds runs that average parameters every k steps instead of gradients every step
+(``PACIStrategy(local_sgd_steps=k)``).
 
 ``--quality``: loss per sample of LocalSGD against gradient averaging, P stages x 2 replicas, in one process (the
 processes equal the reference executor with replicas bit for bit, tests/test_data_parallel.py): the
@@ -28,6 +31,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from benchmarks.harness import (
@@ -38,11 +42,11 @@ from benchmarks.harness import (
     emulated_loader,
     median,
     print_table,
+    sleep_until,
     steady_seconds,
 )
 from benchmarks.time_to_accuracy import SleepyLM, corpus, train_loader, validation_loss
 from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
-from lightning_paci.engine import data_parallel as replica_sync
 from lightning_paci.schedules import Interval
 
 __all__ = ["data_parallel"]
@@ -58,20 +62,43 @@ class _DumpReplicaIntervals(Callback):
         (self.directory / name).write_text(json.dumps([list(iv) for iv in strategy.runtime.records.intervals]))
 
 
-def slow_interconnect(milliseconds: float) -> None:
-    """Every reduction over the replicas waits ``milliseconds`` first (inherited by the forked stages)."""
-    for cls, name in ((replica_sync.GradientAverage, "__call__"), (replica_sync.ParameterAverage, "sync")):
-        original = getattr(cls, name)
+class _LinkWork:
+    """A reduction on the emulated link: done when gloo's is and the link has carried its bytes."""
 
-        def slowed(self: Any, *args: Any, _original: Any = original) -> Any:
-            time.sleep(milliseconds / 1e3)
-            return _original(self, *args)
+    def __init__(self, work: Any, done: float) -> None:
+        self.work, self.done = work, done
 
-        setattr(cls, name, slowed)
+    def wait(self) -> bool:
+        self.work.wait()
+        sleep_until(self.done)
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed()) and time.perf_counter() >= self.done
 
 
-def run(stages: int, replicas: int, m: int, args: argparse.Namespace,
-        local_sgd_steps: int | None) -> tuple[list[list[Interval]], float]:
+def slow_link(seconds_per_byte: float) -> None:
+    """Every ``all_reduce`` of this process (inherited by the forked stages) also crosses an emulated link: it
+    starts when the link is free and takes ``seconds_per_byte`` per byte of its tensor; the caller is held only by
+    a ``wait()`` (a blocking call waits at once)."""
+    original = dist.all_reduce
+    free_at = [0.0]
+
+    def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+        work = original(tensor, op=op, group=group, async_op=True)
+        start = max(time.perf_counter(), free_at[0])
+        free_at[0] = start + tensor.numel() * tensor.element_size() * seconds_per_byte
+        linked = _LinkWork(work, free_at[0])
+        if async_op:
+            return linked
+        linked.wait()
+        return None
+
+    dist.all_reduce = all_reduce  # type: ignore[assignment]
+
+
+def run(stages: int, replicas: int, m: int, args: argparse.Namespace, local_sgd_steps: int | None,
+        bucket_mb: float | None = 25.0) -> tuple[list[list[Interval]], float]:
     """Train ``--minibatches`` batches per replica: every stage's intervals of replica 0, the last training loss."""
     k = args.minibatches
     torch.manual_seed(0)
@@ -80,7 +107,7 @@ def run(stages: int, replicas: int, m: int, args: argparse.Namespace,
         trainer = L.Trainer(
             strategy=PACIStrategy(schedule="paci", microbatches=m, pipeline_parallel_size=stages, start_method="fork",
                                   timeout=timedelta(seconds=120), partition="parameters",
-                                  local_sgd_steps=local_sgd_steps),
+                                  local_sgd_steps=local_sgd_steps, reduce_bucket_mb=bucket_mb),
             accelerator="cpu", devices=stages * replicas, max_steps=k, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
             use_distributed_sampler=True, callbacks=[OneThread(), _DumpReplicaIntervals(Path(tmp))])
@@ -91,28 +118,33 @@ def run(stages: int, replicas: int, m: int, args: argparse.Namespace,
 
 def _time(args: argparse.Namespace) -> list[dict[str, Any]]:
     k, per_stage = args.minibatches, args.blocks_per_stage
-    if args.interconnect_ms:
-        slow_interconnect(args.interconnect_ms)
+    if args.interconnect_ms:  # one stage's gradient (and flags): blocks x (32 x 32 weights + 32 biases), float32
+        stage_bytes = per_stage * (32 * 32 + 32 + 2) * 4
+        slow_link(args.interconnect_ms / 1e3 / stage_bytes)
+    buckets = [None if b == "none" else float(b) for b in args.reduce_bucket_mb]
     rows: list[dict[str, Any]] = []
     for n in args.stages:
         for m in args.microbatches:
             limit = (k - 2) * m * per_stage * (args.forward_ms + args.backward_ms) / 1e3  # bubble-free steady s
-            configs = [(r, None) for r in args.replicas]
-            configs += [(r, s) for r in args.replicas if r > 1 for s in args.local_sgd_steps]
+            configs: list[tuple[int, int | None, float | None]] = [(1, None, None)] if 1 in args.replicas else []
+            configs += [(r, None, b) for r in args.replicas if r > 1 for b in buckets]
+            configs += [(r, s, None) for r in args.replicas if r > 1 for s in args.local_sgd_steps]
             first = len(rows)
-            for replicas, local_sgd in configs:
-                runs = [run(n, replicas, m, args, local_sgd) for _ in range(args.repeats)]
+            for replicas, local_sgd, bucket_mb in configs:
+                runs = [run(n, replicas, m, args, local_sgd, bucket_mb) for _ in range(args.repeats)]
                 steady = median([steady_seconds(intervals, m, k) for intervals, _ in runs])
+                grads = "grads, blocking" if bucket_mb is None else f"grads, {bucket_mb:g} MiB buckets"
                 rows.append({"shape": f"{n} x {replicas}", "m": m, "local_sgd_steps": local_sgd,
+                             "reduce_bucket_mb": bucket_mb,
                              "reduction": "-" if replicas == 1 else (f"LocalSGD k={local_sgd}" if local_sgd
-                                                                     else "grads every step"),
+                                                                     else grads),
                              "steady_efficiency": limit / steady, "train_loss": runs[-1][1],
                              "samples_per_s": (k - 2) * m * args.microbatch_size * replicas / steady})
             for row in rows[first:]:
                 row["vs_first"] = row["samples_per_s"] / rows[first]["samples_per_s"]
     print_table(f"emulated cluster, paci, {k} mini-batches per replica, block F/B {args.forward_ms:g}/"
                 f"{args.backward_ms:g} ms, {per_stage} blocks per stage, {args.microbatch_size} samples per "
-                f"micro-batch, interconnect +{args.interconnect_ms:g} ms per reduction, median of {args.repeats}",
+                f"micro-batch, link {args.interconnect_ms:g} ms per stage gradient, median of {args.repeats}",
                 rows, [("shape", "s"), ("m", "d"), ("reduction", "s"), ("steady_efficiency", ".3f"),
                        ("samples_per_s", ".1f"), ("vs_first", ".2f"), ("train_loss", ".4f")])
     return rows
@@ -152,7 +184,10 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     add_shape_arguments(parser, stages=(4,), minibatches=8, forward_ms=30, backward_ms=60)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--microbatch-size", type=int, default=2, help="samples per micro-batch")
-    parser.add_argument("--interconnect-ms", type=float, default=0.0, help="wait before every replica reduction")
+    parser.add_argument("--interconnect-ms", type=float, default=0.0,
+                        help="emulated link: ms for one stage's whole gradient (each reduction its share by bytes)")
+    parser.add_argument("--reduce-bucket-mb", nargs="+", default=["25"],
+                        help="PACIStrategy(reduce_bucket_mb=) of the gradient runs: MiB, or none (blocking)")
     parser.add_argument("--local-sgd-steps", type=int, nargs="*", default=[], help="also run LocalSGD with these k")
     parser.add_argument("--quality", action="store_true", help="loss per sample instead of time (one process)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="--quality")

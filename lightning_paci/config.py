@@ -82,6 +82,10 @@ class PACIConfig:
         local_sgd_steps: with replicas, average the replicas' parameters every this many local steps of a stage
             (and at every drain) instead of their gradients before every step (LocalSGD, as Accelerate's): fewer
             collectives for a slow interconnect, at some loss per sample (benchmarks/RESULTS.md).
+        reduce_bucket_mb: with replicas (and without ``local_sgd_steps``), the gradients are averaged in buckets of
+            whole blocks of about this many MiB (DDP's ``bucket_cap_mb``), each started while the backward that
+            closes the window still runs the blocks before it; the step waits only for what is still in flight
+            ([Note: overlapped reduction] in engine/grad_buckets.py). ``None``: one blocking average at the step.
         recompute: ``"off"`` (default) or ``"blocks"``: each of a stage's blocks keeps only its input between a
             micro-batch's forward and its backward and runs its forward again inside the backward (activation
             memory for compute; exact under 1f1b/gpipe, a second staleness under paci: [Note: recomputation under
@@ -121,6 +125,7 @@ class PACIConfig:
     pipeline_parallel_size: int | Literal["auto"] = "auto"
     data_parallel_size: int | Literal["auto"] = "auto"
     local_sgd_steps: int | None = None
+    reduce_bucket_mb: float | None = 25.0
     recompute: Literal["off", "blocks"] = "off"
     recompute_stages: int | None = None
     model_init: Literal["stage", "full"] = "stage"
@@ -150,6 +155,11 @@ class PACIConfig:
         check_size_option("data_parallel_size", self.data_parallel_size)
         _positive_int("local_sgd_steps", self.local_sgd_steps, "Average the replicas' parameters every k local steps, "
                       "e.g. `local_sgd_steps=8`; None (default) averages gradients before every step.", optional=True)
+        if self.reduce_bucket_mb is not None and (isinstance(self.reduce_bucket_mb, bool) or not isinstance(
+                self.reduce_bucket_mb, (int, float)) or self.reduce_bucket_mb <= 0):
+            raise ValueError(f"`reduce_bucket_mb` must be > 0 MiB or None, got {self.reduce_bucket_mb!r}. The default "
+                             f"25.0 reduces the gradients in buckets of about 25 MiB during the backward; None reduces "
+                             f"them all at the step.")
         _choice("recompute", self.recompute, RECOMPUTE_MODES)
         _positive_int("recompute_stages", self.recompute_stages, "Recompute on the first k stages, e.g. "
                       "`recompute_stages=2`; None (default) recomputes on every stage.", optional=True)

@@ -133,6 +133,7 @@ class PACIStrategy(ParallelStrategy):
         pipeline_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_size: int | Literal["auto"] = "auto",
         local_sgd_steps: int | None = None,
+        reduce_bucket_mb: float | None = 25.0,
         recompute: Literal["off", "blocks"] = "off",
         recompute_stages: int | None = None,
         model_init: Literal["stage", "full"] = "stage",

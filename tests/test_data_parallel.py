@@ -294,3 +294,52 @@ def test_what_data_parallelism_cannot_run_is_refused_when_the_trainer_is_built()
         fit(SequentialMLP(), regression_loader(num_batches=2), devices=4, data_parallel_size=2, nonfinite="skip")
     with pytest.raises(ValueError, match="`local_sgd_steps` must be an int >= 1"):
         PACIStrategy(local_sgd_steps=0)
+
+
+class RecordReduction(L.Callback):
+    """Every rank writes how its replicas' gradient average ran: buckets, buckets started during a backward, and
+    averages (``reduction<rank>.txt``)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        average = trainer.strategy.runtime.reduce_gradients
+        figures = [len(getattr(average, "buckets", [])), getattr(average, "started_in_backward", 0),
+                   average.reductions]
+        (self.directory / f"reduction{trainer.global_rank}.txt").write_text(" ".join(map(str, figures)))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ["1f1b", "paci"])
+def test_buckets_reduced_during_the_backward_equal_the_blocking_average_bit_for_bit(tmp_path, schedule):
+    # one bucket per block (a tiny bucket size): each starts its all-reduce when the window's last backward leaves
+    # the block; the result is the blocking average's, bit for bit (a sum of two replicas has one order)
+    torch.manual_seed(6)
+    model = SequentialMLP(depth=6)
+    blocking = copy.deepcopy(model)
+    loader = regression_loader(num_batches=12, batch_size=4)
+    shape = dict(devices=4, max_steps=4, schedule=schedule, microbatches=2, data_parallel_size=2,
+                 trainer_kwargs={"use_distributed_sampler": True})
+    fit(model, loader, reduce_bucket_mb=1e-6, callbacks=[RecordReduction(tmp_path)], **shape)
+    fit(blocking, loader, reduce_bucket_mb=None, **shape)
+    for key, value in blocking.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    for rank in range(4):
+        buckets, started, reductions = map(int, (tmp_path / f"reduction{rank}.txt").read_text().split())
+        assert buckets >= 3 and reductions == 4  # 2 stages of 3-4 blocks; one average per step
+        assert started == buckets * reductions  # every bucket started during the backward, none at the step
+
+
+def test_buckets_follow_the_backward_and_keep_blocks_whole():
+    from lightning_paci.engine.grad_buckets import backward_order, plan_buckets
+
+    names = ["embed.weight", "blocks.2.a.weight", "blocks.2.a.bias", "blocks.3.weight", "blocks.4.weight",
+             "head.weight", "blocks.10.weight"]
+    order = [backward_order(n, container="blocks", blocks=range(2, 5), after=["head"]) for n in names]
+    assert order == [4, 3, 3, 2, 1, 0, 4]  # head first, then blocks 4, 3, 2, then everything else
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in names]
+    params[3] = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))  # a dtype of its own: a bucket of its own
+    buckets, first_late = plan_buckets(params, order, bucket_bytes=20, late=[0])
+    assert buckets == [[5], [4], [3], [1, 2], [6], [0]] and first_late == 5  # block 2's two tensors stay together
+    assert plan_buckets(params, order, bucket_bytes=1 << 20) == ([[5, 4], [3], [1, 2, 0, 6]], 3)

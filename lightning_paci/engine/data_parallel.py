@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_paci.engine.grad_buckets import OverlappedGradientAverage, pack_gradients, plan_buckets, write_averages
 from lightning_paci.errors import ReplicaMismatchError
 
 __all__ = ["GradientAverage", "ParameterAverage", "ReplicaMismatchError", "average_gradients", "average_parameters",
@@ -50,32 +51,9 @@ def average_gradients(params: Sequence[nn.Parameter], replicas: int,
     a flat tensor, in place). Gradients are summed, then divided by ``replicas``, as one device's mean over the
     replicas' samples is (each replica's gradient already is the mean over its own samples)."""
     for members in _buckets(params):
-        sizes = [params[i].numel() for i in members]
-        first = params[members[0]]
-        flat = torch.zeros(sum(sizes) + len(members), dtype=first.dtype, device=first.device)  # grads, then flags
-        views = flat[: sum(sizes)].split(sizes)
-        flags = flat[sum(sizes):]
-        for k, (i, view) in enumerate(zip(members, views)):
-            grad = params[i].grad
-            if grad is not None:
-                view.copy_(grad.reshape(-1))
-                flags[k] = 1
+        flat = pack_gradients(params, members)
         all_reduce(flat)
-        counts = flags.tolist()  # one host copy per bucket and step
-        for k, (i, view) in enumerate(zip(members, views)):
-            present = round(counts[k])
-            if present == 0:
-                continue
-            if present != replicas:
-                name = names[i] if names is not None else f"parameter {i}"
-                raise ReplicaMismatchError(
-                    f"{name} has a gradient on {present} of {replicas} data-parallel replicas of this stage: the "
-                    f"replicas must use the same parameters in every window (no data-dependent branches that skip "
-                    f"a parameter on some samples), as under DDP without find_unused_parameters.")
-            p = params[i]
-            if p.grad is None:
-                p.grad = torch.empty_like(p)
-            p.grad.copy_(view.view_as(p)).div_(replicas)
+        write_averages(params, members, flat, flat[flat.numel() - len(members):].tolist(), replicas, names)
 
 
 class GradientAverage:
@@ -125,14 +103,29 @@ class ParameterAverage:
 
 
 def join_replicas(runtime: Any, driver: Any, group: dist.ProcessGroup, replicas: int, replica: int, *,
-                  local_sgd_steps: int | None, last_stage: bool, names: Mapping[int, str]) -> None:
+                  local_sgd_steps: int | None, last_stage: bool, names: Mapping[int, str],
+                  bucket_bytes: int | None = None, order: Callable[[str], int] | None = None,
+                  late: Sequence[nn.Parameter] = ()) -> None:
     """Make a stage's runtime (``runtime.StageRuntime``) one of ``replicas``: its forwards draw replica ``replica``'s
     random streams, its errors name the replica, and its gradients are averaged before every local step -- or,
-    with ``local_sgd_steps``, its parameters every that many steps and at every drain of ``driver``."""
+    with ``local_sgd_steps``, its parameters every that many steps and at every drain of ``driver``.
+
+    With ``bucket_bytes`` the average runs bucket by bucket during the backward that closes each window
+    ([Note: overlapped reduction]): ``order(name)`` is when the backward finishes a parameter
+    (``grad_buckets.backward_order``), ``late`` the parameters whose gradient is complete only at the step (stage
+    0's tied weights, which the last stage's gradient joins right before it)."""
     params = [p for _, p in runtime.optimizer.pairs] if runtime.optimizer is not None else []
+    labels = [names.get(id(p), f"parameter {i}") for i, p in enumerate(params)]
+    if local_sgd_steps is None and bucket_bytes is not None and params:
+        position = [order(label) if order is not None else 0 for label in labels]
+        at_step = [i for i, p in enumerate(params) if any(p is q for q in late)]
+        buckets, first_late = plan_buckets(params, position, bucket_bytes, at_step)
+        overlapped = OverlappedGradientAverage(params, group, replicas, buckets=buckets, first_late=first_late,
+                                               names=labels)
+        runtime.join_replicas(replica, overlapped, arm=overlapped.arm)
+        return
     if local_sgd_steps is None:
-        runtime.join_replicas(replica, GradientAverage(
-            params, group, replicas, names=[names.get(id(p), f"parameter {i}") for i, p in enumerate(params)]))
+        runtime.join_replicas(replica, GradientAverage(params, group, replicas, names=labels))
         return
     runtime.join_replicas(replica, None)
     # the last stage's copy of tied weights too: at a drain it then equals stage 0's average

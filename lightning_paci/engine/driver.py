@@ -64,7 +64,8 @@ class StreamDriver:
             self._cursor = StreamCursor(self.schedule, runtime.num_stages, m, self.accumulation, runtime.stage,
                                         backward_offset=offset, tied=self.tied)
             runtime.begin_stream(_crossings(runtime, offset, self.accumulation), offset,
-                                 loss_scale_for(accumulation) if accumulation is not None else None)
+                                 loss_scale_for(accumulation) if accumulation is not None else None,
+                                 window_size=self.accumulation)
             self.calls = 0
             runtime.records.set_phase("startup")  # the new stream fills the pipeline
         for i, (part, weight) in enumerate(split_weighted(batch, m)):

@@ -239,6 +239,8 @@ class StageRuntime(RuntimeState):
             records.losses[key] = loss
 
     def _backward(self, mb: int) -> None:
+        if self.arm_reduction is not None and self.window_backwards + 1 == self.window_size:
+            self.arm_reduction()  # the OPT follows this backward: reduce each bucket as it completes
         held = self.held.pop(mb)
         self.records.activation_bytes.pop(mb, None)
         key = mb + self.microbatch_base

@@ -30,18 +30,23 @@ class RuntimeState:
         self.window_backwards = 0  # backwards accumulated since the last update (the weight prediction's known share)
         self.replica, self.replica_tag = 0, ""  # data-parallel replica (own random streams), " (replica r)" in errors
         self.reduce_gradients: Callable[[], None] | None = None  # data parallel: average over the stage's replicas
+        # data parallel, overlapped ([Note: overlapped reduction]): called before the backward that closes a window
+        self.arm_reduction: Callable[[], None] | None = None
+        self.window_size: int | None = None  # backwards per accumulation window of the current stream
         self.step_label = ""  # where the run is, for error messages ("Lightning batch 7 (global step 7)")
         # called with the new version right after every local update: the weights are then exactly that version
         # on this stage, with no other stage involved (e.g. to keep version-k weights without draining)
         self.update_hooks: list[Callable[[int], None]] = []
 
     def begin_stream(self, crossings: Callable[[int], int], window_backwards: int,
-                     loss_scale: float | None = None) -> None:
+                     loss_scale: float | None = None, *, window_size: int | None = None) -> None:
         """A stream of actions starts: ``crossings(mb)`` is how many updates micro-batch ``mb``'s forward will cross
         (the weight prediction's distance), ``window_backwards`` the backwards already in the open accumulation window,
-        ``loss_scale`` (when given) the new window's ``1 / accumulation``."""
+        ``loss_scale`` (when given) the new window's ``1 / accumulation``, ``window_size`` its backwards (an ``OPT``
+        follows the backward that completes them)."""
         if loss_scale is not None:
             self.loss_scale = loss_scale
+        self.window_size = window_size
         self.crossings = crossings
         self.window_backwards = window_backwards
 
@@ -56,11 +61,13 @@ class RuntimeState:
         """Resume a checkpoint's counters: backwards run, optimizer steps taken, where the open window began."""
         self.microbatch_base, self.version, self.window_base = backwards, steps, window_start
 
-    def join_replicas(self, replica: int, reduce_gradients: Callable[[], None] | None) -> None:
+    def join_replicas(self, replica: int, reduce_gradients: Callable[[], None] | None, *,
+                      arm: Callable[[], None] | None = None) -> None:
         """Become data-parallel replica ``replica``: its own random streams, errors naming it, and
-        ``reduce_gradients`` (an average over the stage's replicas) before every local step, if given."""
+        ``reduce_gradients`` (an average over the stage's replicas) before every local step, if given; ``arm``
+        before each backward that closes a window (the reduction then starts during it)."""
         self.replica, self.replica_tag = replica, f" (replica {replica})"
-        self.reduce_gradients = reduce_gradients
+        self.reduce_gradients, self.arm_reduction = reduce_gradients, arm
 
     def on_update(self, hook: Callable[[int], None]) -> None:
         """Call ``hook(version)`` right after every local update (the weights are then exactly that version here)."""

@@ -24,6 +24,7 @@ from lightning_paci.engine.activity import Doing, runtime_activity
 from lightning_paci.engine.comm import DistComm
 from lightning_paci.engine.data_parallel import GradientAverage, join_replicas
 from lightning_paci.engine.driver import StreamDriver
+from lightning_paci.engine.grad_buckets import OverlappedGradientAverage, backward_order
 from lightning_paci.engine.microbatch import loss_scale_for
 from lightning_paci.engine.recompute import BlockRecompute, recomputes
 from lightning_paci.engine.runtime import StageRuntime
@@ -149,9 +150,14 @@ class LocalStage:
                                    max_stream_batches=self.config.max_stream_batches,
                                    on_drain=lambda: self.fingerprint.check(self._broadcast))
         if self.links.replicas > 1:
+            plan, mb = self.plan, self.config.reduce_bucket_mb
             join_replicas(self.runtime, self.driver, self.links.replica_group, self.links.replicas,
                           self.links.replica, local_sgd_steps=self.config.local_sgd_steps, last_stage=carve.is_last,
-                          names={id(p): name for name, p in self.module.named_parameters()})
+                          names={id(p): name for name, p in self.module.named_parameters()},
+                          bucket_bytes=None if mb is None else int(mb * 2**20),
+                          order=lambda name: backward_order(name, container=plan.container,
+                                                            blocks=plan.blocks(self.index), after=plan.after),
+                          late=carve.tied_params if carve.is_first else ())
 
     def activity(self) -> Callable[[], Doing | None]:
         """What the runtime is doing, for the failure watchdog (supervision.runtime_activity)."""
@@ -186,7 +192,7 @@ class LocalStage:
         """The checkpoint's optimizer entry (see checkpoint.py): name-keyed state and the accumulation counters."""
         runtime = self.runtime
         assert runtime is not None and runtime.optimizer is not None
-        if isinstance(runtime.reduce_gradients, GradientAverage):
+        if isinstance(runtime.reduce_gradients, (GradientAverage, OverlappedGradientAverage)):
             # data parallel: an open window's gradients differ per replica until the step averages them; average
             # them now (the step's average is linear: the same update), so the one copy saved is every replica's
             runtime.reduce_gradients()

@@ -1,0 +1,193 @@
+"""Gradient buckets reduced over a stage's replicas while the backward that closes a window still runs.
+
+[Note: overlapped reduction]
+A stage's gradient for a window is final, parameter by parameter, once the window's last backward has accumulated
+into it: autograd runs a leaf's accumulation once per backward, after every use of the leaf in that backward, and
+its post-accumulate hook fires then. The runtime arms the hooks for that one backward (``arm``). The buckets hold
+whole blocks in the order the backward leaves them -- the modules after the blocks, the blocks last to first, the
+modules before them -- up to ``bucket_bytes`` each (DDP's ``bucket_cap_mb``), one dtype and device per bucket. A
+bucket starts its all-reduce as soon as every parameter in it has fired and every bucket before it has started, so
+the replicas issue the same collectives in the same order whatever their timing, while the earlier blocks' backward,
+the input gradient's send and the next actions run. The ``OPT`` (``__call__``) starts what has not started (a
+parameter without a gradient in this backward, a skipped micro-batch, the tied weights whose last-stage gradient
+arrives just before the step), waits for everything, and writes the averages back as the blocking average does
+(data_parallel.py: the replicas' sum, divided by their number, presence flags checked in one host read) -- bitwise
+equal to it for two replicas, whose sum has one order. Only the ``OPT`` waits; a bucket's launch reads nothing from
+the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_paci.errors import ReplicaMismatchError
+
+__all__ = ["OverlappedGradientAverage", "backward_order", "pack_gradients", "plan_buckets", "write_averages"]
+
+
+def pack_gradients(params: Sequence[nn.Parameter], members: Sequence[int]) -> torch.Tensor:
+    """One flat buffer of ``params[members]``' gradients (zeros where there is none), then one presence flag each:
+    ``(sum of numels + len(members),)`` in the first member's dtype, on its device."""
+    sizes = [params[i].numel() for i in members]
+    first = params[members[0]]
+    flat = torch.zeros(sum(sizes) + len(members), dtype=first.dtype, device=first.device)
+    flags = flat[sum(sizes):]
+    for k, (i, view) in enumerate(zip(members, flat[:sum(sizes)].split(sizes))):
+        grad = params[i].grad
+        if grad is not None:
+            view.copy_(grad.reshape(-1))
+            flags[k] = 1
+    return flat
+
+
+def write_averages(params: Sequence[nn.Parameter], members: Sequence[int], flat: torch.Tensor, counts: Sequence[float],
+                   replicas: int, names: Sequence[str] | None) -> None:
+    """Write a reduced bucket back: ``flat`` holds the replicas' summed gradients of ``params[members]`` then their
+    presence flags, already read as ``counts``; each gradient becomes the sum divided by ``replicas``. A parameter
+    with a gradient on some replicas only is an error naming it; one with none anywhere keeps ``grad = None``."""
+    sizes = [params[i].numel() for i in members]
+    for k, (i, view) in enumerate(zip(members, flat[:sum(sizes)].split(sizes))):
+        present = round(counts[k])
+        if present == 0:
+            continue
+        if present != replicas:
+            name = names[i] if names is not None else f"parameter {i}"
+            raise ReplicaMismatchError(
+                f"{name} has a gradient on {present} of {replicas} data-parallel replicas of this stage: the "
+                f"replicas must use the same parameters in every window (no data-dependent branches that skip "
+                f"a parameter on some samples), as under DDP without find_unused_parameters.")
+        p = params[i]
+        if p.grad is None:
+            p.grad = torch.empty_like(p)
+        p.grad.copy_(view.view_as(p)).div_(replicas)
+
+
+def backward_order(name: str, *, container: str, blocks: range, after: Sequence[str]) -> int:
+    """When the backward finishes parameter ``name`` of a stage owning ``blocks`` of ``container``: 0 for the modules
+    after the blocks (the head), 1 for the last block, ..., ``len(blocks)`` for the first, then the rest."""
+    if any(name.startswith(f"{module}.") for module in after):
+        return 0
+    prefix = f"{container}." if container else ""
+    if name.startswith(prefix):
+        index = name[len(prefix):].split(".", 1)[0]
+        if index.isdigit() and int(index) in blocks:
+            return 1 + blocks[-1] - int(index)
+    return 1 + len(blocks)
+
+
+def plan_buckets(params: Sequence[nn.Parameter], order: Sequence[int], bucket_bytes: int,
+                 late: Sequence[int] = ()) -> tuple[list[list[int]], int]:
+    """Indices of ``params`` in launch order, cut into buckets: by ``order`` (stable), a new bucket when the dtype
+    or device changes or the bucket would pass ``bucket_bytes`` (one block's parameters never straddle two buckets
+    unless the block alone passes it); the ``late`` indices (reduced only at the step) in buckets of their own, last.
+    Returns the buckets and the index of the first late one."""
+    at_step = set(late)
+    early = sorted((i for i in range(len(params)) if i not in at_step), key=lambda i: order[i])
+    buckets: list[list[int]] = []
+    first_late = 0
+    for group in (early, list(late)):
+        first_late = len(buckets)
+        current: list[int] = []
+        size = 0
+        for i in group:
+            p = params[i]
+            nbytes = p.numel() * p.element_size()
+            block_starts = not current or order[i] != order[current[-1]]
+            mismatch = current and (p.dtype, p.device) != (params[current[0]].dtype, params[current[0]].device)
+            if current and (mismatch or (block_starts and size + nbytes > bucket_bytes)):
+                buckets.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += nbytes
+        if current:
+            buckets.append(current)
+    return buckets, first_late
+
+
+class OverlappedGradientAverage:
+    """The stage's gradient average over its replicas, bucket by bucket during the window's last backward.
+
+    Args:
+        params: the stage's parameters stepped by its optimizer (the real ones, which receive the gradients).
+        group, replicas: the stage's data-parallel process group and its size.
+        buckets: ``plan_buckets``' indices; the buckets from ``first_late`` on start only at the step.
+        names: for errors. all_reduce: starts a sum over the replicas of a flat tensor in place and returns what
+            to ``wait()`` on (default: ``dist.all_reduce(..., async_op=True)`` on ``group``; the benchmarks
+            substitute an emulated slow link).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], group: Any, replicas: int, *,
+                 buckets: Sequence[Sequence[int]], first_late: int, names: Sequence[str],
+                 all_reduce: Callable[[torch.Tensor], Any] | None = None) -> None:
+        self.params = list(params)
+        self.replicas, self.names = replicas, list(names)
+        self.buckets = [list(b) for b in buckets]
+        self.first_late = first_late
+        self._all_reduce = all_reduce or (lambda flat: dist.all_reduce(flat, group=group, async_op=True))
+        self._handles: list[Any] = []
+        self._pending: list[set[int]] = []
+        self._next = 0  # the next bucket to start
+        self._started: list[tuple[list[int], torch.Tensor, Any]] = []  # (indices, flat grads + flags, work)
+        self._late_gradient: str | None = None
+        self.reductions = 0
+        self.started_in_backward = 0  # buckets started before the step, over the run (tests, benchmarks)
+
+    def arm(self) -> None:
+        """Before the backward that closes the window: start each bucket when its parameters' gradients are final."""
+        self._pending = [set(b) for b in self.buckets]
+        for b, bucket in enumerate(self.buckets[:self.first_late]):
+            for i in bucket:
+                if self.params[i].requires_grad:
+                    self._handles.append(self.params[i].register_post_accumulate_grad_hook(self._hook(b, i)))
+                else:
+                    self._pending[b].discard(i)
+        self._start_ready()
+
+    def _hook(self, bucket: int, index: int) -> Callable[[torch.Tensor], None]:
+        def accumulated(_: torch.Tensor) -> None:
+            if bucket < self._next:  # a second accumulation in one backward (a reentrant backward inside it)
+                self._late_gradient = self.names[index]
+                return
+            self._pending[bucket].discard(index)
+            self._start_ready()
+        return accumulated
+
+    def _start_ready(self) -> None:
+        while self._next < self.first_late and not self._pending[self._next]:
+            self._start(self._next)
+            self.started_in_backward += 1
+
+    def _start(self, b: int) -> None:
+        members = self.buckets[b]
+        flat = pack_gradients(self.params, members)
+        self._started.append((members, flat, self._all_reduce(flat)))
+        self._next = b + 1
+
+    def __call__(self) -> None:
+        """At the window's ``OPT``: start the rest, wait for every bucket, write the averages back."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for b in range(self._next, len(self.buckets)):
+            self._start(b)
+        started, self._started, self._next = self._started, [], 0
+        late, self._late_gradient = self._late_gradient, None
+        if late is not None:
+            raise RuntimeError(
+                f"{late} received gradient twice in the backward that closes a window (a backward run inside it, "
+                f"e.g. a reentrant torch.utils.checkpoint): its reduction over the replicas had already started. "
+                f"Use `torch.utils.checkpoint(..., use_reentrant=False)`, or `PACIStrategy(reduce_bucket_mb=None)` to "
+                f"reduce every gradient at the step.")
+        for _, _, work in started:
+            work.wait()
+        counts = torch.cat([flat[flat.numel() - len(m):] for m, flat, _ in started]).tolist()  # one host read
+        at = 0
+        for members, flat, _ in started:
+            write_averages(self.params, members, flat, counts[at:at + len(members)], self.replicas, self.names)
+            at += len(members)
+        self.reductions += 1
