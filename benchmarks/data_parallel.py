@@ -46,7 +46,7 @@ from benchmarks.harness import (
     steady_seconds,
 )
 from benchmarks.time_to_accuracy import SleepyLM, corpus, train_loader, validation_loss
-from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
+from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition, simulate_schedule
 from lightning_paci.schedules import Interval
 
 __all__ = ["data_parallel"]
@@ -118,8 +118,8 @@ def run(stages: int, replicas: int, m: int, args: argparse.Namespace, local_sgd_
 
 def _time(args: argparse.Namespace) -> list[dict[str, Any]]:
     k, per_stage = args.minibatches, args.blocks_per_stage
-    if args.interconnect_ms:  # one stage's gradient (and flags): blocks x (32 x 32 weights + 32 biases), float32
-        stage_bytes = per_stage * (32 * 32 + 32 + 2) * 4
+    stage_bytes = per_stage * (32 * 32 + 32 + 2) * 4  # one stage's gradient (and flags): blocks x Linear(32, 32)
+    if args.interconnect_ms:
         slow_link(args.interconnect_ms / 1e3 / stage_bytes)
     buckets = [None if b == "none" else float(b) for b in args.reduce_bucket_mb]
     rows: list[dict[str, Any]] = []
@@ -134,8 +134,18 @@ def _time(args: argparse.Namespace) -> list[dict[str, Any]]:
                 runs = [run(n, replicas, m, args, local_sgd, bucket_mb) for _ in range(args.repeats)]
                 steady = median([steady_seconds(intervals, m, k) for intervals, _ in runs])
                 grads = "grads, blocking" if bucket_mb is None else f"grads, {bucket_mb:g} MiB buckets"
+                predicted = None
+                if local_sgd is None:  # the simulator's link: the same lists, the blocks' costs, the reduction
+                    count = 0 if bucket_mb is None else max(1, min(per_stage, -(-stage_bytes // int(bucket_mb * 2**20
+                                                                                                       or 1))))
+                    simulated = simulate_schedule(
+                        build_schedule("paci", n, m, m, k), forward_cost=per_stage * args.forward_ms,
+                        backward_cost=per_stage * args.backward_ms,
+                        reduce_cost=args.interconnect_ms if replicas > 1 else 0.0, reduce_buckets=count)
+                    stage0 = [iv for iv in simulated.intervals if iv.stage == 0]
+                    predicted = limit * 1e3 / steady_seconds([stage0], m, k)
                 rows.append({"shape": f"{n} x {replicas}", "m": m, "local_sgd_steps": local_sgd,
-                             "reduce_bucket_mb": bucket_mb,
+                             "reduce_bucket_mb": bucket_mb, "predicted_efficiency": predicted,
                              "reduction": "-" if replicas == 1 else (f"LocalSGD k={local_sgd}" if local_sgd
                                                                      else grads),
                              "steady_efficiency": limit / steady, "train_loss": runs[-1][1],
@@ -146,6 +156,7 @@ def _time(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"{args.backward_ms:g} ms, {per_stage} blocks per stage, {args.microbatch_size} samples per "
                 f"micro-batch, link {args.interconnect_ms:g} ms per stage gradient, median of {args.repeats}",
                 rows, [("shape", "s"), ("m", "d"), ("reduction", "s"), ("steady_efficiency", ".3f"),
+                       ("predicted_efficiency", ".3f"),
                        ("samples_per_s", ".1f"), ("vs_first", ".2f"), ("train_loss", ".4f")])
     return rows
 

@@ -154,3 +154,16 @@ def test_a_package_run_with_dash_m_that_imports_lightning_paci_gets_the_strategy
     out = subprocess.run([sys.executable, "-m", "pkg.train"], capture_output=True, text=True, cwd=tmp_path,
                          check=True)
     assert out.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("buckets,wait", [(0, 3.0), (1, 3.0), (2, 2.0), (4, 1.5)])
+def test_the_reduction_on_the_link_delays_each_step_by_what_the_backward_did_not_hide(buckets, wait):
+    # a = m = 4, F = 1, B = 2, the whole gradient 3 on the link: blocking (0 buckets) or one bucket at the end of
+    # the backward waits 3 per update; with k buckets bucket i leaves at (i + 1) / k of the backward and takes 3 / k,
+    # so the step waits 3 / k + 3 (k - 1) / k - 2 (k - 1) / k = 2 (k = 2), 1.5 (k = 4): the steady period per
+    # mini-batch is m (F + B) + wait on every stage
+    m, k = 4, 6
+    result = simulate_schedule(build_schedule("paci", 2, m, m, k), forward_cost=1.0, backward_cost=2.0,
+                               reduce_cost=3.0, reduce_buckets=buckets)
+    starts = {iv.microbatch: iv.start for iv in result.intervals if iv.stage == 0 and iv.kind == "F"}
+    assert starts[(k - 1) * m] - starts[m] == pytest.approx((k - 2) * (m * 3.0 + wait))

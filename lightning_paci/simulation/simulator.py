@@ -137,14 +137,24 @@ def simulate_schedule(
     backward_cost: float | Sequence[float] = 2.0,
     comm_cost: float = 0.0,
     optimizer_cost: float = 0.0,
+    reduce_cost: float = 0.0,
+    reduce_buckets: int = 0,
 ) -> SimulationResult:
-    """Run the schedule's lists on a virtual clock. Costs may be per stage (unbalanced partitions)."""
+    """Run the schedule's lists on a virtual clock. Costs may be per stage (unbalanced partitions).
+
+    ``reduce_cost``: the time a stage's whole gradient takes on its replicas' link, each ``OPT`` waits for its
+    reduction. With ``reduce_buckets = 0`` the reduction starts at the ``OPT`` (the blocking average); with ``k``
+    buckets ([Note: overlapped reduction]) the backward before the ``OPT`` releases bucket ``i`` after ``(i + 1) / k``
+    of its cost, and the link carries the buckets one after the other, ``reduce_cost / k`` each."""
     n = schedule.num_stages
     fwd = _per_stage("forward_cost", forward_cost, n)
     bwd = _per_stage("backward_cost", backward_cost, n)
     if comm_cost < 0 or optimizer_cost < 0:
         raise ValueError(f"`comm_cost` and `optimizer_cost` must be >= 0, got {comm_cost} and {optimizer_cost}.")
+    if reduce_cost < 0 or reduce_buckets < 0:
+        raise ValueError(f"`reduce_cost` and `reduce_buckets` must be >= 0, got {reduce_cost} and {reduce_buckets}.")
     lists = schedule.actions
+    last_backward = [0.0] * n  # when each stage's latest backward started (its reduction's buckets follow it)
     clock = [0.0] * n
     # Hot loop: one persistent iterator per stage (a blocked RECV is kept in `pending`), and only the start time
     # of each compute action is recorded; kinds and costs are re-read from the list afterwards.
@@ -174,6 +184,7 @@ def simulate_schedule(
                 now += f_cost
             elif kind is k_b:
                 record(now)
+                last_backward[s] = now
                 now += b_cost
             elif kind is k_send_f:
                 key = (action[2] * n + s + 1) * 2  # type: ignore[operator]
@@ -186,6 +197,8 @@ def simulate_schedule(
                 if key in waiting:
                     ready.append(waiting.pop(key))
             elif kind is k_opt:
+                if reduce_cost:
+                    now = _reduced(now, last_backward[s], b_cost, reduce_cost, reduce_buckets)
                 record(now)
                 now += optimizer_cost
             elif kind is k_recv_f or kind is k_recv_b:
@@ -224,6 +237,16 @@ def simulate_schedule(
     return SimulationResult(schedule=schedule, stages=reports, makespan=makespan,
                             throughput=schedule.total_microbatches / makespan if makespan else 0.0,
                             _starts=starts, _costs=(fwd, bwd, optimizer_cost))
+
+
+def _reduced(now: float, backward_start: float, backward_cost: float, cost: float, buckets: int) -> float:
+    """When an ``OPT`` reached at ``now`` may run: after its gradient's reduction (see ``simulate_schedule``)."""
+    if not buckets:
+        return now + cost
+    done = backward_start
+    for i in range(buckets):
+        done = max(done, backward_start + backward_cost * (i + 1) / buckets) + cost / buckets
+    return max(now, done)
 
 
 def _phases(starts: list[float], ends: list[float], t0: float, t_end: float, num_minibatches: int,
@@ -356,6 +379,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backward-cost", type=_costs, default=2.0, help="B cost, or comma-separated per stage")
     parser.add_argument("--comm-cost", type=float, default=0.0, help="cost of one message")
     parser.add_argument("--optimizer-cost", type=float, default=0.0, help="cost of one optimizer step")
+    parser.add_argument("--reduce-cost", type=float, default=0.0,
+                        help="data parallel: a stage's whole gradient on its replicas' link, waited for by each OPT")
+    parser.add_argument("--reduce-buckets", type=int, default=0,
+                        help="buckets released during the backward before each OPT (0: the reduction starts there)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--timeline", metavar="PNG", help="draw a Gantt chart of the run to this PNG file")
     args = parser.parse_args(argv)
@@ -363,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedule = build_schedule(args.schedule, args.stages, args.microbatches,
                          args.accumulation if args.accumulation is not None else args.microbatches, args.minibatches)
         result = simulate_schedule(schedule, forward_cost=args.forward_cost, backward_cost=args.backward_cost,
-                          comm_cost=args.comm_cost, optimizer_cost=args.optimizer_cost)
+                          comm_cost=args.comm_cost, optimizer_cost=args.optimizer_cost,
+                          reduce_cost=args.reduce_cost, reduce_buckets=args.reduce_buckets)
     except (ValueError, TypeError) as err:
         parser.error(str(err))
     print(json.dumps(result.to_json()) if args.json else format_table(result))
