@@ -82,6 +82,10 @@ class PACIConfig:
         local_sgd_steps: with replicas, average the replicas' parameters every this many local steps of a stage
             (and at every drain) instead of their gradients before every step (LocalSGD, as Accelerate's): fewer
             collectives for a slow interconnect, at some loss per sample (benchmarks/RESULTS.md).
+        dp_shard: ``"none"`` (default) or ``"optimizer"``: with replicas, each replica of a stage updates -- and
+            keeps the optimizer state of -- about ``1 / replicas`` of the stage's tensors and sends them to the others
+            after each step (ZeRO stage 1, [Note: optimizer shards] in engine/optimizer_shards.py); bit for bit the
+            unsharded run for per-tensor optimizers (SGD, Adam, AdamW); checkpoints hold the whole state.
         reduce_bucket_mb: with replicas (and without ``local_sgd_steps``), the gradients are averaged in buckets of
             whole blocks of about this many MiB (DDP's ``bucket_cap_mb``), each started while the backward that
             closes the window still runs the blocks before it; the step waits only for what is still in flight
@@ -126,6 +130,7 @@ class PACIConfig:
     data_parallel_size: int | Literal["auto"] = "auto"
     local_sgd_steps: int | None = None
     reduce_bucket_mb: float | None = 25.0
+    dp_shard: Literal["none", "optimizer"] = "none"
     recompute: Literal["off", "blocks"] = "off"
     recompute_stages: int | None = None
     model_init: Literal["stage", "full"] = "stage"
@@ -160,6 +165,10 @@ class PACIConfig:
             raise ValueError(f"`reduce_bucket_mb` must be > 0 MiB or None, got {self.reduce_bucket_mb!r}. The default "
                              f"25.0 reduces the gradients in buckets of about 25 MiB during the backward; None reduces "
                              f"them all at the step.")
+        _choice("dp_shard", self.dp_shard, ("none", "optimizer"))
+        if self.dp_shard == "optimizer" and self.local_sgd_steps is not None:
+            raise ValueError(f"`dp_shard='optimizer'` shards one optimizer state over replicas that step together; "
+                             f"`local_sgd_steps={self.local_sgd_steps}` keeps one state per replica. Drop one of them.")
         _choice("recompute", self.recompute, RECOMPUTE_MODES)
         _positive_int("recompute_stages", self.recompute_stages, "Recompute on the first k stages, e.g. "
                       "`recompute_stages=2`; None (default) recomputes on every stage.", optional=True)

@@ -134,6 +134,7 @@ class PACIStrategy(ParallelStrategy):
         data_parallel_size: int | Literal["auto"] = "auto",
         local_sgd_steps: int | None = None,
         reduce_bucket_mb: float | None = 25.0,
+        dp_shard: Literal["none", "optimizer"] = "none",
         recompute: Literal["off", "blocks"] = "off",
         recompute_stages: int | None = None,
         model_init: Literal["stage", "full"] = "stage",

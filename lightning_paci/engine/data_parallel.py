@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_paci.engine.grad_buckets import OverlappedGradientAverage, pack_gradients, plan_buckets, write_averages
+from lightning_paci.engine.optimizer_shards import OptimizerShards
 from lightning_paci.errors import ReplicaMismatchError
 
 __all__ = ["GradientAverage", "ParameterAverage", "ReplicaMismatchError", "average_gradients", "average_parameters",
@@ -105,7 +106,7 @@ class ParameterAverage:
 def join_replicas(runtime: Any, driver: Any, group: dist.ProcessGroup, replicas: int, replica: int, *,
                   local_sgd_steps: int | None, last_stage: bool, names: Mapping[int, str],
                   bucket_bytes: int | None = None, order: Callable[[str], int] | None = None,
-                  late: Sequence[nn.Parameter] = ()) -> None:
+                  late: Sequence[nn.Parameter] = (), shard_optimizer: bool = False) -> OptimizerShards | None:
     """Make a stage's runtime (``runtime.StageRuntime``) one of ``replicas``: its forwards draw replica ``replica``'s
     random streams, its errors name the replica, and its gradients are averaged before every local step -- or,
     with ``local_sgd_steps``, its parameters every that many steps and at every drain of ``driver``.
@@ -113,9 +114,15 @@ def join_replicas(runtime: Any, driver: Any, group: dist.ProcessGroup, replicas:
     With ``bucket_bytes`` the average runs bucket by bucket during the backward that closes each window
     ([Note: overlapped reduction]): ``order(name)`` is when the backward finishes a parameter
     (``grad_buckets.backward_order``), ``late`` the parameters whose gradient is complete only at the step (stage
-    0's tied weights, which the last stage's gradient joins right before it)."""
+    0's tied weights, which the last stage's gradient joins right before it). With ``shard_optimizer`` each replica
+    updates its share of the parameters ([Note: optimizer shards]); the shards are returned.
+    """
     params = [p for _, p in runtime.optimizer.pairs] if runtime.optimizer is not None else []
     labels = [names.get(id(p), f"parameter {i}") for i, p in enumerate(params)]
+    shards = None
+    if shard_optimizer and runtime.optimizer is not None and local_sgd_steps is None:
+        shards = OptimizerShards(params, replica, replicas, group)
+        runtime.optimizer.shard(shards.owned, shards.share)
     if local_sgd_steps is None and bucket_bytes is not None and params:
         position = [order(label) if order is not None else 0 for label in labels]
         at_step = [i for i, p in enumerate(params) if any(p is q for q in late)]
@@ -123,10 +130,10 @@ def join_replicas(runtime: Any, driver: Any, group: dist.ProcessGroup, replicas:
         overlapped = OverlappedGradientAverage(params, group, replicas, buckets=buckets, first_late=first_late,
                                                names=labels)
         runtime.join_replicas(replica, overlapped, arm=overlapped.arm)
-        return
+        return shards
     if local_sgd_steps is None:
         runtime.join_replicas(replica, GradientAverage(params, group, replicas, names=labels))
-        return
+        return shards
     runtime.join_replicas(replica, None)
     # the last stage's copy of tied weights too: at a drain it then equals stage 0's average
     average = ParameterAverage(params + (list(runtime.tied) if last_stage else []), group, replicas,
@@ -140,3 +147,4 @@ def join_replicas(runtime: Any, driver: Any, group: dist.ProcessGroup, replicas:
         average.sync()
 
     driver.on_drain = on_drain
+    return None

@@ -276,11 +276,15 @@ class PipelineCheckpoints:
         return gather_to_first(local, self.replicas, self.group) or {}
 
     def optimizer_state(self, optimizer: StageOptimizer, module: nn.Module, *, backwards: int, steps: int,
-                        replicas: Sequence[nn.Parameter] = (), window_start: int = 0) -> dict[str, Any]:
-        """Every stage's optimizer state keyed by parameter name, with the accumulation counters (module docstring)."""
+                        replicas: Sequence[nn.Parameter] = (), window_start: int = 0,
+                        merge: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Every stage's optimizer state keyed by parameter name, with the accumulation counters (module docstring);
+        ``merge``: makes the stage's whole state from this replica's share ([Note: optimizer shards])."""
         counters = {"num_stages": self.num_stages, "backwards": backwards, "steps": steps,
                     "window_start": window_start}
         local = stage_optimizer_state(optimizer, module, replicas)
+        if merge is not None:
+            local = merge(local)
         if self.layout == "sharded":
             return {"paci": {**counters, "params": local}}
         params = gather_to_first(local, self.replicas, self.group)

@@ -13,6 +13,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from lightning_paci.engine.data_parallel import GradientAverage, join_replicas
 from lightning_paci.engine.driver import StreamDriver
 from lightning_paci.engine.grad_buckets import OverlappedGradientAverage, backward_order
 from lightning_paci.engine.microbatch import loss_scale_for
+from lightning_paci.engine.optimizer_shards import OptimizerShards, merge_replica_states
 from lightning_paci.engine.recompute import BlockRecompute, recomputes
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.integration.checkpoint import PipelineCheckpoints, cpu_state, gather_everywhere
@@ -100,6 +102,7 @@ class LocalStage:
         self.fingerprint = BatchFingerprint(carve.stage)
         self._broadcast = broadcast
         self._resumed_gradients: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._shards: OptimizerShards | None = None  # dp_shard="optimizer": this replica's share of the updates
         self.hooks: LightningHooks | None = None
         self.relays: RelayPlan | None = None  # values relayed past stage boundaries, found once at setup
         self._recompute = BlockRecompute(module.get_submodule(plan.container), plan.blocks(carve.stage)) \
@@ -137,11 +140,14 @@ class LocalStage:
                                          before_step=hooks.before_step if hooks else None, exclude=self._replicas)
         program = LightningStageProgram(self.module, carve, context=train_context)
         warn = rank_zero_warn if self.config.schedule == "paci" else None  # flush schedules have no drift at a = m
+        prediction = weight_prediction_for(self.config.compensation, optimizer, stage_optimizer.pairs, warn=warn)
+        if prediction is not None and self.config.dp_shard == "optimizer" and self.links.replicas > 1:
+            _refuse_or_warn_prediction_when_sharded(self.config.compensation, warn)
+            prediction = None
         self.runtime = StageRuntime(self.index, self.plan.num_stages, program, self.links.connect(), stage_optimizer,
                                     loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
                                     skip_nonfinite=self.config.nonfinite == "skip", hooks=hooks,
-                                    prediction=weight_prediction_for(self.config.compensation, optimizer,
-                                                            stage_optimizer.pairs, warn=warn))
+                                    prediction=prediction)
         costly = costly_regime(optimizer, schedulers) if warn is not None and self.runtime.prediction else None
         if costly is not None:
             warn(costly)  # type: ignore[misc]
@@ -151,13 +157,14 @@ class LocalStage:
                                    on_drain=lambda: self.fingerprint.check(self._broadcast))
         if self.links.replicas > 1:
             plan, mb = self.plan, self.config.reduce_bucket_mb
-            join_replicas(self.runtime, self.driver, self.links.replica_group, self.links.replicas,
+            self._shards = join_replicas(self.runtime, self.driver, self.links.replica_group, self.links.replicas,
                           self.links.replica, local_sgd_steps=self.config.local_sgd_steps, last_stage=carve.is_last,
                           names={id(p): name for name, p in self.module.named_parameters()},
                           bucket_bytes=None if mb is None else int(mb * 2**20),
                           order=lambda name: backward_order(name, container=plan.container,
                                                             blocks=plan.blocks(self.index), after=plan.after),
-                          late=carve.tied_params if carve.is_first else ())
+                          late=carve.tied_params if carve.is_first else (),
+                          shard_optimizer=self.config.dp_shard == "optimizer")
 
     def activity(self) -> Callable[[], Doing | None]:
         """What the runtime is doing, for the failure watchdog (supervision.runtime_activity)."""
@@ -196,9 +203,14 @@ class LocalStage:
             # data parallel: an open window's gradients differ per replica until the step averages them; average
             # them now (the step's average is linear: the same update), so the one copy saved is every replica's
             runtime.reduce_gradients()
+        merge = None
+        if self._shards is not None:  # the stage's whole state, from its replicas' shares
+            shards, names = self._shards, {id(p): n for n, p in self.module.named_parameters()}
+            owned = [names[id(p)] for _, p in runtime.optimizer.pairs if id(p) in shards.owned]
+            merge = partial(merge_replica_states, owned=owned, group=self.links.replica_group)
         entry = checkpoints.optimizer_state(runtime.optimizer, self.module, backwards=runtime.microbatch_base,
                                             steps=runtime.version, replicas=self._replicas,
-                                            window_start=runtime.window_base)
+                                            window_start=runtime.window_base, merge=merge)
         if self.layout is not None and checkpoints.layout == "consolidated" and entry:  # rank 0: every stage's
             entry.update(self.layout.to_torch(entry["paci"]["params"]))
         return entry
@@ -210,6 +222,8 @@ class LocalStage:
         if self.layout is not None:
             checkpoint = self.layout.as_pipeline_checkpoint(checkpoint, self.accumulation)
         resumed = checkpoints.load_optimizer_state(checkpoint, runtime.optimizer, self.module, self._replicas)
+        if self._shards is not None:  # keep only this replica's share of the loaded state
+            runtime.optimizer.shard(self._shards.owned, self._shards.share)
         runtime.restore(backwards=resumed.backwards, steps=resumed.steps, window_start=resumed.window_start)
         self._resumed_gradients = resumed.gradients
         if resumed.num_stages != self.plan.num_stages:
@@ -244,3 +258,16 @@ class LocalStage:
         if self._recompute is not None:
             self._recompute.remove()
         self.carve.restore(self.module, full, materialize=materialize)
+
+
+def _refuse_or_warn_prediction_when_sharded(compensation: str, warn: Callable[[str], None] | None) -> None:
+    """The weight prediction reads every tensor's optimizer state, which ``dp_shard="optimizer"`` leaves on one
+    replica each: ``"predict"`` is refused, ``"auto"`` trains uncompensated and says so."""
+    rule = ("the weight prediction of `compensation` reads every tensor's optimizer state, and `dp_shard='optimizer'` "
+            "keeps each tensor's state on one replica")
+    if compensation == "predict":
+        raise ValueError(f"`compensation='predict'` with `dp_shard='optimizer'`: {rule}. Pass `compensation='none'` "
+                         f"or `dp_shard='none'`.")
+    if warn is not None:
+        warn(f"lightning_paci: no staleness compensation for this run: {rule}. Pass `compensation='none'` to "
+             f"silence this warning, or `dp_shard='none'` to compensate.")

@@ -90,6 +90,20 @@ class StageOptimizer:
             group["params"] = aliases
         if optimizer.state:
             raise ValueError("The optimizer already has state; build it fresh in `configure_optimizers`.")
+        self._owned: set[int] | None = None  # sharded over replicas: ids of the parameters this replica updates
+        self._share: Callable[[], None] | None = None
+
+    def shard(self, owned: set[int], share: Callable[[], None]) -> None:
+        """Update only the parameters whose ids are in ``owned`` (the others' gradients are hidden from the
+        optimizer, which then keeps no state for them) and call ``share`` after each update to receive the rest
+        ([Note: optimizer shards] in engine/optimizer_shards.py)."""
+        self._owned, self._share = owned, share
+        for alias, p in self.pairs:
+            if id(p) not in owned:
+                self.optimizer.state.pop(alias, None)
+
+    def _steps(self, p: nn.Parameter) -> bool:
+        return self._owned is None or id(p) in self._owned
 
     def nonfinite(self, extra: Sequence[torch.Tensor] = (), flags: Sequence[torch.Tensor] = ()) -> bool:
         """Whether a gradient (the parameters' or ``extra``) holds a NaN or inf or a 0-dim bool in ``flags`` is
@@ -124,9 +138,22 @@ class StageOptimizer:
             alias.grad = p.grad
         if self.before_step is not None:
             self.before_step(self.optimizer)
+        if self._owned is not None:
+            for alias, p in self.pairs:
+                if id(p) not in self._owned:
+                    alias.grad = None
+        before = {i: p.detach().clone() for i, (_, p) in enumerate(self.pairs)
+                  if measure and p.grad is not None and not self._steps(p)}  # updated by their owners
         squares = self._step_measuring() if measure else None
         if not measure:
             self.optimizer.step()
+        if self._share is not None:
+            self._share()
+        if squares is not None:
+            for i, old in before.items():
+                new = self.pairs[i][1].detach()
+                squares[i, 0] = (new - old).float().pow(2).sum()
+                squares[i, 1] = new.float().pow(2).sum()
         for scheduler in self.schedulers:
             scheduler.step()
         for alias, p in self.pairs:
@@ -139,7 +166,7 @@ class StageOptimizer:
         for alias, _ in self.pairs:
             alias.grad = None
         for alias, p in self.pairs:
-            if p.grad is None:  # the optimizer skips parameters without a gradient
+            if p.grad is None or not self._steps(p):  # skipped without a gradient; another replica's to update
                 squares.append((None, p.detach().float().pow(2).sum()))
                 continue
             before = p.detach().clone()  # the one transient copy
