@@ -11,8 +11,9 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import fit
 from lightning_paci.engine.optimizer_shards import optimizer_state_bytes, partition_tensors
+
+from helpers import fit
 from models import SequentialMLP, regression_loader
 
 pytestmark = pytest.mark.distributed
