@@ -13,6 +13,8 @@ the bytes of every message.
   block saves for one micro-batch, needed again while a recomputing stage runs that block's backward. ``--time``
   adds steady micro-batches per second on the emulated cluster (2 blocks of 10/20 ms per stage, paci, through the
   Trainer): the recomputation pays the forward again in every backward, (F + B + F) / (F + B) = 1.33 for B = 2F.
+* ``optimizer``: the optimizer-state bytes (AdamW) of every rank of the main example's GPT-2 at 2 stages x D
+  replicas, with the state whole on every replica and sharded (``dp_shard="optimizer"``), after a few steps.
 * ``messages``: the main example's (examples/train_gpt.py's GPT-2) activation and gradient messages per stage and
   their framed size (header: the pickled structure with the tensors taken out, plus the tensors' bytes), counted
   on every rank over a few training steps.
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from benchmarks.harness import Benchmark, median, print_table, run_emulated, steady_seconds
 from benchmarks.time_to_accuracy import CONTEXT, GLOBAL_BATCH, SleepyLM
 from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
+from lightning_paci.engine.optimizer_shards import optimizer_state_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -187,7 +190,49 @@ def messages(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-MEASURES = {"host": host, "activations": activations, "messages": messages}
+class _StateBytes(L.Callback):
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy: Any = trainer.strategy
+        record = {"stage": strategy.stage_index, "replica": strategy.replica_index,
+                  "bytes": optimizer_state_bytes(strategy.runtime.optimizer.optimizer)}
+        (self.directory / f"state{dist.get_rank()}.json").write_text(json.dumps(record))
+
+
+def optimizer(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Optimizer-state bytes per rank of examples/train_gpt.py's model, 2 stages x D replicas, whole or sharded."""
+    rows = []
+    for replicas in args.replicas:
+        for dp_shard in ("none", "optimizer"):
+            torch.manual_seed(0)
+            loader = torch.utils.data.DataLoader(ByteBlocks(stdlib_corpus(400_000), 128), batch_size=8,
+                                                 drop_last=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                trainer = L.Trainer(
+                    strategy=PACIStrategy(start_method="fork", microbatches=2, pipeline_parallel_size=2,
+                                          dp_shard=dp_shard, compensation="none"),
+                    accelerator="cpu", devices=2 * replicas, max_steps=args.steps, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    limit_val_batches=0, use_distributed_sampler=True, callbacks=[_StateBytes(Path(tmp))])
+                trainer.fit(GPT(), loader)
+                records = [json.loads(p.read_text()) for p in Path(tmp).glob("state*.json")]
+            for stage in range(2):
+                per_rank = [r["bytes"] for r in records if r["stage"] == stage]
+                rows.append({"replicas": replicas, "dp_shard": dp_shard, "stage": stage, "max_bytes": max(per_rank),
+                             "min_bytes": min(per_rank), "sum_bytes": sum(per_rank)})
+    for row in rows:
+        whole = next(r for r in rows if r["replicas"] == row["replicas"] and r["stage"] == row["stage"]
+                     and r["dp_shard"] == "none")
+        row["max_vs_whole"] = row["max_bytes"] / whole["max_bytes"]
+    print_table(f"examples/train_gpt.py's GPT-2 (AdamW), 2 stages x D replicas, {args.steps} steps: optimizer-state "
+                f"bytes per rank", rows, [("replicas", "d"), ("dp_shard", "s"), ("stage", "d"), ("max_bytes", "d"),
+                                          ("min_bytes", "d"), ("sum_bytes", "d"), ("max_vs_whole", ".3f")])
+    return rows
+
+
+MEASURES = {"host": host, "activations": activations, "optimizer": optimizer, "messages": messages}
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
@@ -198,7 +243,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time", action="store_true", help="activations: also the recomputation's time")
     parser.add_argument("--time-stages", type=int, nargs="+", default=[4, 8], help="--time: emulated stages")
     parser.add_argument("--repeats", type=int, default=2, help="--time: alternating runs; the median is reported")
-    parser.add_argument("--steps", type=int, default=2, help="messages: training steps")
+    parser.add_argument("--steps", type=int, default=2, help="messages, optimizer: training steps")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4], help="optimizer: data-parallel replicas")
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
