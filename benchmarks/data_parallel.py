@@ -8,7 +8,8 @@ processes cost. Throughput is stage 0 of replica 0's steady window (mini-batches
 drain); steady efficiency is the bubble-free limit over that time. ``--interconnect-ms`` emulates a slow link: a
 stage's whole gradient takes that long on it, each reduction its share by bytes, one after the other, completing in
 the background (what waits is the ``wait()`` on it, as on a real network); ``--reduce-bucket-mb`` compares the
-blocking average at the step (``none``) with buckets started during the backward (``PACIStrategy(reduce_bucket_mb=)``);
+blocking average at the step (``none``) with buckets started during the backward (``PACIStrategy(reduce_bucket_mb=)``),
+``--deferred`` adds each bucket size with the update made before the next backward (``deferred_update=True``);
 ``--local-sgd-steps k`` adds runs that average parameters every k steps instead of gradients every step
 (``PACIStrategy(local_sgd_steps=k)``).
 
@@ -98,7 +99,7 @@ def slow_link(seconds_per_byte: float) -> None:
 
 
 def run(stages: int, replicas: int, m: int, args: argparse.Namespace, local_sgd_steps: int | None,
-        bucket_mb: float | None = 25.0) -> tuple[list[list[Interval]], float]:
+        bucket_mb: float | None = 25.0, deferred: bool = False) -> tuple[list[list[Interval]], float]:
     """Train ``--minibatches`` batches per replica: every stage's intervals of replica 0, the last training loss."""
     k = args.minibatches
     torch.manual_seed(0)
@@ -107,7 +108,8 @@ def run(stages: int, replicas: int, m: int, args: argparse.Namespace, local_sgd_
         trainer = L.Trainer(
             strategy=PACIStrategy(schedule="paci", microbatches=m, pipeline_parallel_size=stages, start_method="fork",
                                   timeout=timedelta(seconds=120), partition="parameters",
-                                  local_sgd_steps=local_sgd_steps, reduce_bucket_mb=bucket_mb),
+                                  local_sgd_steps=local_sgd_steps, reduce_bucket_mb=bucket_mb,
+                                  deferred_update=deferred),
             accelerator="cpu", devices=stages * replicas, max_steps=k, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
             use_distributed_sampler=True, callbacks=[OneThread(), _DumpReplicaIntervals(Path(tmp))])
@@ -126,14 +128,19 @@ def _time(args: argparse.Namespace) -> list[dict[str, Any]]:
     for n in args.stages:
         for m in args.microbatches:
             limit = (k - 2) * m * per_stage * (args.forward_ms + args.backward_ms) / 1e3  # bubble-free steady s
-            configs: list[tuple[int, int | None, float | None]] = [(1, None, None)] if 1 in args.replicas else []
-            configs += [(r, None, b) for r in args.replicas if r > 1 for b in buckets]
-            configs += [(r, s, None) for r in args.replicas if r > 1 for s in args.local_sgd_steps]
+            # (replicas, LocalSGD steps, bucket MiB, deferred update)
+            configs: list[tuple[int, int | None, float | None, bool]] = \
+                [(1, None, None, False)] if 1 in args.replicas else []
+            configs += [(r, None, b, False) for r in args.replicas if r > 1 for b in buckets]
+            configs += [(r, None, b, True) for r in args.replicas if r > 1 and args.deferred for b in buckets
+                        if b is not None]
+            configs += [(r, s, None, False) for r in args.replicas if r > 1 for s in args.local_sgd_steps]
             first = len(rows)
-            for replicas, local_sgd, bucket_mb in configs:
-                runs = [run(n, replicas, m, args, local_sgd, bucket_mb) for _ in range(args.repeats)]
+            for replicas, local_sgd, bucket_mb, deferred in configs:
+                runs = [run(n, replicas, m, args, local_sgd, bucket_mb, deferred) for _ in range(args.repeats)]
                 steady = median([steady_seconds(intervals, m, k) for intervals, _ in runs])
                 grads = "grads, blocking" if bucket_mb is None else f"grads, {bucket_mb:g} MiB buckets"
+                grads += ", deferred" if deferred else ""
                 predicted = None
                 if local_sgd is None:  # the simulator's link: the same lists, the blocks' costs, the reduction
                     count = 0 if bucket_mb is None else max(1, min(per_stage, -(-stage_bytes // int(bucket_mb * 2**20
@@ -141,11 +148,12 @@ def _time(args: argparse.Namespace) -> list[dict[str, Any]]:
                     simulated = simulate_schedule(
                         build_schedule("paci", n, m, m, k), forward_cost=per_stage * args.forward_ms,
                         backward_cost=per_stage * args.backward_ms,
-                        reduce_cost=args.interconnect_ms if replicas > 1 else 0.0, reduce_buckets=count)
+                        reduce_cost=args.interconnect_ms if replicas > 1 else 0.0, reduce_buckets=count,
+                        deferred=deferred)
                     stage0 = [iv for iv in simulated.intervals if iv.stage == 0]
                     predicted = limit * 1e3 / steady_seconds([stage0], m, k)
                 rows.append({"shape": f"{n} x {replicas}", "m": m, "local_sgd_steps": local_sgd,
-                             "reduce_bucket_mb": bucket_mb, "predicted_efficiency": predicted,
+                             "reduce_bucket_mb": bucket_mb, "deferred": deferred, "predicted_efficiency": predicted,
                              "reduction": "-" if replicas == 1 else (f"LocalSGD k={local_sgd}" if local_sgd
                                                                      else grads),
                              "steady_efficiency": limit / steady, "train_loss": runs[-1][1],
@@ -199,6 +207,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
                         help="emulated link: ms for one stage's whole gradient (each reduction its share by bytes)")
     parser.add_argument("--reduce-bucket-mb", nargs="+", default=["25"],
                         help="PACIStrategy(reduce_bucket_mb=) of the gradient runs: MiB, or none (blocking)")
+    parser.add_argument("--deferred", action="store_true",
+                        help="also run each bucket size with PACIStrategy(deferred_update=True)")
     parser.add_argument("--local-sgd-steps", type=int, nargs="*", default=[], help="also run LocalSGD with these k")
     parser.add_argument("--quality", action="store_true", help="loss per sample instead of time (one process)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="--quality")

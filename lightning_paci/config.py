@@ -82,6 +82,10 @@ class PACIConfig:
         local_sgd_steps: with replicas, average the replicas' parameters every this many local steps of a stage
             (and at every drain) instead of their gradients before every step (LocalSGD, as Accelerate's): fewer
             collectives for a slow interconnect, at some loss per sample (benchmarks/RESULTS.md).
+        deferred_update: with replicas under ``"paci"``, an ``OPT`` only starts what is left of its reduction and
+            the update is made right before the stage's next backward, so the forward in between hides the
+            reduction; those micro-batches cross one more update (the drift bound read off the list, at most one
+            more than PACI's; [Note: deferred update] in engine/runtime.py). Default False.
         dp_shard: ``"none"`` (default) or ``"optimizer"``: with replicas, each replica of a stage updates -- and
             keeps the optimizer state of -- about ``1 / replicas`` of the stage's tensors and sends them to the others
             after each step (ZeRO stage 1, [Note: optimizer shards] in engine/optimizer_shards.py); bit for bit the
@@ -131,6 +135,7 @@ class PACIConfig:
     local_sgd_steps: int | None = None
     reduce_bucket_mb: float | None = 25.0
     dp_shard: Literal["none", "optimizer"] = "none"
+    deferred_update: bool = False
     recompute: Literal["off", "blocks"] = "off"
     recompute_stages: int | None = None
     model_init: Literal["stage", "full"] = "stage"
@@ -165,6 +170,15 @@ class PACIConfig:
             raise ValueError(f"`reduce_bucket_mb` must be > 0 MiB or None, got {self.reduce_bucket_mb!r}. The default "
                              f"25.0 reduces the gradients in buckets of about 25 MiB during the backward; None reduces "
                              f"them all at the step.")
+        if not isinstance(self.deferred_update, bool):
+            raise ValueError(f"`deferred_update` must be True or False, got {self.deferred_update!r}.")
+        if self.deferred_update and (self.schedule != "paci" or self.local_sgd_steps is not None
+                                     or self.reduce_bucket_mb is None):
+            raise ValueError(
+                f"`deferred_update=True` defers PACI's update while the replicas' gradient reduction completes; it "
+                f"needs `schedule='paci'` (got {self.schedule!r}), `local_sgd_steps=None` (got "
+                f"{self.local_sgd_steps!r}) and a `reduce_bucket_mb` (got {self.reduce_bucket_mb!r}). Drop "
+                f"`deferred_update` or change those.")
         _choice("dp_shard", self.dp_shard, ("none", "optimizer"))
         if self.dp_shard == "optimizer" and self.local_sgd_steps is not None:
             raise ValueError(f"`dp_shard='optimizer'` shards one optimizer state over replicas that step together; "

@@ -135,6 +135,7 @@ class PACIStrategy(ParallelStrategy):
         local_sgd_steps: int | None = None,
         reduce_bucket_mb: float | None = 25.0,
         dp_shard: Literal["none", "optimizer"] = "none",
+        deferred_update: bool = False,
         recompute: Literal["off", "blocks"] = "off",
         recompute_stages: int | None = None,
         model_init: Literal["stage", "full"] = "stage",

@@ -343,3 +343,47 @@ def test_buckets_follow_the_backward_and_keep_blocks_whole():
     buckets, first_late = plan_buckets(params, order, bucket_bytes=20, late=[0])
     assert buckets == [[5], [4], [3], [1, 2], [6], [0]] and first_late == 5  # block 2's two tensors stay together
     assert plan_buckets(params, order, bucket_bytes=1 << 20) == ([[5, 4], [3], [1, 2, 0, 6]], 3)
+
+
+class SaveStageStates(L.Callback):
+    """Every rank saves its stage's weights at the end of training (``weights<rank>.pt``)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        own = {name: p.detach().clone() for name, p in pl_module.named_parameters() if p.device.type != "meta"}
+        torch.save(own, self.directory / f"weights{trainer.global_rank}.pt")
+
+
+@pytest.mark.distributed
+def test_deferred_updates_keep_the_replicas_equal_and_their_drift_is_the_lists(tmp_path):
+    from helpers import DumpStageRecords, read_stage_records
+    from lightning_paci.schedules import drift_bound, static_drift
+
+    torch.manual_seed(9)
+    steps, m, a = 5, 2, 2
+    fit(SequentialMLP(depth=6), regression_loader(num_batches=12, batch_size=4), devices=4, max_steps=steps,
+        schedule="paci", microbatches=m, accumulation=a, data_parallel_size=2, reduce_bucket_mb=1e-6,
+        deferred_update=True, compensation="none", callbacks=[DumpStageRecords(tmp_path), SaveStageStates(tmp_path)],
+        trainer_kwargs={"use_distributed_sampler": True})
+    lists = build_schedule("paci", 2, m, a, steps).actions
+    for record in read_stage_records(tmp_path, 2):
+        s = record["stage"]
+        gaps = {int(k): v for k, v in record["gaps"].items()}
+        assert gaps == static_drift(lists[s], deferred=True)  # each update made before the stage's next backward
+        assert max(gaps.values()) <= drift_bound(2, s, a) + 1
+    assert max(static_drift(lists[1], deferred=True).values()) == 1 > drift_bound(2, 1, a)  # the last stage lags
+    for stage_ranks in ((0, 1), (2, 3)):  # ranks 2s, 2s+1: one stage's replicas, equal bit for bit
+        first, second = (torch.load(tmp_path / f"weights{r}.pt") for r in stage_ranks)
+        assert first.keys() == second.keys() and first
+        assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_deferred_updates_are_refused_where_there_is_nothing_to_defer_or_predict():
+    with pytest.raises(ValueError, match=r"`deferred_update=True` .* needs `schedule='paci'` \(got '1f1b'\)"):
+        PACIStrategy(schedule="1f1b", deferred_update=True)
+    with pytest.raises(ValueError, match=r"needs .*a `reduce_bucket_mb` \(got None\)"):
+        PACIStrategy(deferred_update=True, reduce_bucket_mb=None)
+    with pytest.raises(ProcessRaisedException, match=r"`deferred_update=True` .* this run has one replica per stage"):
+        fit(SequentialMLP(depth=4), regression_loader(num_batches=2), devices=2, max_steps=1, deferred_update=True)

@@ -88,7 +88,7 @@ class DriftMonitor(StageMonitor):
         schedule = build_schedule(strategy.config.schedule, strategy.num_stages, strategy.num_microbatches,
                          strategy.accumulation, 4 + 2 * strategy.accumulation, tied=tied)
         own = schedule.actions[strategy.stage_index]
-        self._bound = derived_drift_bound(own, strategy.accumulation)
+        self._bound = derived_drift_bound(own, strategy.accumulation, deferred=strategy.config.deferred_update)
         last = strategy.stage_index == strategy.num_stages - 1
         self._tied_bound = max(static_tied_lags(own).values(), default=0) if tied and last else None
         self._seen = records.num_backwards

@@ -106,7 +106,8 @@ class ParameterAverage:
 def join_replicas(runtime: Any, driver: Any, group: dist.ProcessGroup, replicas: int, replica: int, *,
                   local_sgd_steps: int | None, last_stage: bool, names: Mapping[int, str],
                   bucket_bytes: int | None = None, order: Callable[[str], int] | None = None,
-                  late: Sequence[nn.Parameter] = (), shard_optimizer: bool = False) -> OptimizerShards | None:
+                  late: Sequence[nn.Parameter] = (), shard_optimizer: bool = False,
+                  deferred: bool = False) -> OptimizerShards | None:
     """Make a stage's runtime (``runtime.StageRuntime``) one of ``replicas``: its forwards draw replica ``replica``'s
     random streams, its errors name the replica, and its gradients are averaged before every local step -- or,
     with ``local_sgd_steps``, its parameters every that many steps and at every drain of ``driver``.
@@ -115,7 +116,8 @@ def join_replicas(runtime: Any, driver: Any, group: dist.ProcessGroup, replicas:
     ([Note: overlapped reduction]): ``order(name)`` is when the backward finishes a parameter
     (``grad_buckets.backward_order``), ``late`` the parameters whose gradient is complete only at the step (stage
     0's tied weights, which the last stage's gradient joins right before it). With ``shard_optimizer`` each replica
-    updates its share of the parameters ([Note: optimizer shards]); the shards are returned.
+    updates its share of the parameters ([Note: optimizer shards]); the shards are returned. With ``deferred`` (and
+    ``bucket_bytes``) each update waits for the stage's next backward ([Note: deferred update]).
     """
     params = [p for _, p in runtime.optimizer.pairs] if runtime.optimizer is not None else []
     labels = [names.get(id(p), f"parameter {i}") for i, p in enumerate(params)]
@@ -129,7 +131,7 @@ def join_replicas(runtime: Any, driver: Any, group: dist.ProcessGroup, replicas:
         buckets, first_late = plan_buckets(params, position, bucket_bytes, at_step)
         overlapped = OverlappedGradientAverage(params, group, replicas, buckets=buckets, first_late=first_late,
                                                names=labels)
-        runtime.join_replicas(replica, overlapped, arm=overlapped.arm)
+        runtime.join_replicas(replica, overlapped, arm=overlapped.arm, deferred=overlapped if deferred else None)
         return shards
     if local_sgd_steps is None:
         runtime.join_replicas(replica, GradientAverage(params, group, replicas, names=labels))

@@ -85,6 +85,7 @@ class StreamDriver:
             return
         runtime.records.set_phase("drain")
         runtime.run(cursor.drain(self.calls))
+        runtime.apply_pending_update()  # [Note: deferred update]: nothing stays pending past a drain
         runtime.comm.flush()
         if runtime.held or runtime.data:
             raise AssertionError(f"stage {runtime.stage}: drain left {len(runtime.held)} micro-batches in flight")
@@ -93,6 +94,7 @@ class StreamDriver:
         if close_window:
             if (runtime.microbatch_base - runtime.window_base) % self.accumulation:
                 runtime.run(closing_actions(runtime.stage, runtime.num_stages, tied=self.tied))
+                runtime.apply_pending_update()
                 runtime.comm.flush()
             runtime.end_stream(0, window_closed=True)
         runtime.records.set_phase("outside")  # validation, checkpoints, epoch ends: not pipeline time

@@ -170,11 +170,19 @@ class OverlappedGradientAverage:
 
     def __call__(self) -> None:
         """At the window's ``OPT``: start the rest, wait for every bucket, write the averages back."""
+        self.start()
+        self.finish()
+
+    def start(self) -> None:
+        """Start every bucket not started yet (the window's gradients are final)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         for b in range(self._next, len(self.buckets)):
             self._start(b)
+
+    def finish(self) -> None:
+        """Wait for every started bucket and write the averages back (see [Note: overlapped reduction])."""
         started, self._started, self._next = self._started, [], 0
         late, self._late_gradient = self._late_gradient, None
         if late is not None:

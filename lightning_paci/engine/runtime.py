@@ -66,6 +66,15 @@ _INTERVAL_KIND = {F: "F", B: "B", OPT: "OPT", RECV_F: "WAIT_F", RECV_B: "WAIT_B"
 
 
 _NO_CONTEXT = contextlib.nullcontext()
+# [Note: deferred update]
+# With ``PACIStrategy(deferred_update=True)`` (``"paci"`` with data-parallel replicas) an ``OPT`` only starts what is
+# left of its window's reduction over the replicas; the update itself -- the wait for the reduction, the step, the
+# version -- is made right before the stage's next ``B``, ``OPT`` or tied-weight message, or at the end of a drain.
+# The forwards in between (in PACI's steady state, the one that follows the ``OPT``) run with the weights before it,
+# so the reduction has that forward and its messages to complete in, and those micro-batches cross one more update:
+# the drift bound read off the list with the update at that point (``schedules.static_drift(deferred=True)``) is at
+# most one more than PACI's. Where the update is made is fixed by the list, never by timing.
+_APPLIES_PENDING = frozenset({B, OPT, SEND_T, RECV_T})
 
 
 @dataclass
@@ -138,6 +147,7 @@ class StageRuntime(RuntimeState):
         self.unchecked_losses: list[tuple[int, torch.Tensor]] = []
         # [Note: after the send]: the last backward's (micro-batch, forward's version, run the hooks), if not finished
         self._after_backward: tuple[int, int, bool] | None = None
+        self._update_pending = False  # [Note: deferred update]: an OPT whose update is not made yet
         self._handlers: dict[str, Callable[[Any], None]] = {
             F: self._forward, B: self._backward, OPT: self._optimizer_step,
             SEND_F: self._send_activation, SEND_B: self._send_gradient, RECV_F: self._receive_activation,
@@ -171,6 +181,8 @@ class StageRuntime(RuntimeState):
         kind, mb = action.kind, action.microbatch
         if self._after_backward is not None and kind not in SEND_KINDS:
             self._finish_backward()
+        if self._update_pending and kind in _APPLIES_PENDING:
+            self.apply_pending_update()
         start = self.clock()
         self.current = (action, start)  # read by the watchdog's thread (supervision.runtime_activity)
         try:
@@ -287,8 +299,27 @@ class StageRuntime(RuntimeState):
     def _optimizer_step(self, _: None) -> None:
         if self.optimizer is None:
             raise AssertionError(f"stage {self.stage}: OPT scheduled on a stage without an optimizer")
+        if self.deferred is not None:  # [Note: deferred update]
+            self.deferred.start()
+            self._update_pending = True
+            return
         if self.reduce_gradients is not None:  # before the check: every replica then sees (and names) a bad value
             self.reduce_gradients()
+        self._apply_update()
+
+    def apply_pending_update(self) -> None:
+        """Make the update an ``OPT`` deferred ([Note: deferred update]); a no-op without one. The runtime calls it
+        before the next ``B``, ``OPT`` or tied-weight message; the stream driver after every drain."""
+        if not self._update_pending:
+            return
+        self._update_pending = False
+        start = self.clock()
+        self.deferred.finish()
+        self._apply_update()
+        self.records.account("optimizer", Interval(self.stage, "OPT", None, start, self.clock()))
+
+    def _apply_update(self) -> None:
+        assert self.optimizer is not None
         step = _update(self, self.optimizer)
         self.version += 1
         self.window_backwards = 0

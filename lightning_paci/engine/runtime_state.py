@@ -10,6 +10,7 @@ way these counters change.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["RuntimeState"]
 
@@ -32,6 +33,8 @@ class RuntimeState:
         self.reduce_gradients: Callable[[], None] | None = None  # data parallel: average over the stage's replicas
         # data parallel, overlapped ([Note: overlapped reduction]): called before the backward that closes a window
         self.arm_reduction: Callable[[], None] | None = None
+        # [Note: deferred update]: the reduction whose update waits for the next backward (``start``/``finish``)
+        self.deferred: Any = None
         self.window_size: int | None = None  # backwards per accumulation window of the current stream
         self.step_label = ""  # where the run is, for error messages ("Lightning batch 7 (global step 7)")
         # called with the new version right after every local update: the weights are then exactly that version
@@ -62,12 +65,13 @@ class RuntimeState:
         self.microbatch_base, self.version, self.window_base = backwards, steps, window_start
 
     def join_replicas(self, replica: int, reduce_gradients: Callable[[], None] | None, *,
-                      arm: Callable[[], None] | None = None) -> None:
+                      arm: Callable[[], None] | None = None, deferred: Any = None) -> None:
         """Become data-parallel replica ``replica``: its own random streams, errors naming it, and
         ``reduce_gradients`` (an average over the stage's replicas) before every local step, if given; ``arm``
-        before each backward that closes a window (the reduction then starts during it)."""
+        before each backward that closes a window (the reduction then starts during it); ``deferred`` (with
+        ``start()`` and ``finish()``): the update waits for the next backward instead ([Note: deferred update])."""
         self.replica, self.replica_tag = replica, f" (replica {replica})"
-        self.reduce_gradients, self.arm_reduction = reduce_gradients, arm
+        self.reduce_gradients, self.arm_reduction, self.deferred = reduce_gradients, arm, deferred
 
     def on_update(self, hook: Callable[[int], None]) -> None:
         """Call ``hook(version)`` right after every local update (the weights are then exactly that version here)."""

@@ -141,8 +141,13 @@ class LocalStage:
         program = LightningStageProgram(self.module, carve, context=train_context)
         warn = rank_zero_warn if self.config.schedule == "paci" else None  # flush schedules have no drift at a = m
         prediction = weight_prediction_for(self.config.compensation, optimizer, stage_optimizer.pairs, warn=warn)
-        if prediction is not None and self.config.dp_shard == "optimizer" and self.links.replicas > 1:
-            _refuse_or_warn_prediction_when_sharded(self.config.compensation, warn)
+        if self.config.deferred_update and self.links.replicas == 1:
+            raise ValueError("`deferred_update=True` defers each update while the replicas' gradient reduction "
+                             "completes, and this run has one replica per stage: drop `deferred_update`, or give the "
+                             "stages replicas (`data_parallel_size`).")
+        sharded = self.config.dp_shard == "optimizer" and self.links.replicas > 1
+        if prediction is not None and (sharded or self.config.deferred_update):
+            _refuse_or_warn_prediction(self.config.compensation, warn, sharded=sharded)
             prediction = None
         self.runtime = StageRuntime(self.index, self.plan.num_stages, program, self.links.connect(), stage_optimizer,
                                     loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
@@ -164,7 +169,7 @@ class LocalStage:
                           order=lambda name: backward_order(name, container=plan.container,
                                                             blocks=plan.blocks(self.index), after=plan.after),
                           late=carve.tied_params if carve.is_first else (),
-                          shard_optimizer=self.config.dp_shard == "optimizer")
+                          shard_optimizer=self.config.dp_shard == "optimizer", deferred=self.config.deferred_update)
 
     def activity(self) -> Callable[[], Doing | None]:
         """What the runtime is doing, for the failure watchdog (supervision.runtime_activity)."""
@@ -260,14 +265,17 @@ class LocalStage:
         self.carve.restore(self.module, full, materialize=materialize)
 
 
-def _refuse_or_warn_prediction_when_sharded(compensation: str, warn: Callable[[str], None] | None) -> None:
+def _refuse_or_warn_prediction(compensation: str, warn: Callable[[str], None] | None, *, sharded: bool) -> None:
     """The weight prediction reads every tensor's optimizer state, which ``dp_shard="optimizer"`` leaves on one
-    replica each: ``"predict"`` is refused, ``"auto"`` trains uncompensated and says so."""
+    replica each, and predicts the updates at their ``OPT``, which ``deferred_update`` moves: ``"predict"`` is
+    refused, ``"auto"`` trains uncompensated and says so."""
+    option = "`dp_shard='optimizer'`" if sharded else "`deferred_update=True`"
     rule = ("the weight prediction of `compensation` reads every tensor's optimizer state, and `dp_shard='optimizer'` "
-            "keeps each tensor's state on one replica")
+            "keeps each tensor's state on one replica") if sharded else \
+        "the weight prediction of `compensation` does not model the update `deferred_update=True` moves"
     if compensation == "predict":
-        raise ValueError(f"`compensation='predict'` with `dp_shard='optimizer'`: {rule}. Pass `compensation='none'` "
-                         f"or `dp_shard='none'`.")
+        raise ValueError(f"`compensation='predict'` with {option}: {rule}. Pass `compensation='none'` or drop "
+                         f"{option}.")
     if warn is not None:
         warn(f"lightning_paci: no staleness compensation for this run: {rule}. Pass `compensation='none'` to "
-             f"silence this warning, or `dp_shard='none'` to compensate.")
+             f"silence this warning.")

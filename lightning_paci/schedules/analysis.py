@@ -15,6 +15,7 @@ from lightning_paci.schedules.actions import (
     OPT,
     RECV_KINDS,
     RECV_T,
+    SEND_T,
     Action,
     B,
     F,
@@ -33,22 +34,33 @@ def drift_bound(num_stages: int, stage: int, accumulation: int) -> int:
     return math.ceil((num_stages - 1 - stage) / accumulation)
 
 
-def static_drift(actions: Sequence[Action]) -> dict[int, int]:
-    """Version gap of every micro-batch on one stage: ``OPT`` actions between its ``F`` and its ``B``.
+def static_drift(actions: Sequence[Action], *, deferred: bool = False) -> dict[int, int]:
+    """Version gap of every micro-batch on one stage: ``OPT`` actions between its ``F`` and its ``B``; with
+    ``deferred``, each ``OPT``'s update counted where the runtime makes it then: at the next ``B``, ``OPT`` or
+    tied-weight message ([Note: deferred update] in engine/runtime.py).
 
     A property of the list alone: the runtime executes the list as is, so the measured gaps must equal these.
     """
     version = 0
+    pending = False
     at_forward: dict[int, int] = {}
     gaps: dict[int, int] = {}
     for action in actions:
+        if pending and action.kind in _APPLY_DEFERRED:
+            version, pending = version + 1, False
         if action.kind == F:
             at_forward[action.microbatch] = version  # type: ignore[index]
         elif action.kind == B:
             gaps[action.microbatch] = version - at_forward[action.microbatch]  # type: ignore[index]
         elif action.kind == OPT:
-            version += 1
+            if deferred:
+                pending = True
+            else:
+                version += 1
     return gaps
+
+
+_APPLY_DEFERRED = frozenset({B, OPT, SEND_T, RECV_T})
 
 
 def static_tied_lags(actions: Sequence[Action]) -> dict[int, int]:
@@ -82,10 +94,13 @@ def inflight_profile(actions: Sequence[Action]) -> tuple[int, bool]:
     return peak, step_while_held
 
 
-def derived_drift_bound(actions: Sequence[Action], accumulation: int) -> int:
+def derived_drift_bound(actions: Sequence[Action], accumulation: int, *, deferred: bool = False) -> int:
     """An upper bound on the version gap read from the list: 0 if every OPT runs with nothing in flight, else
     ``ceil((peak - 1) / a)``: with FIFO backwards, at most ``peak - 1`` other backwards fall between a
-    micro-batch's F and B. For "paci" this is exactly ``drift_bound``."""
+    micro-batch's F and B. For "paci" this is exactly ``drift_bound``. With ``deferred`` updates
+    ([Note: deferred update]) the largest gap of ``static_drift(deferred=True)``."""
+    if deferred:
+        return max(static_drift(actions, deferred=True).values(), default=0)
     peak, step_while_held = inflight_profile(actions)
     return math.ceil((peak - 1) / accumulation) if step_while_held else 0
 

@@ -45,6 +45,7 @@ from lightning_paci.schedules import (
     build_schedule,
     format_grid,
     message_key,
+    static_drift,
 )
 from lightning_paci.simulation.timeline import save_timeline_png
 
@@ -139,13 +140,16 @@ def simulate_schedule(
     optimizer_cost: float = 0.0,
     reduce_cost: float = 0.0,
     reduce_buckets: int = 0,
+    deferred: bool = False,
 ) -> SimulationResult:
     """Run the schedule's lists on a virtual clock. Costs may be per stage (unbalanced partitions).
 
     ``reduce_cost``: the time a stage's whole gradient takes on its replicas' link, each ``OPT`` waits for its
     reduction. With ``reduce_buckets = 0`` the reduction starts at the ``OPT`` (the blocking average); with ``k``
     buckets ([Note: overlapped reduction]) the backward before the ``OPT`` releases bucket ``i`` after ``(i + 1) / k``
-    of its cost, and the link carries the buckets one after the other, ``reduce_cost / k`` each."""
+    of its cost, and the link carries the buckets one after the other, ``reduce_cost / k`` each. With ``deferred``
+    ([Note: deferred update]) the ``OPT`` does not wait: the stage's next ``B``, ``OPT`` or tied-weight message
+    does, and the drift is counted with each update there."""
     n = schedule.num_stages
     fwd = _per_stage("forward_cost", forward_cost, n)
     bwd = _per_stage("backward_cost", backward_cost, n)
@@ -155,6 +159,7 @@ def simulate_schedule(
         raise ValueError(f"`reduce_cost` and `reduce_buckets` must be >= 0, got {reduce_cost} and {reduce_buckets}.")
     lists = schedule.actions
     last_backward = [0.0] * n  # when each stage's latest backward started (its reduction's buckets follow it)
+    deferred_until = [-1.0] * n  # deferred: when the reduction of the update not yet made completes (-1: none pending)
     clock = [0.0] * n
     # Hot loop: one persistent iterator per stage (a blocked RECV is kept in `pending`), and only the start time
     # of each compute action is recorded; kinds and costs are re-read from the list afterwards.
@@ -183,6 +188,8 @@ def simulate_schedule(
                 record(now)
                 now += f_cost
             elif kind is k_b:
+                if deferred_until[s] >= 0:
+                    now, deferred_until[s] = max(now, deferred_until[s]), -1.0
                 record(now)
                 last_backward[s] = now
                 now += b_cost
@@ -197,7 +204,11 @@ def simulate_schedule(
                 if key in waiting:
                     ready.append(waiting.pop(key))
             elif kind is k_opt:
-                if reduce_cost:
+                if deferred_until[s] >= 0:
+                    now, deferred_until[s] = max(now, deferred_until[s]), -1.0
+                if deferred:
+                    deferred_until[s] = _reduced(now, last_backward[s], b_cost, reduce_cost, reduce_buckets)
+                elif reduce_cost:
                     now = _reduced(now, last_backward[s], b_cost, reduce_cost, reduce_buckets)
                 record(now)
                 now += optimizer_cost
@@ -211,6 +222,8 @@ def simulate_schedule(
                 if t > now:  # noqa: PLR1730 -- hot loop: a comparison is cheaper than a max() call
                     now = t
             else:  # tied-weight messages between the first and last stage: rare, keyed as in the validator
+                if deferred_until[s] >= 0:
+                    now, deferred_until[s] = max(now, deferred_until[s]), -1.0
                 tkey = message_key(action, n)
                 if kind is SEND_T:
                     arrival[tkey] = now + comm_cost
@@ -234,6 +247,12 @@ def simulate_schedule(
 
     makespan = max(clock) if n else 0.0
     reports = [_stage_report(schedule, s, starts[s], fwd[s], bwd[s], optimizer_cost, makespan) for s in range(n)]
+    if deferred:  # the updates are made later than their OPT: the gaps of the list read that way
+        for report in reports:
+            report.drift = static_drift(schedule.actions[report.stage], deferred=True)
+            report.max_drift = max(report.drift.values(), default=0)
+            report.mean_drift = sum(report.drift.values()) / len(report.drift) if report.drift else 0.0
+            report.drift_bound = report.max_drift
     return SimulationResult(schedule=schedule, stages=reports, makespan=makespan,
                             throughput=schedule.total_microbatches / makespan if makespan else 0.0,
                             _starts=starts, _costs=(fwd, bwd, optimizer_cost))
