@@ -167,3 +167,21 @@ def test_the_reduction_on_the_link_delays_each_step_by_what_the_backward_did_not
                                reduce_cost=3.0, reduce_buckets=buckets)
     starts = {iv.microbatch: iv.start for iv in result.intervals if iv.stage == 0 and iv.kind == "F"}
     assert starts[(k - 1) * m] - starts[m] == pytest.approx((k - 2) * (m * 3.0 + wait))
+
+
+def test_a_deferred_update_hides_a_reduction_as_long_as_the_forward_before_the_next_backward():
+    # a = m = 4, F = 1, B = 2, the reduction 1: blocking adds it to every update; deferred, the forward that follows
+    # each OPT covers it; the drift is then the list's with each update made before the next backward
+    m, k = 4, 6
+    schedule = build_schedule("paci", 2, m, m, k)
+    periods = {}
+    for deferred in (False, True):
+        result = simulate_schedule(schedule, forward_cost=1.0, backward_cost=2.0, reduce_cost=1.0,
+                                   deferred=deferred)
+        starts = {iv.microbatch: iv.start for iv in result.intervals if iv.stage == 0 and iv.kind == "F"}
+        periods[deferred] = (starts[(k - 1) * m] - starts[m]) / (k - 2)
+        if deferred:
+            for report in result.stages:
+                assert report.drift == static_drift(schedule.actions[report.stage], deferred=True)
+            assert [r.max_drift for r in result.stages] == [1, 1]  # the last stage: 0 -> 1
+    assert periods == {False: pytest.approx(m * 3.0 + 1.0), True: pytest.approx(m * 3.0)}

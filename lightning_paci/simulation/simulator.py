@@ -402,6 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="data parallel: a stage's whole gradient on its replicas' link, waited for by each OPT")
     parser.add_argument("--reduce-buckets", type=int, default=0,
                         help="buckets released during the backward before each OPT (0: the reduction starts there)")
+    parser.add_argument("--deferred", action="store_true",
+                        help="each update made before the stage's next backward (PACIStrategy(deferred_update=True))")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--timeline", metavar="PNG", help="draw a Gantt chart of the run to this PNG file")
     args = parser.parse_args(argv)
@@ -410,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          args.accumulation if args.accumulation is not None else args.microbatches, args.minibatches)
         result = simulate_schedule(schedule, forward_cost=args.forward_cost, backward_cost=args.backward_cost,
                           comm_cost=args.comm_cost, optimizer_cost=args.optimizer_cost,
-                          reduce_cost=args.reduce_cost, reduce_buckets=args.reduce_buckets)
+                          reduce_cost=args.reduce_cost, reduce_buckets=args.reduce_buckets, deferred=args.deferred)
     except (ValueError, TypeError) as err:
         parser.error(str(err))
     print(json.dumps(result.to_json()) if args.json else format_table(result))
