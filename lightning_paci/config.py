@@ -85,7 +85,7 @@ class PACIConfig:
         deferred_update: with replicas under ``"paci"``, an ``OPT`` only starts what is left of its reduction and
             the update is made right before the stage's next backward, so the forward in between hides the
             reduction; those micro-batches cross one more update (the drift bound read off the list, at most one
-            more than PACI's; [Note: deferred update] in engine/runtime.py). Default False.
+            more than PACI's; [Note: deferred update] in engine/updates.py). Default False.
         dp_shard: ``"none"`` (default) or ``"optimizer"``: with replicas, each replica of a stage updates -- and
             keeps the optimizer state of -- about ``1 / replicas`` of the stage's tensors and sends them to the others
             after each step (ZeRO stage 1, [Note: optimizer shards] in engine/optimizer_shards.py); bit for bit the

@@ -358,8 +358,9 @@ class SaveStageStates(L.Callback):
 
 @pytest.mark.distributed
 def test_deferred_updates_keep_the_replicas_equal_and_their_drift_is_the_lists(tmp_path):
-    from helpers import DumpStageRecords, read_stage_records
     from lightning_paci.schedules import drift_bound, static_drift
+
+    from helpers import DumpStageRecords, read_stage_records
 
     torch.manual_seed(9)
     steps, m, a = 5, 2, 2

@@ -29,15 +29,15 @@ from lightning_paci.engine.program import (
     ForwardOutput,
     LogRecord,
     StageProgram,
-    check_losses,
     loss_value,
     own_values,
     padding_forward,
 )
 from lightning_paci.engine.records import BackwardRecord, StageRecords
 from lightning_paci.engine.runtime_state import RuntimeState
+from lightning_paci.engine.updates import checked_update
 from lightning_paci.errors import StageFailure
-from lightning_paci.optim.stage_optimizer import StageOptimizer, Step
+from lightning_paci.optim.stage_optimizer import StageOptimizer
 from lightning_paci.optim.weight_prediction import WeightPrediction
 from lightning_paci.schedules import (
     OPT,
@@ -66,14 +66,7 @@ _INTERVAL_KIND = {F: "F", B: "B", OPT: "OPT", RECV_F: "WAIT_F", RECV_B: "WAIT_B"
 
 
 _NO_CONTEXT = contextlib.nullcontext()
-# [Note: deferred update]
-# With ``PACIStrategy(deferred_update=True)`` (``"paci"`` with data-parallel replicas) an ``OPT`` only starts what is
-# left of its window's reduction over the replicas; the update itself -- the wait for the reduction, the step, the
-# version -- is made right before the stage's next ``B``, ``OPT`` or tied-weight message, or at the end of a drain.
-# The forwards in between (in PACI's steady state, the one that follows the ``OPT``) run with the weights before it,
-# so the reduction has that forward and its messages to complete in, and those micro-batches cross one more update:
-# the drift bound read off the list with the update at that point (``schedules.static_drift(deferred=True)``) is at
-# most one more than PACI's. Where the update is made is fixed by the list, never by timing.
+# the actions before which a deferred update is made ([Note: deferred update] in updates.py)
 _APPLIES_PENDING = frozenset({B, OPT, SEND_T, RECV_T})
 
 
@@ -138,8 +131,7 @@ class StageRuntime(RuntimeState):
         self._skipping: set[int] = set()  # dropped micro-batches whose "skip" still has to travel upstream
         self.tied = list(tied)
         self.tied_version = 0  # updates of the tied weights applied here (stage 0: made, last stage: installed)
-        # [Note: exact weight prediction]: a forward that will cross ``crossings(mb)`` updates runs with the weights
-        # ahead
+        # [Note: exact weight prediction]: a forward crossing ``crossings(mb)`` updates runs with the weights ahead
         self.prediction = prediction
         self.current: tuple[Action, float] | None = None  # the action running and when it began
         # [Note: no host sync per micro-batch]: losses kept on the device (None: where the loss is) until the update
@@ -156,9 +148,9 @@ class StageRuntime(RuntimeState):
 
     # -- execution ------------------------------------------------------------------------------------------------
     def add_microbatch(self, microbatch: int, data: Any, *step_args: Any, weight: float = 1.0) -> None:
-        """Give the runtime micro-batch ``microbatch``'s data and the step's other arguments (``batch_idx``, ...);
-        ``weight`` multiplies its loss (its share of the batch's samples); 0 marks a padding micro-batch of a short
-        last batch, which runs without gradient or side effects and is dropped like a skipped one."""
+        """Micro-batch ``microbatch``'s data and the step's other arguments (``batch_idx``, ...); ``weight``
+        multiplies its loss (its share of the batch's samples); 0: a short last batch's padding, run without gradient
+        or side effects and dropped like a skipped one."""
         self.data[microbatch] = (data, step_args, weight)
 
     def run(self, actions: Iterable[Action]) -> None:
@@ -171,8 +163,7 @@ class StageRuntime(RuntimeState):
         self.settle()
 
     def settle(self) -> None:
-        """Finish what the last action left for later ([Note: after the send]); ``run`` ends with it, a caller of
-        ``execute`` calls it after its last action."""
+        """Finish what the last action left for later ([Note: after the send]); after ``execute``'s last action."""
         if self._after_backward is not None:
             self._finish_backward()
 
@@ -190,14 +181,7 @@ class StageRuntime(RuntimeState):
         except (RuntimeError, ConnectionError) as err:
             if kind not in RECV_KINDS and kind not in SEND_KINDS or isinstance(err, StageFailure):
                 raise
-            key = message_key(action, self.num_stages)
-            if key is None:
-                raise AssertionError(f"no message for {action}") from err
-            receiving = kind in RECV_KINDS
-            raise StageFailure(
-                f"stage {self.stage}{self.replica_tag}: {'receiving from' if receiving else 'sending to'} stage "
-                f"{key[1] if receiving else key[2]}{self.replica_tag} failed at {action} ({self.step_label}): {err}"
-            ) from err
+            raise _message_failure(self, action, err) from err
         self.current = None
         index = None if mb is None else mb + self.microbatch_base
         self.records.account(_CATEGORY[kind], Interval(self.stage, _INTERVAL_KIND[kind], index, start, self.clock()))
@@ -237,11 +221,7 @@ class StageRuntime(RuntimeState):
             loss = loss_value(output.loss.detach(), key, self.unchecked_losses,
                               keep=self.device_losses, skip=self.skip_nonfinite)
             if isinstance(loss, float) and not math.isfinite(loss):
-                if not self.skip_nonfinite:
-                    raise StageFailure(
-                        f"stage {self.stage}: the loss of micro-batch {key} is {loss} at {self.step_label}. Pass "
-                        f"`PACIStrategy(nonfinite='skip')` to drop such micro-batches instead of stopping."
-                    )
+                _check_skipping(self, key, loss)
                 # no backward from it: its log records are dropped and upstream stages receive zero gradients
                 self._skipping.add(key)
                 self.logs[key] = []
@@ -251,8 +231,8 @@ class StageRuntime(RuntimeState):
             records.losses[key] = loss
 
     def _backward(self, mb: int) -> None:
-        if self.arm_reduction is not None and self.window_backwards + 1 == self.window_size:
-            self.arm_reduction()  # the OPT follows this backward: reduce each bucket as it completes
+        if self.arm_reduction is not None and self.window_backwards + 1 == self.window_size:  # the OPT follows
+            self.arm_reduction()
         held = self.held.pop(mb)
         self.records.activation_bytes.pop(mb, None)
         key = mb + self.microbatch_base
@@ -308,19 +288,16 @@ class StageRuntime(RuntimeState):
         self._apply_update()
 
     def apply_pending_update(self) -> None:
-        """Make the update an ``OPT`` deferred ([Note: deferred update]); a no-op without one. The runtime calls it
-        before the next ``B``, ``OPT`` or tied-weight message; the stream driver after every drain."""
-        if not self._update_pending:
-            return
-        self._update_pending = False
-        start = self.clock()
-        self.deferred.finish()
-        self._apply_update()
-        self.records.account("optimizer", Interval(self.stage, "OPT", None, start, self.clock()))
+        """Make the update an ``OPT`` deferred, if any ([Note: deferred update]; the stream driver after drains)."""
+        if self._update_pending:
+            self._update_pending, start = False, self.clock()
+            self.deferred.finish()
+            self._apply_update()
+            self.records.account("optimizer", Interval(self.stage, "OPT", None, start, self.clock()))
 
     def _apply_update(self) -> None:
         assert self.optimizer is not None
-        step = _update(self, self.optimizer)
+        step = checked_update(self, self.optimizer)
         self.version += 1
         self.window_backwards = 0
         if self.records.weight_drift:
@@ -388,29 +365,19 @@ def _receive_tied(runtime: StageRuntime) -> None:
         runtime.records.fingerprint(runtime.tied)
 
 
-def _update(runtime: StageRuntime, optimizer: StageOptimizer) -> Step:
-    """One optimizer call that checks everything that must hold before an update, in one host read: the losses
-    kept on the device are finite ([Note: no host sync per micro-batch]), the weight prediction kept every element
-    it moved ([Note: weight prediction without host reads]), every gradient is finite. Only a failure reads more,
-    to name what failed; an inexact prediction is reported and the update made without it."""
-    losses, runtime.unchecked_losses[:] = list(runtime.unchecked_losses), []
-    overflow = runtime.prediction.take_overflow() if runtime.prediction is not None else None
-    flags = [] if overflow is None else [~overflow]
-    if losses:
-        flags.append(torch.isfinite(torch.stack([loss for _, loss in losses])).all())
-    tied = [p.grad for p in runtime.tied if p.grad is not None]
-    measure = runtime.records.weight_drift
-    if (step := optimizer.step(measure=measure, extra=tied, flags=flags)).done:
-        return step
-    check_losses(losses, runtime.stage, runtime.step_label)
-    if overflow is not None and bool(overflow):
-        if runtime.prediction is None:
-            raise AssertionError("an overflow flag without a weight prediction")
-        runtime.prediction.inexact(f"stage {runtime.stage}", f"optimizer step {runtime.version + 1} at "
-                                                             f"{runtime.step_label}")
-        if (step := optimizer.step(measure=measure, extra=tied)).done:
-            return step
-    bad = optimizer.nonfinite_parameters()
-    names = [n for n, p in runtime.program.module.named_parameters() if any(p is q for q in bad)]
-    raise StageFailure(f"stage {runtime.stage}: non-finite gradient in {names[:3]} before optimizer step "
-                       f"{runtime.version + 1} at {runtime.step_label}.")
+def _message_failure(runtime: StageRuntime, action: Action, err: BaseException) -> StageFailure:
+    """A failed send or receive, naming the peer, the action and the step."""
+    key = message_key(action, runtime.num_stages)
+    if key is None:
+        raise AssertionError(f"no message for {action}") from err
+    receiving = action.kind in RECV_KINDS
+    return StageFailure(
+        f"stage {runtime.stage}{runtime.replica_tag}: {'receiving from' if receiving else 'sending to'} stage "
+        f"{key[1] if receiving else key[2]}{runtime.replica_tag} failed at {action} ({runtime.step_label}): {err}")
+
+
+def _check_skipping(runtime: StageRuntime, key: int, loss: float) -> None:
+    """A non-finite loss stops the run unless ``nonfinite="skip"``."""
+    if not runtime.skip_nonfinite:
+        raise StageFailure(f"stage {runtime.stage}: the loss of micro-batch {key} is {loss} at {runtime.step_label}. "
+                           f"Pass `PACIStrategy(nonfinite='skip')` to drop such micro-batches instead of stopping.")

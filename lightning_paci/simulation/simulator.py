@@ -3,13 +3,8 @@
 Semantics match the runtime: each stage executes its list in order; a ``SEND`` never blocks; a ``RECV`` waits until
 the matching ``SEND`` happened plus ``comm_cost``; ``F``, ``B`` and ``OPT`` take their cost.
 
-Phases (per stage ``s``; ``K`` mini-batches of ``m`` micro-batches):
-
-* start-up ends at the later of the stage's first backward and its first forward of mini-batch 1,
-* drain starts at the earlier of the end of its last forward and its first forward of mini-batch ``K - 1``,
-* steady state is in between. For flush schedules it is ``K - 2`` whole mini-batch periods, so its idle fraction is
-  exactly ``(N - 1) / (m + N - 1)`` with balanced costs. It needs ``K >= 3``; with fewer mini-batches the steady
-  figures fall back to the whole run.
+The per-stage figures (phases, drift, in-flight depth) are read off the simulated timeline by reports.py, with
+the rules the measured timelines of real runs follow.
 
 The command line lives here too (``format_table``, ``main``), next to the engine it prints, so that a new figure
 in a report needs one edit; ``python -m lightning_paci.simulate`` (lightning_paci/simulate.py) only runs ``main``::
@@ -21,9 +16,7 @@ in a report needs one edit; ``python -m lightning_paci.simulate`` (lightning_pac
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
-import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -47,6 +40,7 @@ from lightning_paci.schedules import (
     message_key,
     static_drift,
 )
+from lightning_paci.simulation.reports import StageReport, measured_phases, stage_report
 from lightning_paci.simulation.timeline import save_timeline_png
 
 __all__ = ["SimulationResult", "StageReport", "format_table", "main", "measured_phases", "simulate_schedule"]
@@ -55,23 +49,6 @@ __all__ = ["SimulationResult", "StageReport", "format_table", "main", "measured_
 _CLI_DESCRIPTION = (
     "``python -m lightning_paci.simulate``: print a schedule's predicted per-stage drift, in-flight depth and bubble."
 )
-
-
-@dataclass
-class StageReport:
-    stage: int
-    busy: float
-    idle: float
-    bubble_fraction: float
-    startup_idle: float
-    steady_idle: float
-    drain_idle: float
-    steady_bubble_fraction: float
-    peak_inflight: int
-    max_drift: int
-    mean_drift: float
-    drift_bound: int
-    drift: dict[int, int] = field(repr=False)  # micro-batch -> version gap (optimizer steps between its F and B)
 
 
 @dataclass
@@ -121,14 +98,6 @@ def _per_stage(name: str, value: float | Sequence[float], num_stages: int) -> li
     if any(v < 0 for v in values):
         raise ValueError(f"`{name}` must be >= 0, got {value!r}.")
     return values
-
-
-def _busy_within(starts: list[float], ends: list[float], lo: float, hi: float) -> float:
-    """Busy time inside [lo, hi]; a stage's intervals are sequential, so bisect to the window."""
-    total = 0.0
-    for i in range(max(0, bisect.bisect_left(ends, lo)), bisect.bisect_right(starts, hi)):
-        total += max(0.0, min(ends[i], hi) - max(starts[i], lo))
-    return total
 
 
 def simulate_schedule(
@@ -246,7 +215,7 @@ def simulate_schedule(
         raise ValueError("Schedule deadlocks in simulation:\n" + grid)
 
     makespan = max(clock) if n else 0.0
-    reports = [_stage_report(schedule, s, starts[s], fwd[s], bwd[s], optimizer_cost, makespan) for s in range(n)]
+    reports = [stage_report(schedule, s, starts[s], fwd[s], bwd[s], optimizer_cost, makespan) for s in range(n)]
     if deferred:  # the updates are made later than their OPT: the gaps of the list read that way
         for report in reports:
             report.drift = static_drift(schedule.actions[report.stage], deferred=True)
@@ -266,97 +235,6 @@ def _reduced(now: float, backward_start: float, backward_cost: float, cost: floa
     for i in range(buckets):
         done = max(done, backward_start + backward_cost * (i + 1) / buckets) + cost / buckets
     return max(now, done)
-
-
-def _phases(starts: list[float], ends: list[float], t0: float, t_end: float, num_minibatches: int,
-            first_backward: float | None, last_forward_end: float | None, first_forward_mb1: float | None,
-            first_forward_last_mb: float | None) -> tuple[float, float, float, float]:
-    """(start-up idle, steady idle, drain idle, steady idle fraction) of one stage over ``[t0, t_end]``; see the
-    module docstring for the phase boundaries. Shared by the simulator and measured timelines."""
-    busy = _busy_within(starts, ends, t0, t_end)
-    idle = (t_end - t0) - busy
-    lo = hi = t0
-    if num_minibatches >= 3 and first_backward is not None and last_forward_end is not None and \
-            first_forward_mb1 is not None and first_forward_last_mb is not None:
-        lo = max(first_backward, first_forward_mb1)
-        hi = min(last_forward_end, first_forward_last_mb)
-    if hi <= lo:
-        return 0.0, idle, 0.0, idle / (t_end - t0) if t_end > t0 else 0.0
-    startup_idle = (lo - t0) - _busy_within(starts, ends, t0, lo)
-    steady_idle = (hi - lo) - _busy_within(starts, ends, lo, hi)
-    return startup_idle, steady_idle, idle - startup_idle - steady_idle, steady_idle / (hi - lo)
-
-
-def measured_phases(intervals: Sequence[Interval], num_microbatches: int, num_minibatches: int,
-                    t0: float, t_end: float) -> dict[str, float]:
-    """Phase split of one stage's *measured* intervals (F / B / OPT; waits are idle), same rules as the simulator.
-    Micro-batch ``j`` belongs to mini-batch ``j // num_microbatches``."""
-    compute = sorted((iv for iv in intervals if iv.kind in COMPUTE_KINDS), key=lambda iv: iv.start)
-    starts = [iv.start for iv in compute]
-    ends = [iv.end for iv in compute]
-    forwards = {iv.microbatch: iv for iv in compute if iv.kind == F}
-    backwards = [iv for iv in compute if iv.kind == B]
-    last_f = max(forwards.values(), key=lambda iv: iv.end, default=None)
-    mb1 = forwards.get(num_microbatches)
-    last_mb = forwards.get((num_minibatches - 1) * num_microbatches)
-    startup, steady, drain, fraction = _phases(
-        starts, ends, t0, t_end, num_minibatches, backwards[0].start if backwards else None,
-        last_f.end if last_f else None, mb1.start if mb1 else None, last_mb.start if last_mb else None)
-    busy = _busy_within(starts, ends, t0, t_end)
-    return {"busy": busy, "idle": (t_end - t0) - busy, "startup_idle": startup, "steady_idle": steady,
-            "drain_idle": drain, "steady_bubble_fraction": fraction}
-
-
-def _stage_report(schedule: Schedule, s: int, starts: list[float], f_cost: float, b_cost: float,
-                  optimizer_cost: float, makespan: float) -> StageReport:
-    """One pass over the stage's compute actions: busy time, drift, in-flight depth and the phase boundaries."""
-    m, k_total = schedule.num_microbatches, schedule.num_minibatches
-    steady_first, steady_last = m, (k_total - 1) * m  # first forwards of mini-batches 1 and K-1
-    version = held = peak = 0
-    step_while_held = False
-    at_forward: dict[int, int] = {}
-    drift: dict[int, int] = {}
-    first_b = last_f_end = t_first = t_last = None
-    busy = 0.0
-    ends: list[float] = []
-    compute = (a for a in schedule.actions[s] if a[1] is F or a[1] is B or a[1] is OPT)
-    for (_, kind, mb), start in zip(compute, starts):
-        if kind is F:
-            busy += f_cost
-            ends.append(start + f_cost)
-            at_forward[mb] = version  # type: ignore[index]
-            held += 1
-            if held > peak:  # noqa: PLR1730 -- once per simulated action: no max() call
-                peak = held
-            last_f_end = start + f_cost
-            if mb == steady_first:
-                t_first = start
-            elif mb == steady_last:
-                t_last = start
-        elif kind is B:
-            busy += b_cost
-            ends.append(start + b_cost)
-            drift[mb] = version - at_forward[mb]  # type: ignore[index]
-            held -= 1
-            if first_b is None:
-                first_b = start
-        else:
-            busy += optimizer_cost
-            ends.append(start + optimizer_cost)
-            version += 1
-            step_while_held = step_while_held or held > 0
-    idle = makespan - busy
-    startup_idle, steady_idle, drain_idle, steady_fraction = _phases(
-        starts, ends, 0.0, makespan, k_total, first_b, last_f_end, t_first, t_last)
-    values = drift.values()
-    return StageReport(
-        stage=s, busy=busy, idle=idle, bubble_fraction=idle / makespan if makespan else 0.0,
-        startup_idle=startup_idle, steady_idle=steady_idle, drain_idle=drain_idle,
-        steady_bubble_fraction=steady_fraction, peak_inflight=peak,
-        max_drift=max(values, default=0), mean_drift=sum(values) / len(values) if values else 0.0,
-        # the IR-derived bound (see schedules.derived_drift_bound), computed in this same pass
-        drift_bound=math.ceil((peak - 1) / schedule.accumulation) if step_while_held else 0, drift=drift,
-    )
 
 
 # --------------------------------------------------------------------------------------------------------------
