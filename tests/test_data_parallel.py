@@ -388,3 +388,25 @@ def test_deferred_updates_are_refused_where_there_is_nothing_to_defer_or_predict
         PACIStrategy(deferred_update=True, reduce_bucket_mb=None)
     with pytest.raises(ProcessRaisedException, match=r"`deferred_update=True` .* this run has one replica per stage"):
         fit(SequentialMLP(depth=4), regression_loader(num_batches=2), devices=2, max_steps=1, deferred_update=True)
+
+
+@pytest.mark.distributed
+def test_deferred_updates_with_tied_weights_keep_the_tied_copies_and_the_replicas_equal(tmp_path):
+    # stage 0 makes a deferred update before it sends the tied weights (SEND_T), the last stage before it sends its
+    # tied gradient: every installed copy is a version stage 0 made, on both replicas alike
+    from helpers import DumpStageRecords, read_stage_records
+    from models import HFCausalLM, token_loader
+
+    torch.manual_seed(17)
+    fit(HFCausalLM("gpt2", layers=4, tied=True), token_loader(num_batches=12, vocab=64, seq=12), devices=4,
+        max_steps=5, schedule="paci", microbatches=2, data_parallel_size=2, partition="parameters",
+        reduce_bucket_mb=1e-6, deferred_update=True, compensation="none",
+        callbacks=[DumpStageRecords(tmp_path), SaveStageStates(tmp_path)],
+        trainer_kwargs={"use_distributed_sampler": True})
+    first, last = read_stage_records(tmp_path, 2)
+    assert len(first["tied_fingerprints"]) == 5 and last["tied_fingerprints"] == first["tied_fingerprints"]
+    for stage_ranks in ((0, 1), (2, 3)):
+        one, two = (torch.load(tmp_path / f"weights{r}.pt") for r in stage_ranks)
+        assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    head, embedding = torch.load(tmp_path / "weights0.pt"), torch.load(tmp_path / "weights2.pt")
+    assert torch.equal(head["model.lm_head.weight"], embedding["model.transformer.wte.weight"])
