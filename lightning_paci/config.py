@@ -36,7 +36,10 @@ class PACIConfig:
 
     Args:
         schedule: ``"paci"`` (default; no flush, a local optimizer step every ``accumulation`` backwards),
-            ``"1f1b"`` (synchronous 1F1B with a flush per batch: the baseline) or ``"gpipe"``.
+            ``"1f1b"`` (synchronous 1F1B with a flush per batch: the baseline), ``"gpipe"``, or ``"layered"``
+            (``"gpipe"`` with a layer-major backward, [Note: layered backward] in schedules/build.py: each block's
+            data-parallel reduction overlaps the backward of every block before it over the whole batch; the
+            stages' backwards run one after the other).
         microbatches: micro-batches per Lightning batch (default: the number of stages). Batch sizes that do not
             divide evenly are allowed (the first ``B mod m`` micro-batches get one sample more).
         accumulation: local backwards per optimizer step on every stage (default: ``microbatches``, i.e. one step
@@ -193,6 +196,10 @@ class PACIConfig:
         if self.weights is not None and self.model_init == "full":
             raise ValueError("`weights=` needs `model_init='stage'`: the weights are read per stage into a model "
                              "built on the meta device. Drop `model_init='full'`, or load the weights yourself.")
+        if self.schedule == "layered" and self.recompute != "off":
+            raise ValueError("`schedule='layered'` cuts each block's graph at its entry and exit to run the "
+                             "backward block by block; `recompute='blocks'` recomputes those blocks inside the "
+                             "backward. Use one of them: `recompute='off'`, or `schedule='gpipe'`.")
         if self.recompute_stages is not None and self.recompute == "off":
             raise ValueError(f"`recompute_stages={self.recompute_stages}` needs `recompute='blocks'`: it chooses which "
                              f"stages recompute. Pass `PACIStrategy(recompute='blocks', recompute_stages=...)`.")

@@ -130,31 +130,38 @@ class OverlappedGradientAverage:
         self.first_late = first_late
         self._all_reduce = all_reduce or (lambda flat: dist.all_reduce(flat, group=group, async_op=True))
         self._handles: list[Any] = []
-        self._pending: list[set[int]] = []
+        self._pending: list[dict[int, int]] = []  # per bucket: parameter index -> accumulations still to come
         self._next = 0  # the next bucket to start
         self._started: list[tuple[list[int], torch.Tensor, Any]] = []  # (indices, flat grads + flags, work)
         self._late_gradient: str | None = None
         self.reductions = 0
         self.started_in_backward = 0  # buckets started before the step, over the run (tests, benchmarks)
 
-    def arm(self) -> None:
-        """Before the backward that closes the window: start each bucket when its parameters' gradients are final."""
-        self._pending = [set(b) for b in self.buckets]
+    def arm(self, times: int = 1) -> None:
+        """Before the backward that closes the window: start each bucket when its parameters' gradients are final,
+        after ``times`` accumulations each (a layer-major mini-batch, [Note: layered backward], accumulates once per
+        micro-batch; it arms at each of its backwards, the window's first arming counts)."""
+        if self._handles or self._started:
+            return
+        self._pending = [{i: times for i in b} for b in self.buckets]
         for b, bucket in enumerate(self.buckets[:self.first_late]):
             for i in bucket:
                 if self.params[i].requires_grad:
                     self._handles.append(self.params[i].register_post_accumulate_grad_hook(self._hook(b, i)))
                 else:
-                    self._pending[b].discard(i)
+                    del self._pending[b][i]
         self._start_ready()
 
     def _hook(self, bucket: int, index: int) -> Callable[[torch.Tensor], None]:
         def accumulated(_: torch.Tensor) -> None:
-            if bucket < self._next:  # a second accumulation in one backward (a reentrant backward inside it)
+            left = self._pending[bucket].get(index)
+            if bucket < self._next or left is None:  # one accumulation more than expected (a reentrant backward)
                 self._late_gradient = self.names[index]
-                return
-            self._pending[bucket].discard(index)
-            self._start_ready()
+            elif left > 1:
+                self._pending[bucket][index] = left - 1
+            else:
+                del self._pending[bucket][index]
+                self._start_ready()
         return accumulated
 
     def _start_ready(self) -> None:

@@ -165,13 +165,13 @@ class StageRuntime(RuntimeState):
     def settle(self) -> None:
         """Finish what the last action left for later ([Note: after the send]); after ``execute``'s last action."""
         if self._after_backward is not None:
-            self._finish_backward()
+            _finish_backward(self)
 
     def execute(self, action: Action) -> None:
         """Run one action and account its time; a failed message names the peer, the action and the step."""
         kind, mb = action.kind, action.microbatch
         if self._after_backward is not None and kind not in SEND_KINDS:
-            self._finish_backward()
+            _finish_backward(self)
         if self._update_pending and kind in _APPLIES_PENDING:
             self.apply_pending_update()
         start = self.clock()
@@ -202,12 +202,15 @@ class StageRuntime(RuntimeState):
         if self.prediction is not None and not padding:
             ahead = self.prediction.moved(self.crossings(mb), max(0.0, 1.0 - self.window_backwards * self.loss_scale))
         context = padding_forward(self.program.module) if padding else ahead
-        with microbatch_rng(self.seed, self.stage, key, self.replica), context:
+        cutting = self.layered.cuts.recording() if self.layered is not None else _NO_CONTEXT
+        with microbatch_rng(self.seed, self.stage, key, self.replica), context, cutting as cuts:
             if records.activations:
                 output = records.metered(mb, self.program, data, step_args, received, leaves)
             else:
                 output = self.program.forward(data, *step_args, received=received)
         self.held[mb] = _Held(leaves, output)
+        if self.layered is not None:
+            self.layered.of[mb] = cuts
         records.peak_inflight = max(records.peak_inflight, len(self.held))
         self.forward_version[mb] = self.version
         if self.tied and self.stage == self.num_stages - 1:
@@ -231,20 +234,24 @@ class StageRuntime(RuntimeState):
             records.losses[key] = loss
 
     def _backward(self, mb: int) -> None:
-        if self.arm_reduction is not None and self.window_backwards + 1 == self.window_size:  # the OPT follows
-            self.arm_reduction()
+        group = 1 if self.layered is None else len(self.held)  # layered: the mini-batch's backwards run now
+        if self.arm_reduction is not None and self.window_backwards + group == self.window_size:  # the OPT follows
+            self.arm_reduction(group)
         held = self.held.pop(mb)
         self.records.activation_bytes.pop(mb, None)
         key = mb + self.microbatch_base
+        if self.layered is not None:  # [Note: layered backward]: the first B of a mini-batch runs them all
+            self.layered.run(self, mb, held)
         if held.output.skipped:
             pass  # a dropped micro-batch: its input gradients below are zeros
         elif held.output.loss is not None:
             loss = held.output.loss * self.loss_scale
             if mb in self.loss_weights:
                 loss = loss * self.loss_weights.pop(mb)
-            if self.hooks is not None:
+            if self.hooks is not None and self.layered is None:
                 self.hooks.before_backward(loss)
-            loss.backward()
+            if self.layered is None:
+                loss.backward()
         else:
             payload = self.inbox.pop((RECV_B, mb))
             grads = payload["grads"]
@@ -254,7 +261,7 @@ class StageRuntime(RuntimeState):
                 held = _Held(held.leaves, ForwardOutput(skipped=True))
             elif len(outputs) != len(grads):
                 raise AssertionError(f"stage {self.stage}: {len(outputs)} outputs need grads, received {len(grads)}")
-            elif outputs:
+            elif outputs and self.layered is None:
                 torch.autograd.backward(outputs, grads)
             self.logs[key] = own_values(payload["logs"])
             carried = next((r.value for r in self.logs[key] if r.name == LOSS_KEY), None)
@@ -264,17 +271,6 @@ class StageRuntime(RuntimeState):
             self.input_grads[mb] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in held.leaves]
         self.window_backwards += 1
         self._after_backward = (key, self.forward_version.pop(mb), not held.output.skipped)
-
-    def _finish_backward(self) -> None:
-        """The rest of the last backward, once its gradient message is sent ([Note: after the send])."""
-        key, forward_version, hooks = self._after_backward  # type: ignore[misc]
-        self._after_backward = None
-        start = self.clock()
-        if self.hooks is not None and hooks:
-            self.hooks.after_backward()
-        drift, exact = self.records.weight_drift_between(forward_version, self.version)
-        self.records.add_backward(BackwardRecord(key, self.version - forward_version, drift, exact))
-        self.records.add_time("compute", self.clock() - start)
 
     def _optimizer_step(self, _: None) -> None:
         if self.optimizer is None:
@@ -381,3 +377,15 @@ def _check_skipping(runtime: StageRuntime, key: int, loss: float) -> None:
     if not runtime.skip_nonfinite:
         raise StageFailure(f"stage {runtime.stage}: the loss of micro-batch {key} is {loss} at {runtime.step_label}. "
                            f"Pass `PACIStrategy(nonfinite='skip')` to drop such micro-batches instead of stopping.")
+
+
+def _finish_backward(runtime: StageRuntime) -> None:
+    """The rest of the last backward, once its gradient message is sent ([Note: after the send])."""
+    key, forward_version, hooks = runtime._after_backward  # type: ignore[misc]
+    runtime._after_backward = None
+    start = runtime.clock()
+    if runtime.hooks is not None and hooks:
+        runtime.hooks.after_backward()
+    drift, exact = runtime.records.weight_drift_between(forward_version, runtime.version)
+    runtime.records.add_backward(BackwardRecord(key, runtime.version - forward_version, drift, exact))
+    runtime.records.add_time("compute", runtime.clock() - start)

@@ -32,10 +32,11 @@ class RuntimeState:
         self.replica, self.replica_tag = 0, ""  # data-parallel replica (own random streams), " (replica r)" in errors
         self.reduce_gradients: Callable[[], None] | None = None  # data parallel: average over the stage's replicas
         # data parallel, overlapped ([Note: overlapped reduction]): called before the backward that closes a window
-        self.arm_reduction: Callable[[], None] | None = None
+        self.arm_reduction: Callable[[int], None] | None = None
         # [Note: deferred update]: the reduction whose update waits for the next backward (``start``/``finish``)
         self.deferred: Any = None
         self.window_size: int | None = None  # backwards per accumulation window of the current stream
+        self.layered: Any = None  # schedule="layered": the layer-major backward (engine/layered.py)
         self.step_label = ""  # where the run is, for error messages ("Lightning batch 7 (global step 7)")
         # called with the new version right after every local update: the weights are then exactly that version
         # on this stage, with no other stage involved (e.g. to keep version-k weights without draining)
@@ -65,10 +66,11 @@ class RuntimeState:
         self.microbatch_base, self.version, self.window_base = backwards, steps, window_start
 
     def join_replicas(self, replica: int, reduce_gradients: Callable[[], None] | None, *,
-                      arm: Callable[[], None] | None = None, deferred: Any = None) -> None:
+                      arm: Callable[[int], None] | None = None, deferred: Any = None) -> None:
         """Become data-parallel replica ``replica``: its own random streams, errors naming it, and
         ``reduce_gradients`` (an average over the stage's replicas) before every local step, if given; ``arm``
-        before each backward that closes a window (the reduction then starts during it); ``deferred`` (with
+        before each backward that closes a window, with the accumulations each gradient has still to take (the
+        reduction then starts during it); ``deferred`` (with
         ``start()`` and ``finish()``): the update waits for the next backward instead ([Note: deferred update])."""
         self.replica, self.replica_tag = replica, f" (replica {replica})"
         self.reduce_gradients, self.arm_reduction, self.deferred = reduce_gradients, arm, deferred
@@ -80,3 +82,8 @@ class RuntimeState:
     def label(self, step_label: str) -> None:
         """Where the run is, for error messages (``"Lightning batch 7 (global step 7)"``)."""
         self.step_label = step_label
+
+    def run_layer_major(self, backward: Any) -> None:
+        """``schedule="layered"``: run each mini-batch's backwards through ``backward`` (``layered.LayeredBackward``,
+        [Note: layered backward])."""
+        self.layered = backward

@@ -26,6 +26,7 @@ from lightning_paci.engine.comm import DistComm
 from lightning_paci.engine.data_parallel import GradientAverage, join_replicas
 from lightning_paci.engine.driver import StreamDriver
 from lightning_paci.engine.grad_buckets import OverlappedGradientAverage, backward_order
+from lightning_paci.engine.layered import LayerCuts, LayeredBackward
 from lightning_paci.engine.microbatch import loss_scale_for
 from lightning_paci.engine.optimizer_shards import OptimizerShards, merge_replica_states
 from lightning_paci.engine.recompute import BlockRecompute, recomputes
@@ -153,6 +154,10 @@ class LocalStage:
                                     loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
                                     skip_nonfinite=self.config.nonfinite == "skip", hooks=hooks,
                                     prediction=prediction)
+        if self.config.schedule == "layered":  # [Note: layered backward]
+            container = self.module.get_submodule(self.plan.container) if self.plan.container else self.module
+            blocks = [container[i] for i in self.plan.blocks(self.index)]  # type: ignore[index]
+            self.runtime.run_layer_major(LayeredBackward(LayerCuts(blocks)))
         costly = costly_regime(optimizer, schedulers) if warn is not None and self.runtime.prediction else None
         if costly is not None:
             warn(costly)  # type: ignore[misc]

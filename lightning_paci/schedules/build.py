@@ -21,6 +21,15 @@ follows every ``a``-th backward, so at most ``ceil(w / a)`` optimizer steps fall
 
 ``"1f1b"`` is the same rule applied to each mini-batch separately (a flush at every mini-batch boundary: the
 paper's synchronous baseline); ``"gpipe"`` runs all forwards of a mini-batch, then all its backwards.
+
+[Note: layered backward]
+``"layered"`` is ``"gpipe"`` with the backward of layered gradient accumulation (Lamy-Poirier, arXiv 2106.02679): a
+stage runs its mini-batch's backward block by block -- its last block for every micro-batch, then the block before
+it, ... -- so a block's gradient is final while the blocks before it still have every micro-batch to go, and its
+reduction over data-parallel replicas overlaps all of that (engine/layered.py). A micro-batch's input gradient is
+then known only at the end, so a stage receives every gradient of the mini-batch first, runs its backwards, then
+sends them: ``RECV_B x m, B x m, SEND_B x m`` (the stages' backwards follow one another), and the window is whole
+mini-batches (``accumulation`` a multiple of ``m``).
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from lightning_paci.schedules.analysis import assign_rounds
 
 __all__ = ["SCHEDULE_NAMES", "ScheduleName", "build_schedule"]
 
-ScheduleName = Literal["paci", "1f1b", "gpipe"]
+ScheduleName = Literal["paci", "1f1b", "gpipe", "layered"]
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
 
 
@@ -95,10 +104,16 @@ def build_schedule(
     if isinstance(backward_offset, bool) or not isinstance(backward_offset, int) or backward_offset < 0:
         raise ValueError(f"`backward_offset` must be an int >= 0, got {backward_offset!r}.")
 
+    if name == "layered" and accumulation % num_microbatches:
+        raise ValueError(f"`schedule='layered'` steps after whole mini-batches (a stage's backward runs block by block "
+                         f"over all of a mini-batch's micro-batches): `accumulation` must be a multiple of "
+                         f"`microbatches` ({num_microbatches}), got {accumulation}.")
     with _collector_paused():
         lowered = [
             _lower(stage, num_stages, _compute_order(name, num_stages, stage, num_microbatches, num_minibatches),
                    accumulation, backward_offset)
+            if name != "layered" else
+            _lower_layered(stage, num_stages, num_microbatches, num_minibatches, accumulation, backward_offset)
             for stage in range(num_stages)
         ]
         schedule = Schedule(
@@ -212,6 +227,28 @@ def _compute_order(
             order += [(F, first + i) for i in range(num_microbatches)]
             order += [(B, first + i) for i in range(num_microbatches)]
     return order
+
+
+def _lower_layered(stage: int, num_stages: int, m: int, num_minibatches: int, accumulation: int,
+                   backward_offset: int) -> tuple[Action, ...]:
+    """``"layered"``: per mini-batch, ``"gpipe"``'s forwards, then every gradient received, every backward, every
+    gradient sent ([Note: layered backward]), and an ``OPT`` where the count of backwards reaches a window's end."""
+    has_prev, has_next = stage > 0, stage < num_stages - 1
+    out: list[Action] = []
+    done = backward_offset
+    for minibatch in range(num_minibatches):
+        batch = range(minibatch * m, (minibatch + 1) * m)
+        for mb in batch:
+            out += [Action(stage, RECV_F, mb)] * has_prev + [Action(stage, F, mb)]
+            out += [Action(stage, SEND_F, mb)] * has_next
+        out += [Action(stage, RECV_B, mb) for mb in batch if has_next]
+        out += [Action(stage, B, mb) for mb in batch]
+        out += [Action(stage, SEND_B, mb) for mb in batch if has_prev]
+        for _ in batch:
+            done += 1
+            if done % accumulation == 0:
+                out.append(Action(stage, OPT, None))
+    return tuple(out)
 
 
 def _lower(

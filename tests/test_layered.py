@@ -1,0 +1,99 @@
+"""``schedule="layered"``: gpipe with the layer-major backward of layered gradient accumulation ([Note: layered
+backward]) -- one device's result in float64, gpipe's bit for bit with replicas, each block's reduction started
+while the blocks before it still run the whole mini-batch."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import fit
+from lightning_paci import PACIStrategy, build_schedule
+from models import HFCausalLM, SequentialMLP, hf_reference_accumulation, reference_accumulation, regression_loader
+from models import token_loader
+
+pytestmark = pytest.mark.distributed
+
+
+class DoubleMLP(SequentialMLP):
+    def __init__(self) -> None:
+        super().__init__(depth=6)
+        self.double()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return super().training_step((x.double(), y.double()), batch_idx)
+
+
+class RecordLayers(L.Callback):
+    """Every rank writes: mini-batches run layer-major, cuts per micro-batch, buckets started during a backward."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        runtime = trainer.strategy.runtime
+        started = getattr(runtime.reduce_gradients, "started_in_backward", 0)
+        figures = [runtime.layered.groups, runtime.layered.depth, started]
+        (self.directory / f"layers{trainer.global_rank}.txt").write_text(" ".join(map(str, figures)))
+
+    def read(self, ranks: int) -> list[list[int]]:
+        return [list(map(int, (self.directory / f"layers{r}.txt").read_text().split())) for r in range(ranks)]
+
+
+def test_the_layered_backward_equals_one_device_in_float64(tmp_path):
+    torch.manual_seed(3)
+    model = DoubleMLP()
+    reference = copy.deepcopy(model)
+    loader = regression_loader(num_batches=4, batch_size=8)
+    record = RecordLayers(tmp_path)
+    fit(model, loader, devices=3, max_steps=3, schedule="layered", microbatches=4, partition="parameters",
+        callbacks=[record])
+    reference_accumulation(reference, [(x.double(), y.double()) for x, y in loader], num_microbatches=4, num_steps=3)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    # 11 blocks (Linear, Tanh, ...) over 3 stages; every block's entry and exit cut on every micro-batch
+    assert [groups for groups, _, _ in record.read(3)] == [3, 3, 3]
+    assert sum(depth for _, depth, _ in record.read(3)) == 2 * 11 - 1  # stage 0's first block: its input is data
+
+
+def test_a_transformers_model_trains_layer_major_as_on_one_device():
+    torch.manual_seed(10)
+    model = HFCausalLM("gpt2", layers=4)
+    reference = copy.deepcopy(model)
+    loader = token_loader(num_batches=4, vocab=64, seq=12)
+    fit(model, loader, devices=2, max_steps=3, schedule="layered", microbatches=4)
+    hf_reference_accumulation(reference, list(loader)[:3], num_microbatches=4)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+def test_with_replicas_the_layered_backward_is_gpipes_bit_for_bit_and_reduces_during_it(tmp_path):
+    torch.manual_seed(6)
+    model = SequentialMLP(depth=6)
+    gpipe = copy.deepcopy(model)
+    loader = regression_loader(num_batches=12, batch_size=8)
+    shape = dict(devices=4, max_steps=3, microbatches=4, data_parallel_size=2, reduce_bucket_mb=1e-6,
+                 partition="parameters", trainer_kwargs={"use_distributed_sampler": True})
+    record = RecordLayers(tmp_path)
+    fit(model, loader, schedule="layered", callbacks=[record], **shape)
+    fit(gpipe, loader, schedule="gpipe", **shape)
+    for key, value in gpipe.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    assert all(started > 0 for _, _, started in record.read(4))  # buckets started inside the layer-major pass
+
+
+def test_the_layered_lists_receive_every_gradient_before_the_backwards_and_need_whole_batches():
+    actions = [f"{a.kind}{'' if a.microbatch is None else a.microbatch}" for a in
+               build_schedule("layered", 3, 2, 2, 1).actions[1]]
+    assert actions[6:] == [f"{k}{i}" for k, i in [("RECV_B", 0), ("RECV_B", 1), ("B", 0), ("B", 1), ("SEND_B", 0),
+                                                   ("SEND_B", 1)]] + ["OPT"]
+    with pytest.raises(ValueError, match=r"`schedule='layered'` steps after whole mini-batches .* `accumulation` must "
+                                         r"be a multiple of `microbatches` \(4\), got 6"):
+        build_schedule("layered", 2, 4, 6, 2)
+    with pytest.raises(ValueError, match=r"`recompute='blocks'` recomputes those blocks"):
+        PACIStrategy(schedule="layered", recompute="blocks")
