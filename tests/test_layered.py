@@ -97,3 +97,28 @@ def test_the_layered_lists_receive_every_gradient_before_the_backwards_and_need_
         build_schedule("layered", 2, 4, 6, 2)
     with pytest.raises(ValueError, match=r"`recompute='blocks'` recomputes those blocks"):
         PACIStrategy(schedule="layered", recompute="blocks")
+
+
+class CountHooks(L.Callback):
+    """Every rank writes how many forward hooks its module holds during training and when the run ends."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def _count(self, module: torch.nn.Module) -> int:
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.during = self._count(pl_module)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        after = self._count(pl_module)
+        (self.directory / f"hooks{trainer.global_rank}.txt").write_text(f"{self.during} {after}")
+
+
+def test_the_block_hooks_are_removed_when_the_run_ends(tmp_path):
+    fit(SequentialMLP(depth=4), regression_loader(num_batches=2), devices=2, max_steps=1, schedule="layered",
+        microbatches=2, partition="parameters", callbacks=[CountHooks(tmp_path)])
+    counts = [tuple(map(int, (tmp_path / f"hooks{r}.txt").read_text().split())) for r in range(2)]
+    assert all(during >= 2 for during, _ in counts)  # each stage's blocks are hooked while it trains
+    assert all(after == 0 for _, after in counts), counts

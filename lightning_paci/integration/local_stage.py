@@ -267,6 +267,9 @@ class LocalStage:
                 log.warning(f"lightning_paci: could not gather the full weights at teardown: {err}")
         if self._recompute is not None:
             self._recompute.remove()
+        if self.runtime is not None and self.runtime.layered is not None:  # the layered backward's block hooks
+            for handle in self.runtime.layered.cuts.handles:
+                handle.remove()
         self.carve.restore(self.module, full, materialize=materialize)
 
 
