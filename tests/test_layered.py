@@ -11,10 +11,17 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import fit
 from lightning_paci import PACIStrategy, build_schedule
-from models import HFCausalLM, SequentialMLP, hf_reference_accumulation, reference_accumulation, regression_loader
-from models import token_loader
+
+from helpers import fit
+from models import (
+    HFCausalLM,
+    SequentialMLP,
+    hf_reference_accumulation,
+    reference_accumulation,
+    regression_loader,
+    token_loader,
+)
 
 pytestmark = pytest.mark.distributed
 
