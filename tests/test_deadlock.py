@@ -80,8 +80,9 @@ def test_lazily_created_tied_communicators_deadlock_even_without_posting(name):
 
 
 def test_every_built_list_set_is_deadlock_free_under_the_directed_layout():
-    """The whole grid: paci, 1f1b, gpipe, layered (its windows whole mini-batches); N <= 8, m <= 16, a <= 16; tied weights when N > 1; one and
-    two data-parallel replicas (the gradient all-reduce before every OPT); plus the epoch-end closing step."""
+    """The whole grid: paci, 1f1b, gpipe, layered (its windows whole mini-batches); N <= 8, m <= 16, a <= 16; tied
+    weights when N > 1; one and two data-parallel replicas (the gradient all-reduce before every OPT); plus the
+    epoch-end closing step."""
     checked = 0
     for name, n, m, a in itertools.product(SCHEDULE_NAMES, range(1, 9), range(1, 17), range(1, 17)):
         if name == "layered" and a % m:
