@@ -129,3 +129,32 @@ def test_the_block_hooks_are_removed_when_the_run_ends(tmp_path):
     counts = [tuple(map(int, (tmp_path / f"hooks{r}.txt").read_text().split())) for r in range(2)]
     assert all(during >= 2 for during, _ in counts)  # each stage's blocks are hooked while it trains
     assert all(after == 0 for _, after in counts), counts
+
+
+class _Sent:
+    """A reduction over one replica: nothing to wait for."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def test_a_gradient_accumulated_after_its_buckets_reduction_started_is_named_at_the_step():
+    # one replica, the reduction the identity; the hooks expect one accumulation per parameter in the closing
+    # backward, and `shared` receives a second one from another backward run inside it
+    from lightning_paci.engine.grad_buckets import OverlappedGradientAverage
+
+    shared, other = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    average = OverlappedGradientAverage([shared, other], None, 1, buckets=[[0], [1]], first_late=2,
+                                        names=["shared", "other"], all_reduce=lambda flat: _Sent())
+    average.arm()
+    (shared * 2).sum().backward()  # bucket 0 starts
+    (shared * other).sum().backward()  # shared again, and other: bucket 1 starts
+    assert average.started_in_backward == 2
+    with pytest.raises(RuntimeError, match=r"shared received more gradient in the backward that closes a window"):
+        average()
+    average.arm(times=2)  # the next window, layer-major over two micro-batches: no error
+    for _ in range(2):
+        (shared * other).sum().backward()
+    average()
+    # the failed window wrote nothing back: 2 + 1 from it, then 1 + 1, packed after the second accumulation
+    torch.testing.assert_close(shared.grad, torch.full((2,), 5.0))

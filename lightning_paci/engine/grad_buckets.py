@@ -155,7 +155,7 @@ class OverlappedGradientAverage:
     def _hook(self, bucket: int, index: int) -> Callable[[torch.Tensor], None]:
         def accumulated(_: torch.Tensor) -> None:
             left = self._pending[bucket].get(index)
-            if bucket < self._next or left is None:  # one accumulation more than expected (a reentrant backward)
+            if bucket < self._next or left is None:  # one accumulation more than expected
                 self._late_gradient = self.names[index]
             elif left > 1:
                 self._pending[bucket][index] = left - 1
@@ -194,9 +194,10 @@ class OverlappedGradientAverage:
         late, self._late_gradient = self._late_gradient, None
         if late is not None:
             raise RuntimeError(
-                f"{late} received gradient twice in the backward that closes a window (a backward run inside it, "
-                f"e.g. a reentrant torch.utils.checkpoint): its reduction over the replicas had already started. "
-                f"Use `torch.utils.checkpoint(..., use_reentrant=False)`, or `PACIStrategy(reduce_bucket_mb=None)` to "
+                f"{late} received more gradient in the backward that closes a window than expected (a backward run "
+                f"inside it, e.g. a reentrant torch.utils.checkpoint; under `schedule='layered'`, a parameter used by "
+                f"two blocks): its reduction over the replicas had already started. Use "
+                f"`torch.utils.checkpoint(..., use_reentrant=False)`, or `PACIStrategy(reduce_bucket_mb=None)` to "
                 f"reduce every gradient at the step.")
         for _, _, work in started:
             work.wait()
