@@ -11,7 +11,7 @@ from lightning_paci.config import PACIConfig
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"schedule": "zb"}, r"`schedule` must be one of 'paci', '1f1b', 'gpipe', got 'zb'"),
+    ({"schedule": "zb"}, r"`schedule` must be one of 'paci', '1f1b', 'gpipe', 'layered', got 'zb'"),
     ({"microbatches": 0}, r"`microbatches` must be an int >= 1 \(or None for the default\), got 0\. Use e\.g\."),
     ({"accumulation": True}, r"`accumulation` must be an int >= 1 .*got True"),
     ({"nonfinite": "ignore"}, r"`nonfinite` must be one of 'raise', 'skip', got 'ignore'"),

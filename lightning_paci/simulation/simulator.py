@@ -266,7 +266,7 @@ def _costs(text: str) -> float | list[float]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Build, simulate and print one schedule; argument errors exit with argparse's usage message."""
     parser = argparse.ArgumentParser(prog="python -m lightning_paci.simulate", description=_CLI_DESCRIPTION)
-    parser.add_argument("--schedule", default="paci", help="paci, 1f1b or gpipe (default paci)")
+    parser.add_argument("--schedule", default="paci", help="paci, 1f1b, gpipe or layered (default paci)")
     parser.add_argument("--stages", type=int, required=True, help="pipeline stages N")
     parser.add_argument("--microbatches", type=int, required=True, help="micro-batches m per mini-batch")
     parser.add_argument("--accumulation", type=int, default=None,
