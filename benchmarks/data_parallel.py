@@ -106,7 +106,8 @@ def run(stages: int, replicas: int, m: int, args: argparse.Namespace, local_sgd_
     model = EmulatedModel(stages * args.blocks_per_stage, args.forward_ms / 1e3, args.backward_ms / 1e3)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = L.Trainer(
-            strategy=PACIStrategy(schedule="paci", microbatches=m, pipeline_parallel_size=stages, start_method="fork",
+            strategy=PACIStrategy(schedule=args.schedule, microbatches=m, pipeline_parallel_size=stages,
+                                  start_method="fork",
                                   timeout=timedelta(seconds=120), partition="parameters",
                                   local_sgd_steps=local_sgd_steps, reduce_bucket_mb=bucket_mb,
                                   deferred_update=deferred),
@@ -133,7 +134,7 @@ def _time(args: argparse.Namespace) -> list[dict[str, Any]]:
                 [(1, None, None, False)] if 1 in args.replicas else []
             configs += [(r, None, b, False) for r in args.replicas if r > 1 for b in buckets]
             configs += [(r, None, b, True) for r in args.replicas if r > 1 and args.deferred for b in buckets
-                        if b is not None]
+                        if b is not None and args.schedule == "paci"]
             configs += [(r, s, None, False) for r in args.replicas if r > 1 for s in args.local_sgd_steps]
             first = len(rows)
             for replicas, local_sgd, bucket_mb, deferred in configs:
@@ -146,7 +147,7 @@ def _time(args: argparse.Namespace) -> list[dict[str, Any]]:
                     count = 0 if bucket_mb is None else max(1, min(per_stage, -(-stage_bytes // int(bucket_mb * 2**20
                                                                                                        or 1))))
                     simulated = simulate_schedule(
-                        build_schedule("paci", n, m, m, k), forward_cost=per_stage * args.forward_ms,
+                        build_schedule(args.schedule, n, m, m, k), forward_cost=per_stage * args.forward_ms,
                         backward_cost=per_stage * args.backward_ms,
                         reduce_cost=args.interconnect_ms if replicas > 1 else 0.0, reduce_buckets=count,
                         deferred=deferred)
@@ -160,7 +161,7 @@ def _time(args: argparse.Namespace) -> list[dict[str, Any]]:
                              "samples_per_s": (k - 2) * m * args.microbatch_size * replicas / steady})
             for row in rows[first:]:
                 row["vs_first"] = row["samples_per_s"] / rows[first]["samples_per_s"]
-    print_table(f"emulated cluster, paci, {k} mini-batches per replica, block F/B {args.forward_ms:g}/"
+    print_table(f"emulated cluster, {args.schedule}, {k} mini-batches per replica, block F/B {args.forward_ms:g}/"
                 f"{args.backward_ms:g} ms, {per_stage} blocks per stage, {args.microbatch_size} samples per "
                 f"micro-batch, link {args.interconnect_ms:g} ms per stage gradient, median of {args.repeats}",
                 rows, [("shape", "s"), ("m", "d"), ("reduction", "s"), ("steady_efficiency", ".3f"),
@@ -207,6 +208,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
                         help="emulated link: ms for one stage's whole gradient (each reduction its share by bytes)")
     parser.add_argument("--reduce-bucket-mb", nargs="+", default=["25"],
                         help="PACIStrategy(reduce_bucket_mb=) of the gradient runs: MiB, or none (blocking)")
+    parser.add_argument("--schedule", default="paci",
+                        help="the time runs' schedule: paci (default), or a flush schedule (1f1b, gpipe, layered); "
+                             "efficiency is against the bubble-free limit either way")
     parser.add_argument("--deferred", action="store_true",
                         help="also run each bucket size with PACIStrategy(deferred_update=True)")
     parser.add_argument("--local-sgd-steps", type=int, nargs="*", default=[], help="also run LocalSGD with these k")
