@@ -140,9 +140,7 @@ class OverlappedGradientAverage:
     def arm(self, times: int = 1) -> None:
         """Before the backward that closes the window: start each bucket when its parameters' gradients are final,
         after ``times`` accumulations each (a layer-major mini-batch, [Note: layered backward], accumulates once per
-        micro-batch; it arms at each of its backwards, the window's first arming counts)."""
-        if self._handles or self._started:
-            return
+        micro-batch)."""
         self._pending = [{i: times for i in b} for b in self.buckets]
         for b, bucket in enumerate(self.buckets[:self.first_late]):
             for i in bucket:

@@ -93,8 +93,8 @@ class LayeredBackward:
             return
         group = [(mb, held)] + sorted(runtime.held.items())
         pieces: list[tuple[list[torch.Tensor], list[torch.Tensor] | None, list[Cut]]] = []
+        self.done.update(m for m, _ in group[1:])  # their B only does its bookkeeping
         for m, h in group:
-            self.done.add(m)
             cuts = self.of.pop(m, [])
             if h.output.skipped:
                 continue
@@ -109,7 +109,6 @@ class LayeredBackward:
                 continue
             outputs = [t for t in flatten(h.output.outgoing)[1] if t.requires_grad]
             pieces.append((outputs, list(payload["grads"]), cuts))
-        self.done.discard(mb)
         depth = {len(cuts) for _, _, cuts in pieces}
         if len(depth) > 1:
             raise AssertionError(f"stage {runtime.stage}: micro-batches cut at {sorted(depth)} block boundaries; "

@@ -79,7 +79,6 @@ class OptimizerShards:
                     t.copy_(part.view_as(t))
 
 
-
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the tensors in ``optimizer``'s state (what sharding divides)."""
     return sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()

@@ -55,6 +55,7 @@ from lightning_paci.schedules import (
     Interval,
     message_key,
 )
+from lightning_paci.schedules.analysis import DEFERRED_UPDATE_BEFORE
 
 __all__ = ["BackwardHooks", "ForwardOutput", "StageProgram", "StageRuntime"]
 
@@ -66,8 +67,6 @@ _INTERVAL_KIND = {F: "F", B: "B", OPT: "OPT", RECV_F: "WAIT_F", RECV_B: "WAIT_B"
 
 
 _NO_CONTEXT = contextlib.nullcontext()
-# the actions before which a deferred update is made ([Note: deferred update] in updates.py)
-_APPLIES_PENDING = frozenset({B, OPT, SEND_T, RECV_T})
 
 
 @dataclass
@@ -172,7 +171,7 @@ class StageRuntime(RuntimeState):
         kind, mb = action.kind, action.microbatch
         if self._after_backward is not None and kind not in SEND_KINDS:
             _finish_backward(self)
-        if self._update_pending and kind in _APPLIES_PENDING:
+        if self._update_pending and kind in DEFERRED_UPDATE_BEFORE:  # [Note: deferred update]
             self.apply_pending_update()
         start = self.clock()
         self.current = (action, start)  # read by the watchdog's thread (supervision.runtime_activity)
@@ -234,9 +233,10 @@ class StageRuntime(RuntimeState):
             records.losses[key] = loss
 
     def _backward(self, mb: int) -> None:
-        group = 1 if self.layered is None else len(self.held)  # layered: the mini-batch's backwards run now
-        if self.arm_reduction is not None and self.window_backwards + group == self.window_size:  # the OPT follows
-            self.arm_reduction(group)
+        # layered: the first B of a mini-batch runs all of its backwards, the others none
+        group = 1 if self.layered is None else 0 if mb in self.layered.done else len(self.held)
+        if self.arm_reduction is not None and group and self.window_backwards + group == self.window_size:
+            self.arm_reduction(group)  # the OPT follows these backwards
         held = self.held.pop(mb)
         self.records.activation_bytes.pop(mb, None)
         key = mb + self.microbatch_base

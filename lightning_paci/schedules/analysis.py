@@ -25,8 +25,8 @@ from lightning_paci.schedules.actions import (
     message_key,
 )
 
-__all__ = ["assign_rounds", "derived_drift_bound", "drift_bound", "inflight_profile", "static_drift",
-           "static_tied_lags"]
+__all__ = ["DEFERRED_UPDATE_BEFORE", "assign_rounds", "derived_drift_bound", "drift_bound", "inflight_profile",
+           "static_drift", "static_tied_lags"]
 
 
 def drift_bound(num_stages: int, stage: int, accumulation: int) -> int:
@@ -46,7 +46,7 @@ def static_drift(actions: Sequence[Action], *, deferred: bool = False) -> dict[i
     at_forward: dict[int, int] = {}
     gaps: dict[int, int] = {}
     for action in actions:
-        if pending and action.kind in _APPLY_DEFERRED:
+        if pending and action.kind in DEFERRED_UPDATE_BEFORE:
             version, pending = version + 1, False
         if action.kind == F:
             at_forward[action.microbatch] = version  # type: ignore[index]
@@ -60,7 +60,8 @@ def static_drift(actions: Sequence[Action], *, deferred: bool = False) -> dict[i
     return gaps
 
 
-_APPLY_DEFERRED = frozenset({B, OPT, SEND_T, RECV_T})
+# the actions before which a deferred update is made, by the runtime and in this reading of the list
+DEFERRED_UPDATE_BEFORE = frozenset({B, OPT, SEND_T, RECV_T})
 
 
 def static_tied_lags(actions: Sequence[Action]) -> dict[int, int]:
