@@ -10,7 +10,8 @@ The package keeps one concept per module and re-exports all of them here, so imp
 * :mod:`~lightning_paci.schedules.build`: the builder (compute order, lowering, tied-weight exchange),
 * :mod:`~lightning_paci.schedules.analysis`: facts read off the lists (drift, in-flight depth, call rounds),
 * :mod:`~lightning_paci.schedules.validate`: the validator and its step x stage grid,
-* :mod:`~lightning_paci.schedules.deadlock`: the strict model of NCCL messaging and the communicator layouts.
+* :mod:`~lightning_paci.schedules.deadlock`: the strict model of NCCL messaging and the communicator layouts,
+* :mod:`~lightning_paci.schedules.virtual`: virtual stages, their placement on devices and the devices' orders.
 
 Importing this package imports neither torch nor lightning: the simulator and the command line stay light.
 """
@@ -41,14 +42,16 @@ from lightning_paci.schedules.actions import (
     parse_actions,
 )
 from lightning_paci.schedules.analysis import (
+    activation_peaks,
     assign_rounds,
+    chunk_drift_bounds,
     derived_drift_bound,
     drift_bound,
     inflight_profile,
     static_drift,
     static_tied_lags,
 )
-from lightning_paci.schedules.build import SCHEDULE_NAMES, ScheduleName, build_schedule
+from lightning_paci.schedules.build import SCHEDULE_NAMES, VIRTUAL_SCHEDULE_NAMES, ScheduleName, build_schedule
 from lightning_paci.schedules.deadlock import (
     LAYOUTS,
     Communicator,
@@ -59,6 +62,7 @@ from lightning_paci.schedules.deadlock import (
     setup_groups,
 )
 from lightning_paci.schedules.validate import stage_lists_from_text, validate_schedule
+from lightning_paci.schedules.virtual import PLACEMENTS, stage_devices
 
 __all__ = [
     "COMPUTE_KINDS",
@@ -83,8 +87,12 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "ScheduleName",
+    "VIRTUAL_SCHEDULE_NAMES",
+    "PLACEMENTS",
+    "activation_peaks",
     "assign_rounds",
     "build_schedule",
+    "chunk_drift_bounds",
     "check_group_creation",
     "check_deadlock_free",
     "communicator",
@@ -99,5 +107,6 @@ __all__ = [
     "stage_lists_from_text",
     "static_drift",
     "static_tied_lags",
+    "stage_devices",
     "validate_schedule",
 ]

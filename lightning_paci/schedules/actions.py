@@ -145,10 +145,12 @@ def parse_actions(text: str) -> list[Action]:
 
 @dataclass(frozen=True)
 class Schedule:
-    """The action lists of all stages plus the arguments that built them.
+    """The action lists of all devices plus the arguments that built them.
 
-    ``actions[s]`` is the ordered list that stage ``s`` executes as is. Micro-batch ``j`` belongs to mini-batch
-    ``j // num_microbatches``.
+    ``actions[d]`` is the ordered list that device ``d`` executes as is. With one stage per device (``placement``
+    empty) device ``d`` runs stage ``d``; with virtual stages ([Note: virtual stages] in virtual.py) ``num_stages``
+    counts the chunks in pipeline order, ``placement[s]`` is stage ``s``'s device, and every action names its chunk.
+    Micro-batch ``j`` belongs to mini-batch ``j // num_microbatches``.
     """
 
     name: str
@@ -157,17 +159,37 @@ class Schedule:
     accumulation: int
     num_minibatches: int
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+    placement: tuple[int, ...] = ()
 
     @property
     def total_microbatches(self) -> int:
         return self.num_microbatches * self.num_minibatches
 
-    def compute_actions(self, stage: int) -> list[Action]:
-        """The ``F``/``B``/``OPT`` actions of one stage, in order (what a timeline shows)."""
-        return [action for action in self.actions[stage] if action.kind in COMPUTE_KINDS]
+    @property
+    def num_devices(self) -> int:
+        return len(self.actions)
 
-    def stage_text(self, stage: int, *, compute_only: bool = False) -> str:
-        actions = self.compute_actions(stage) if compute_only else self.actions[stage]
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per device (``v``)."""
+        return self.num_stages // max(len(self.actions), 1)
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """The device of every stage (``placement``, or stage ``s`` on device ``s``)."""
+        return self.placement or tuple(range(self.num_stages))
+
+    def stage_actions(self, stage: int) -> list[Action]:
+        """Stage ``stage``'s own actions, in its device's order (all of the device's list when it holds one stage)."""
+        actions = self.actions[self.devices[stage]]
+        return list(actions) if not self.placement else [a for a in actions if a.stage == stage]
+
+    def compute_actions(self, device: int) -> list[Action]:
+        """The ``F``/``B``/``OPT`` actions of one device's list, in order (what a timeline shows)."""
+        return [action for action in self.actions[device] if action.kind in COMPUTE_KINDS]
+
+    def stage_text(self, device: int, *, compute_only: bool = False) -> str:
+        actions = self.compute_actions(device) if compute_only else self.actions[device]
         return " ".join(str(action) for action in actions)
 
 

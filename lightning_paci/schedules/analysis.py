@@ -25,8 +25,8 @@ from lightning_paci.schedules.actions import (
     message_key,
 )
 
-__all__ = ["DEFERRED_UPDATE_BEFORE", "assign_rounds", "derived_drift_bound", "drift_bound", "inflight_profile",
-           "static_drift", "static_tied_lags"]
+__all__ = ["DEFERRED_UPDATE_BEFORE", "activation_peaks", "assign_rounds", "chunk_drift_bounds", "derived_drift_bound",
+           "drift_bound", "inflight_profile", "static_drift", "static_tied_lags"]
 
 
 def drift_bound(num_stages: int, stage: int, accumulation: int) -> int:
@@ -106,6 +106,34 @@ def derived_drift_bound(actions: Sequence[Action], accumulation: int, *, deferre
     return math.ceil((peak - 1) / accumulation) if step_while_held else 0
 
 
+def chunk_drift_bounds(schedule: Schedule, *, deferred: bool = False) -> tuple[int, ...]:
+    """The largest version gap of every stage (with virtual stages: every chunk, [Note: virtual stages]), read off
+    its own actions in its device's order by ``static_drift``: what the runtime will measure, exactly. Under
+    ``"paci"`` the gaps repeat once the warm-up is over, so a list of a few periods gives a stream's bound. (The
+    peak-based ``derived_drift_bound`` assumes one backward between two forwards; a device that runs a group of
+    one chunk's forwards in a row can stay below it.)"""
+    return tuple(max(static_drift(schedule.stage_actions(s), deferred=deferred).values(), default=0)
+                 for s in range(schedule.num_stages))
+
+
+def activation_peaks(schedule: Schedule) -> tuple[float, ...]:
+    """Per device, the most micro-batches' activations held at once between their ``F`` and ``B``, in units of one
+    micro-batch through a whole device's share of the model: a chunk's micro-batch counts ``1 / v`` (the chunks of a
+    device split its blocks evenly). With one stage per device it is ``inflight_profile``'s peak."""
+    share = 1 / schedule.virtual_stages
+    peaks = []
+    for actions in schedule.actions:
+        held = peak = 0
+        for action in actions:
+            if action.kind is F:
+                held += 1
+                peak = max(peak, held)
+            elif action.kind is B:
+                held -= 1
+        peaks.append(peak * share)
+    return tuple(peaks)
+
+
 def assign_rounds(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
     """The Lightning call ("round") in which each action can run, for every stage.
 
@@ -118,7 +146,8 @@ def assign_rounds(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
     """
     lists = schedule.actions
     m = schedule.num_microbatches
-    n = schedule.num_stages
+    n = len(lists)
+    stages = schedule.num_stages
     rounds: list[list[int]] = [[] for _ in range(n)]
     current = [0] * n
     posted: dict[MessageKey, int] = {}
@@ -133,7 +162,7 @@ def assign_rounds(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
             if kind is F:
                 current[s] = max(current[s], action.microbatch // m)  # type: ignore[operator]
             elif kind is not B and kind is not OPT:
-                key = message_key(action, n)
+                key = message_key(action, stages)
                 assert key is not None
                 if kind in RECV_KINDS:
                     if key not in posted:

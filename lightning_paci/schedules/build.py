@@ -54,11 +54,14 @@ from lightning_paci.schedules.actions import (
     Schedule,
 )
 from lightning_paci.schedules.analysis import assign_rounds
+from lightning_paci.schedules.virtual import Unit, device_orders, stage_devices
 
-__all__ = ["SCHEDULE_NAMES", "ScheduleName", "build_schedule"]
+__all__ = ["SCHEDULE_NAMES", "VIRTUAL_SCHEDULE_NAMES", "ScheduleName", "build_schedule"]
 
 ScheduleName = Literal["paci", "1f1b", "gpipe", "layered"]
-SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
+SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)  # what PACIStrategy(schedule=...) runs
+# the schedules over virtual stages ([Note: virtual stages]); with one stage per device they build 1f1b's and gpipe's
+VIRTUAL_SCHEDULE_NAMES: tuple[str, ...] = ("interleaved", "bfs")
 
 
 def _check_positive(name: str, value: object, fix: str) -> int:
@@ -78,11 +81,14 @@ def build_schedule(
     *,
     backward_offset: int = 0,
     tied: bool = False,
+    virtual_stages: int = 1,
+    placement: str = "loop",
 ) -> Schedule:
     """Build the action list of every stage.
 
     Args:
-        name: ``"paci"`` (asynchronous 1F1B, no flush), ``"1f1b"`` (1F1B with a flush per mini-batch) or ``"gpipe"``.
+        name: ``"paci"`` (asynchronous 1F1B, no flush), ``"1f1b"`` (1F1B with a flush per mini-batch), ``"gpipe"``,
+            ``"layered"``, or over virtual stages ``"interleaved"`` and ``"bfs"``.
         num_stages: pipeline stages ``N``, one process each.
         num_microbatches: micro-batches ``m`` per mini-batch (any ``m >= 1``; ``m < N`` runs, it only fills less).
         accumulation: ``a``; every stage steps its optimizer after every ``a``-th local backward.
@@ -91,12 +97,18 @@ def build_schedule(
             ``OPT`` positions continue the count: an ``OPT`` follows backward number ``n`` when
             ``(backward_offset + n) % a == 0``.
         tied: the first and last stage share tied weights (an embedding and an LM head); see [Note: tied weights].
+        virtual_stages: ``v`` chunks per device ([Note: virtual stages] in virtual.py): ``num_stages`` devices run
+            ``v * num_stages`` pipeline stages; ``"interleaved"`` and ``"bfs"`` are the flush schedules for it
+            (with ``v = 1`` the same lists as ``"1f1b"`` and ``"gpipe"``), ``"paci"`` runs over the chunks too.
+        placement: ``"loop"`` (chunk ``c`` on device ``c mod P``) or ``"v"`` (zig-zag: the first and last chunk on
+            device 0).
 
     Raises:
         ValueError / TypeError: naming the argument, its value and the fix.
     """
-    if name not in SCHEDULE_NAMES:
-        raise ValueError(f"`schedule` must be one of {', '.join(map(repr, SCHEDULE_NAMES))}, got {name!r}.")
+    if name not in SCHEDULE_NAMES + VIRTUAL_SCHEDULE_NAMES:
+        names = SCHEDULE_NAMES + VIRTUAL_SCHEDULE_NAMES
+        raise ValueError(f"`schedule` must be one of {', '.join(map(repr, names))}, got {name!r}.")
     _check_positive("num_stages", num_stages, "Use one stage per pipeline process, e.g. num_stages=4.")
     _check_positive("num_microbatches", num_microbatches, "Split each mini-batch into at least one micro-batch.")
     _check_positive("accumulation", accumulation, "Use accumulation=num_microbatches for one step per mini-batch.")
@@ -104,6 +116,11 @@ def build_schedule(
     if isinstance(backward_offset, bool) or not isinstance(backward_offset, int) or backward_offset < 0:
         raise ValueError(f"`backward_offset` must be an int >= 0, got {backward_offset!r}.")
 
+    _check_positive("virtual_stages", virtual_stages, "Use virtual_stages=1 for one stage per device.")
+    devices = stage_devices(num_stages, virtual_stages, placement)
+    if virtual_stages > 1:
+        return _build_virtual(name, num_stages, num_microbatches, accumulation, num_minibatches, backward_offset,
+                              tied, devices, placement)
     if name == "layered" and accumulation % num_microbatches:
         raise ValueError(f"`schedule='layered'` steps after whole mini-batches (a stage's backward runs block by block "
                          f"over all of a mini-batch's micro-batches): `accumulation` must be a multiple of "
@@ -221,7 +238,7 @@ def _compute_order(
     order: list[tuple[ActionKind, int]] = []
     for minibatch in range(num_minibatches):
         first = minibatch * num_microbatches
-        if name == "1f1b":
+        if name in ("1f1b", "interleaved"):  # one chunk per device: interleaved 1F1B is 1F1B, bfs is gpipe
             order += _one_f_one_b(stage, num_stages, first, num_microbatches)
         else:  # gpipe
             order += [(F, first + i) for i in range(num_microbatches)]
@@ -279,4 +296,54 @@ def _lower(
             done += 1
             if done % accumulation == 0:
                 append(new(Action, (stage, OPT, None)))
+    return tuple(out)
+
+
+def _build_virtual(name: str, num_devices: int, m: int, accumulation: int, num_minibatches: int,
+                   backward_offset: int, tied: bool, devices: tuple[int, ...], placement: str) -> Schedule:
+    """``v > 1`` chunks per device ([Note: virtual stages]): the device orders of virtual.py, lowered per chunk."""
+    v = len(devices) // num_devices
+    if name not in ("paci", "interleaved", "bfs"):
+        other = {"1f1b": "interleaved", "gpipe": "bfs"}.get(name)
+        fix = f"use schedule={other!r}, its order over chunks" if other else "use 'interleaved', 'bfs' or 'paci'"
+        raise ValueError(f"`schedule={name!r}` runs one stage per device, got `virtual_stages={v}`: {fix}, or "
+                         f"virtual_stages=1.")
+    if name != "bfs" and placement == "loop" and m % num_devices:
+        raise ValueError(f"`schedule={name!r}` with `placement='loop'` runs micro-batches in groups of one per device "
+                         f"through each chunk (Megatron's interleaved order): `microbatches` ({m}) must be a multiple "
+                         f"of the devices ({num_devices}). Use microbatches={-(-m // num_devices) * num_devices}, "
+                         f"schedule='bfs', or placement='v'.")
+    if tied and devices[0] != devices[-1]:
+        raise ValueError(f"tied weights with `virtual_stages={v}` need the first and the last chunk on one device: "
+                         f"use placement='v' with an even virtual_stages (got placement={placement!r}).")
+    with _collector_paused():
+        orders = device_orders(name, devices, m, num_minibatches, _one_f_one_b, placement)
+        lowered = tuple(_lower_units(order, len(devices), accumulation, backward_offset) for order in orders)
+    # tied weights on one device: no exchange, the device's two chunks share the parameter (see the runtime)
+    return Schedule(name, len(devices), m, accumulation, num_minibatches, lowered, placement=devices)
+
+
+def _lower_units(order: Iterable[Unit], num_stages: int, accumulation: int, backward_offset: int) -> tuple[Action, ...]:
+    """``_lower`` for a device running several chunks: each unit's messages by its own chunk's neighbours, and an
+    ``OPT`` of chunk ``s`` after every ``accumulation``-th backward of chunk ``s``."""
+    new = tuple.__new__
+    last = num_stages - 1
+    done: dict[int, int] = {}
+    out: list[Action] = []
+    for stage, kind, microbatch in order:
+        if kind is F:
+            if stage > 0:
+                out.append(new(Action, (stage, RECV_F, microbatch)))
+            out.append(new(Action, (stage, F, microbatch)))
+            if stage < last:
+                out.append(new(Action, (stage, SEND_F, microbatch)))
+        else:
+            if stage < last:
+                out.append(new(Action, (stage, RECV_B, microbatch)))
+            out.append(new(Action, (stage, B, microbatch)))
+            if stage > 0:
+                out.append(new(Action, (stage, SEND_B, microbatch)))
+            done[stage] = done.get(stage, backward_offset) + 1
+            if done[stage] % accumulation == 0:
+                out.append(new(Action, (stage, OPT, None)))
     return tuple(out)

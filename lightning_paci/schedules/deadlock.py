@@ -88,17 +88,23 @@ def communicator(layout: str, channel: str, src: int, dst: int, replica: int = 0
     raise ValueError(f"`layout` must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}.")
 
 
-def layout_communicators(layout: str, num_stages: int, replicas: int = 1) -> dict[Communicator, tuple[int, ...]]:
-    """Every point-to-point communicator of ``layout`` with its members' (stage) indices, per replica, in one
+def layout_communicators(layout: str, num_stages: int, replicas: int = 1,
+                         placement: Sequence[int] | None = None) -> dict[Communicator, tuple[int, ...]]:
+    """Every point-to-point communicator of ``layout`` with its members' (device) indices, per replica, in one
     deterministic order: every rank creates the process groups in this order (``torch.distributed.new_group`` is
-    collective over the world)."""
+    collective over the world). ``placement``: each stage's device with virtual stages ([Note: virtual stages]);
+    a link between two chunks of one device has no communicator (its messages stay in the process)."""
+    devices = tuple(placement) if placement is not None else tuple(range(num_stages))
     found: dict[Communicator, tuple[int, ...]] = {}
     last = num_stages - 1
     for replica in range(replicas):
         links = [(c, s, d) for s in range(last) for c, s, d in (("F", s, s + 1), ("B", s + 1, s))]
         links += [("T", 0, last), ("T", last, 0)] if num_stages > 1 else []
         for channel, src, dst in links:
-            members = tuple(sorted({src, dst})) if layout == "directed" else tuple(range(num_stages))
+            if devices[src] == devices[dst]:
+                continue
+            members = tuple(sorted({devices[src], devices[dst]})) if layout == "directed" else \
+                tuple(range(max(devices) + 1))
             found.setdefault(communicator(layout, channel, src, dst, replica), members)
     return found
 
@@ -106,19 +112,25 @@ def layout_communicators(layout: str, num_stages: int, replicas: int = 1) -> dic
 HOST_GROUP: Communicator = ("host",)  # the gloo group of every rank under NCCL ([Note: host groups on a bound world])
 
 
-def setup_groups(num_stages: int, replicas: int, backend: str) -> list[tuple[Communicator, tuple[int, ...], str]]:
+def setup_groups(num_stages: int, replicas: int, backend: str,
+                 placement: Sequence[int] | None = None) -> list[tuple[Communicator, tuple[int, ...], str]]:
     """Every process group the pipeline's setup creates, in creation order: (key, members as model ranks
-    ``replica * num_stages + stage``, backend) -- under NCCL the host group first, then the directed layout's
-    point-to-point groups, then with replicas each stage's replicas (``("dp", stage)``) and each replica's pipeline
-    (``("pp", replica)``). [Note: group creation]"""
-    world = num_stages * replicas
+    ``replica * devices + device``, backend) -- under NCCL the host group first, then the directed layout's
+    point-to-point groups, then with replicas each device's replicas (``("dp", device)``) and each replica's
+    pipeline (``("pp", replica)``). ``placement``: each stage's device ([Note: virtual stages]). [Note: group
+    creation]"""
+    num_devices = max(placement) + 1 if placement is not None else num_stages
+    world = num_devices * replicas
     groups: list[tuple[Communicator, tuple[int, ...], str]] = []
     if backend == "nccl":
         groups.append((HOST_GROUP, tuple(range(world)), "gloo"))
-    groups += [(comm, members, backend) for comm, members in _model_members("directed", num_stages, replicas).items()]
+    groups += [(comm, members, backend)
+               for comm, members in _model_members("directed", num_stages, replicas, placement).items()]
     if replicas > 1:
-        groups += [(("dp", s), tuple(r * num_stages + s for r in range(replicas)), backend) for s in range(num_stages)]
-        groups += [(("pp", r), tuple(r * num_stages + s for s in range(num_stages)), backend) for r in range(replicas)]
+        groups += [(("dp", d), tuple(r * num_devices + d for r in range(replicas)), backend)
+                   for d in range(num_devices)]
+        groups += [(("pp", r), tuple(r * num_devices + d for d in range(num_devices)), backend)
+                   for r in range(replicas)]
     return groups
 
 
@@ -186,16 +198,19 @@ def _calls_of(actions: Sequence[Sequence[Action | None]] | Schedule, posted_ahea
 
 
 def _programs(calls: Sequence[Sequence[_Call]], layout: str, replicas: int, connect: str,
-              posted_ahead: bool) -> list[list[_Item]]:
+              posted_ahead: bool, devices: Sequence[int]) -> list[list[_Item]]:
     """Every rank's communication as the host issues it: sends, receives (with ``posted_ahead``, each call's first
     activation and gradient receive posted at the call's start and each next one when the previous was taken, as
     ``comm.ReceivesAhead`` does), the replicas' reductions, and under NCCL's rule the creation of each communicator
     (``connect``: ``"lazy"`` before a rank's first operation on it, ``"warm"`` all of them first, in the layout's
     order, as the runtime's setup does; ``"eager"``, gloo's groups, connected when created). Compute actions wait
-    only for what the stream waits for, so they are left out."""
+    only for what the stream waits for, so they are left out. ``devices``: each stage's device; a message between
+    two chunks of one device stays in the process and is left out too."""
     n = len(calls)
+    num_stages = len(devices)
     comms: dict[tuple[str, int, int, int], Communicator] = {}
-    members = {comm: tuple(replica_members) for comm, replica_members in _model_members(layout, n, replicas).items()}
+    members = {comm: tuple(replica_members)
+               for comm, replica_members in _model_members(layout, num_stages, replicas, devices).items()}
     programs: list[list[_Item]] = []
     for replica in range(replicas):
         for stage, stage_calls in enumerate(calls):
@@ -218,12 +233,12 @@ def _programs(calls: Sequence[Sequence[_Call]], layout: str, replicas: int, conn
                     connect_item(op.comm, op.step)
                 program.append((op, mode))
 
-            updates = 0
+            updates: dict[int, int] = {}
             for call in stage_calls:
                 ops: list[_Op | None] = []
                 for step, action in call:
-                    message = message_key(action, n) if action is not None else None
-                    if message is None:
+                    message = message_key(action, num_stages) if action is not None else None
+                    if message is None or devices[message[1]] == devices[message[2]]:
                         ops.append(None)
                         continue
                     channel, src, dst, _ = message
@@ -231,41 +246,47 @@ def _programs(calls: Sequence[Sequence[_Call]], layout: str, replicas: int, conn
                         comms[(channel, src, dst, replica)] = communicator(layout, channel, src, dst, replica)
                     comm = comms[(channel, src, dst, replica)]
                     sends = action.kind in SEND_KINDS  # type: ignore[union-attr]
-                    ops.append(_Op(rank, comm, message, sends, (replica * n + (dst if sends else src),), step))
-                ahead: dict[str, deque[_Op]] = {"F": deque(), "B": deque()}
+                    peer = devices[dst if sends else src]
+                    ops.append(_Op(rank, comm, message, sends, (replica * n + peer,), step))
+                # per link (one activation and one gradient link per stage; a device of chunks has several)
+                ahead: dict[tuple[Any, ...], deque[_Op]] = {}
                 if posted_ahead:
                     for op in ops:
-                        if op is not None and not op.sends and op.key[0] in ahead:
-                            ahead[op.key[0]].append(op)
-                    for queue in ahead.values():
-                        if queue:
-                            post(queue[0], _ISSUE)
+                        if op is not None and not op.sends and op.key[0] in "FB":
+                            ahead.setdefault(op.key[:3], deque()).append(op)
+                    for link in sorted(ahead, key=lambda link: (link[0] != "F", link[1])):
+                        post(ahead[link][0], _ISSUE)
                 for (step, action), op in zip(call, ops):
                     if op is not None:
-                        if op.key[0] in ahead and ahead[op.key[0]] and ahead[op.key[0]][0] is op:
+                        queue = ahead.get(op.key[:3])
+                        if queue and queue[0] is op:
                             program.append((op, _WAIT))
-                            ahead[op.key[0]].popleft()
-                            if ahead[op.key[0]]:
-                                post(ahead[op.key[0]][0], _ISSUE)
+                            queue.popleft()
+                            if queue:
+                                post(queue[0], _ISSUE)
                         else:
                             post(op, _ISSUE if op.sends else _ISSUE_WAIT)
                     elif action is not None and action.kind is OPT and replicas > 1:
-                        updates += 1
+                        chunk = action.stage
+                        updates[chunk] = updates.get(chunk, 0) + 1
                         group = tuple(r * n + stage for r in range(replicas))
-                        program.append((_Op(rank, ("reduce", stage), ("reduce", stage, updates), False, group,
+                        program.append((_Op(rank, ("reduce", stage), ("reduce", chunk, updates[chunk]), False, group,
                                             step), _ISSUE_WAIT))
             programs.append(program)
     return programs
 
 
-def _model_members(layout: str, num_stages: int, replicas: int) -> dict[Communicator, tuple[int, ...]]:
-    """``layout_communicators`` with the model's rank numbers (``replica * num_stages + stage``)."""
-    return {comm: tuple(comm[1] * num_stages + s for s in stages)
-            for comm, stages in layout_communicators(layout, num_stages, replicas).items()}
+def _model_members(layout: str, num_stages: int, replicas: int,
+                   placement: Sequence[int] | None = None) -> dict[Communicator, tuple[int, ...]]:
+    """``layout_communicators`` with the model's rank numbers (``replica * devices + device``)."""
+    num_devices = max(placement) + 1 if placement is not None else num_stages
+    return {comm: tuple(comm[1] * num_devices + d for d in members)
+            for comm, members in layout_communicators(layout, num_stages, replicas, placement).items()}
 
 
 def check_deadlock_free(actions: Sequence[Sequence[Action | None]] | Schedule, *, layout: str = "directed",
-                     replicas: int = 1, connect: str = "warm", posted_ahead: bool | None = None) -> None:
+                     replicas: int = 1, connect: str = "warm", posted_ahead: bool | None = None,
+                     placement: Sequence[int] | None = None) -> None:
     """Run the lists under the strict deadlock model ([Note: deadlock model]) with ``layout``'s communicators and
     ``replicas`` data-parallel replicas; raise :class:`ScheduleError` naming the cycle if they can deadlock, or a
     communicator whose messages would be received in another order than they were sent (NCCL would pair them).
@@ -274,8 +295,12 @@ def check_deadlock_free(actions: Sequence[Sequence[Action | None]] | Schedule, *
     runtime: all of them at setup, in the layout's order), ``"lazy"`` (NCCL left to itself: at each rank's first
     operation on it) or ``"eager"`` (gloo: when the group is created). ``posted_ahead`` (default: what the runtime
     does, i.e. with the ``"directed"`` layout only) models the receives posted ahead of their actions, per call
-    (a Schedule's rounds; a plain list set is one call)."""
+    (a Schedule's rounds; a plain list set is one call). ``placement``: each stage's device, for plain lists of
+    devices holding several stages ([Note: virtual stages]); a Schedule brings its own."""
     lists = actions.actions if isinstance(actions, Schedule) else actions
+    if isinstance(actions, Schedule):
+        placement = actions.devices
+    devices = tuple(placement) if placement is not None else tuple(range(len(lists)))
     communicator(layout, "F", 0, 1)  # the layout's name is checked before any work
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"`replicas` must be an int >= 1, got {replicas!r}.")
@@ -283,7 +308,7 @@ def check_deadlock_free(actions: Sequence[Sequence[Action | None]] | Schedule, *
         raise ValueError(f"`connect` must be one of {', '.join(map(repr, CONNECTS))}, got {connect!r}.")
     n = len(lists)
     ahead = layout == "directed" if posted_ahead is None else posted_ahead
-    programs = _programs(_calls_of(actions, ahead), layout, replicas, connect, ahead)
+    programs = _programs(_calls_of(actions, ahead), layout, replicas, connect, ahead, devices)
     position = [0] * len(programs)
     queues: dict[tuple[int, Communicator], deque[_Op]] = {}
     stream_waits: list[_Op | None] = [None] * len(programs)  # the operation a rank's host or stream waits for

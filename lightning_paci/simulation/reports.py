@@ -89,53 +89,68 @@ def measured_phases(intervals: Sequence[Interval], num_microbatches: int, num_mi
             "drain_idle": drain, "steady_bubble_fraction": fraction}
 
 
-def stage_report(schedule: Schedule, s: int, starts: list[float], f_cost: float, b_cost: float,
-                  optimizer_cost: float, makespan: float) -> StageReport:
-    """One pass over the stage's compute actions: busy time, drift, in-flight depth and the phase boundaries."""
+def stage_report(schedule: Schedule, s: int, starts: list[float], f_cost: Sequence[float], b_cost: Sequence[float],
+                 optimizer_cost: float, makespan: float) -> StageReport:
+    """One pass over device ``s``'s compute actions (costs per stage): busy time, drift, in-flight depth and the
+    phase boundaries. With virtual stages each chunk counts its own versions; a micro-batch's drift is the largest
+    over the device's chunks, ``peak_inflight`` counts every chunk's micro-batches and ``drift_bound`` is the largest
+    chunk's bound."""
     m, k_total = schedule.num_microbatches, schedule.num_minibatches
     steady_first, steady_last = m, (k_total - 1) * m  # first forwards of mini-batches 1 and K-1
-    version = held = peak = 0
-    step_while_held = False
-    at_forward: dict[int, int] = {}
+    held = peak = 0
+    versions: dict[int, int] = {}
+    chunk_held: dict[int, int] = {}
+    chunk_peak: dict[int, int] = {}
+    stepped_while_held: set[int] = set()
+    at_forward: dict[tuple[int, int], int] = {}
     drift: dict[int, int] = {}
     first_b = last_f_end = t_first = t_last = None
     busy = 0.0
     ends: list[float] = []
     compute = (a for a in schedule.actions[s] if a[1] is F or a[1] is B or a[1] is OPT)
-    for (_, kind, mb), start in zip(compute, starts):
+    for (stage, kind, mb), start in zip(compute, starts):
         if kind is F:
-            busy += f_cost
-            ends.append(start + f_cost)
-            at_forward[mb] = version  # type: ignore[index]
+            cost = f_cost[stage]
+            busy += cost
+            ends.append(start + cost)
+            at_forward[(stage, mb)] = versions.get(stage, 0)  # type: ignore[index]
             held += 1
             if held > peak:  # noqa: PLR1730 -- once per simulated action: no max() call
                 peak = held
-            last_f_end = start + f_cost
-            if mb == steady_first:
+            count = chunk_held[stage] = chunk_held.get(stage, 0) + 1
+            if count > chunk_peak.get(stage, 0):
+                chunk_peak[stage] = count
+            last_f_end = start + cost
+            if mb == steady_first and t_first is None:
                 t_first = start
-            elif mb == steady_last:
+            elif mb == steady_last and t_last is None:
                 t_last = start
         elif kind is B:
-            busy += b_cost
-            ends.append(start + b_cost)
-            drift[mb] = version - at_forward[mb]  # type: ignore[index]
+            cost = b_cost[stage]
+            busy += cost
+            ends.append(start + cost)
+            gap = versions.get(stage, 0) - at_forward.pop((stage, mb))  # type: ignore[arg-type]
+            drift[mb] = max(gap, drift.get(mb, 0))  # type: ignore[index, arg-type]
             held -= 1
+            chunk_held[stage] -= 1
             if first_b is None:
                 first_b = start
         else:
             busy += optimizer_cost
             ends.append(start + optimizer_cost)
-            version += 1
-            step_while_held = step_while_held or held > 0
+            versions[stage] = versions.get(stage, 0) + 1
+            if chunk_held.get(stage, 0) > 0:
+                stepped_while_held.add(stage)
     idle = makespan - busy
     startup_idle, steady_idle, drain_idle, steady_fraction = _phases(
         starts, ends, 0.0, makespan, k_total, first_b, last_f_end, t_first, t_last)
     values = drift.values()
+    # the IR-derived bound (see schedules.derived_drift_bound) of each chunk, computed in this same pass
+    bound = max((math.ceil((chunk_peak[c] - 1) / schedule.accumulation) for c in stepped_while_held), default=0)
     return StageReport(
         stage=s, busy=busy, idle=idle, bubble_fraction=idle / makespan if makespan else 0.0,
         startup_idle=startup_idle, steady_idle=steady_idle, drain_idle=drain_idle,
         steady_bubble_fraction=steady_fraction, peak_inflight=peak,
         max_drift=max(values, default=0), mean_drift=sum(values) / len(values) if values else 0.0,
-        # the IR-derived bound (see schedules.derived_drift_bound), computed in this same pass
-        drift_bound=math.ceil((peak - 1) / schedule.accumulation) if step_while_held else 0, drift=drift,
+        drift_bound=bound, drift=drift,
     )

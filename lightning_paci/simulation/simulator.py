@@ -65,10 +65,10 @@ class SimulationResult:
         """Every F / B / OPT as an interval (built on demand: millions for large runs)."""
         fwd, bwd, opt = self._costs
         out: list[Interval] = []
-        for s, starts in enumerate(self._starts):
+        for s, starts in enumerate(self._starts):  # s: the device (its list); costs are per stage (chunk)
             compute = (a for a in self.schedule.actions[s] if a.kind in COMPUTE_KINDS)
             for action, start in zip(compute, starts):
-                cost = fwd[s] if action.kind == F else bwd[s] if action.kind == B else opt
+                cost = fwd[action.stage] if action.kind == F else bwd[action.stage] if action.kind == B else opt
                 out.append(Interval(s, action.kind, action.microbatch, start, start + cost))
         return out
 
@@ -87,9 +87,11 @@ class SimulationResult:
         }
 
 
-def _per_stage(name: str, value: float | Sequence[float], num_stages: int) -> list[float]:
+def _per_stage(name: str, value: float | Sequence[float], num_stages: int, virtual_stages: int = 1) -> list[float]:
+    """Cost per stage; one number is a device's whole share, so each of its ``virtual_stages`` chunks costs a
+    ``1 / v`` part; a sequence gives every stage (chunk) its own."""
     if isinstance(value, (int, float)):
-        values = [float(value)] * num_stages
+        values = [float(value) / virtual_stages] * num_stages
     else:
         values = [float(v) for v in value]
         if len(values) != num_stages:
@@ -111,7 +113,9 @@ def simulate_schedule(
     reduce_buckets: int = 0,
     deferred: bool = False,
 ) -> SimulationResult:
-    """Run the schedule's lists on a virtual clock. Costs may be per stage (unbalanced partitions).
+    """Run the schedule's lists on a virtual clock. Costs may be per stage (unbalanced partitions). With virtual
+    stages ([Note: virtual stages]) a single cost is one device's whole share, each chunk runs ``1 / v`` of it, and
+    the reports are per device (drift: the largest of its chunks').
 
     ``reduce_cost``: the time a stage's whole gradient takes on its replicas' link, each ``OPT`` waits for its
     reduction. With ``reduce_buckets = 0`` the reduction starts at the ``OPT`` (the blocking average); with ``k``
@@ -119,9 +123,10 @@ def simulate_schedule(
     of its cost, and the link carries the buckets one after the other, ``reduce_cost / k`` each. With ``deferred``
     ([Note: deferred update]) the ``OPT`` does not wait: the stage's next ``B``, ``OPT`` or tied-weight message
     does, and the drift is counted with each update there."""
-    n = schedule.num_stages
-    fwd = _per_stage("forward_cost", forward_cost, n)
-    bwd = _per_stage("backward_cost", backward_cost, n)
+    n = schedule.num_devices
+    num_stages, v = schedule.num_stages, schedule.virtual_stages
+    fwd = _per_stage("forward_cost", forward_cost, num_stages, v)
+    bwd = _per_stage("backward_cost", backward_cost, num_stages, v)
     if comm_cost < 0 or optimizer_cost < 0:
         raise ValueError(f"`comm_cost` and `optimizer_cost` must be >= 0, got {comm_cost} and {optimizer_cost}.")
     if reduce_cost < 0 or reduce_buckets < 0:
@@ -135,7 +140,7 @@ def simulate_schedule(
     iterators = [iter(stage_actions) for stage_actions in lists]
     pending: list[Action | None] = [None] * n
     starts: list[list[float]] = [[] for _ in range(n)]
-    # message key: (microbatch * n + destination stage) * 2 + direction (0 = activation, 1 = gradient)
+    # message key: (microbatch * stages + destination stage) * 2 + direction (0 = activation, 1 = gradient)
     arrival: dict[object, float] = {}
     waiting: dict[object, int] = {}
     ready = deque(range(n))
@@ -147,7 +152,6 @@ def simulate_schedule(
         s = ready.popleft()
         now = clock[s]
         record = starts[s].append
-        f_cost, b_cost = fwd[s], bwd[s]
         blocked = None
         head = pending[s]
         stream = iter(()) if head is None else iter((head,))
@@ -155,20 +159,20 @@ def simulate_schedule(
             kind = action[1]
             if kind is k_f:
                 record(now)
-                now += f_cost
+                now += fwd[action[0]]
             elif kind is k_b:
                 if deferred_until[s] >= 0:
                     now, deferred_until[s] = max(now, deferred_until[s]), -1.0
                 record(now)
                 last_backward[s] = now
-                now += b_cost
+                now += bwd[action[0]]
             elif kind is k_send_f:
-                key = (action[2] * n + s + 1) * 2  # type: ignore[operator]
+                key = (action[2] * num_stages + action[0] + 1) * 2  # type: ignore[operator]
                 arrival[key] = now + comm_cost
                 if key in waiting:
                     ready.append(waiting.pop(key))
             elif kind is k_send_b:
-                key = (action[2] * n + s - 1) * 2 + 1  # type: ignore[operator]
+                key = (action[2] * num_stages + action[0] - 1) * 2 + 1  # type: ignore[operator]
                 arrival[key] = now + comm_cost
                 if key in waiting:
                     ready.append(waiting.pop(key))
@@ -176,13 +180,14 @@ def simulate_schedule(
                 if deferred_until[s] >= 0:
                     now, deferred_until[s] = max(now, deferred_until[s]), -1.0
                 if deferred:
-                    deferred_until[s] = _reduced(now, last_backward[s], b_cost, reduce_cost, reduce_buckets)
+                    deferred_until[s] = _reduced(now, last_backward[s], bwd[action[0]], reduce_cost / v,
+                                                 reduce_buckets)
                 elif reduce_cost:
-                    now = _reduced(now, last_backward[s], b_cost, reduce_cost, reduce_buckets)
+                    now = _reduced(now, last_backward[s], bwd[action[0]], reduce_cost / v, reduce_buckets)
                 record(now)
                 now += optimizer_cost
             elif kind is k_recv_f or kind is k_recv_b:
-                key = (action[2] * n + s) * 2 + (kind is k_recv_b)  # type: ignore[operator]
+                key = (action[2] * num_stages + action[0]) * 2 + (kind is k_recv_b)  # type: ignore[operator]
                 t = arrival.get(key)
                 if t is None:
                     waiting[key] = s
@@ -193,7 +198,7 @@ def simulate_schedule(
             else:  # tied-weight messages between the first and last stage: rare, keyed as in the validator
                 if deferred_until[s] >= 0:
                     now, deferred_until[s] = max(now, deferred_until[s]), -1.0
-                tkey = message_key(action, n)
+                tkey = message_key(action, num_stages)
                 if kind is SEND_T:
                     arrival[tkey] = now + comm_cost
                     if tkey in waiting:
@@ -215,8 +220,8 @@ def simulate_schedule(
         raise ValueError("Schedule deadlocks in simulation:\n" + grid)
 
     makespan = max(clock) if n else 0.0
-    reports = [stage_report(schedule, s, starts[s], fwd[s], bwd[s], optimizer_cost, makespan) for s in range(n)]
-    if deferred:  # the updates are made later than their OPT: the gaps of the list read that way
+    reports = [stage_report(schedule, s, starts[s], fwd, bwd, optimizer_cost, makespan) for s in range(n)]
+    if deferred and v == 1:  # the updates are made later than their OPT: the gaps of the list read that way
         for report in reports:
             report.drift = static_drift(schedule.actions[report.stage], deferred=True)
             report.max_drift = max(report.drift.values(), default=0)
