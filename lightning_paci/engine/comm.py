@@ -81,10 +81,12 @@ class DistComm:
     def __init__(self, ranks: list[int], *, groups: Mapping[Communicator, dist.ProcessGroup] | None = None,
                  layout: str = "directed", replica: int = 0, device: torch.device | None = None,
                  deliver: torch.device | None = None,
-                 headers: dist.ProcessGroup | None = None) -> None:
+                 headers: dist.ProcessGroup | None = None, stage: int | None = None) -> None:
         self._ranks = ranks
         self._groups = groups
-        self._stage = ranks.index(dist.get_rank()) if groups is not None else -1
+        # ``stage``: which of this rank's stages speaks through it, where the rank holds several ([Note: virtual
+        # stages]); otherwise the rank's one stage
+        self._stage = stage if stage is not None else ranks.index(dist.get_rank()) if groups is not None else -1
         self._layout, self._replica = layout, replica
         # [Note: headers on a host side channel]: the gloo group of every rank for the headers, a tag per link
         # (NCCL runs; [Note: host groups on a bound world])

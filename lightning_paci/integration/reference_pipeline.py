@@ -107,7 +107,13 @@ class ReferencePipeline:
         if any(len(b) != schedule.num_minibatches for b in per_replica):
             raise ValueError(f"{[len(b) for b in per_replica]} batches for a schedule of "
                              f"{schedule.num_minibatches} mini-batches")
-        has_tied_messages = any(a.kind in (ActionKind.SEND_T, ActionKind.RECV_T) for a in schedule.actions[0])
+        # each stage's own list: with virtual stages a device's list holds several, and in one process any
+        # interleaving of the stages' lists gives the same bits (engine/reference.py)
+        lists = [schedule.stage_actions(s) for s in range(schedule.num_stages)]
+        if len(lists) != self.plan.num_stages:
+            raise ValueError(f"the schedule has {len(lists)} stages, the plan {self.plan.num_stages}: plan the "
+                             f"partition with one stage per chunk (devices x virtual_stages)")
+        has_tied_messages = any(a.kind in (ActionKind.SEND_T, ActionKind.RECV_T) for a in lists[0])
         if bool(self.plan.tied) and not has_tied_messages:
             raise ValueError(
                 f"The plan ties {self.plan.tied[0][0]} = {self.plan.tied[0][1]} across the first and last stage, "
@@ -121,12 +127,12 @@ class ReferencePipeline:
         everyone = [runtime for runtimes in self.replica_runtimes for runtime in runtimes]
         for runtime in everyone:
             # crossings read from the list itself (the driver counts); the window's backwards carry on
-            runtime.begin_stream(static_drift(schedule.actions[runtime.stage]).__getitem__, runtime.window_backwards,
+            runtime.begin_stream(static_drift(lists[runtime.stage]).__getitem__, runtime.window_backwards,
                                  scale)
             for k, batch in enumerate(per_replica[runtime.replica]):
                 for i, (part, weight) in enumerate(split_weighted(batch, schedule.num_microbatches)):
                     runtime.add_microbatch(k * schedule.num_microbatches + i, part, k, weight=weight)
-        run_lists(everyone, schedule.actions)
+        run_lists(everyone, lists)
         for average in self._parameter_averages:  # the end of a run is a drain
             average.sync()
         for runtime in everyone:
