@@ -20,6 +20,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                          "PACI vs the fastest 1F1B-flush: time to a validation loss, and loss per update"),
     "data_parallel": ("benchmarks.data_parallel",
                       "stages x replicas: samples/s vs one replica, LocalSGD on a slow link and its loss"),
+    "virtual": ("benchmarks.virtual",
+                "virtual stages: interleaved/bfs over loops vs the simulator and torch; paci's fill and drain"),
     "memory": ("benchmarks.memory",
                "peak host memory of a big model per rank, activation bytes with recomputation, message bytes"),
 }

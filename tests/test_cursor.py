@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+from typing import Any
 
 import pytest
 
@@ -39,20 +40,22 @@ def _offsets(a: int) -> list[int]:
     return sorted({0, 1 % a, a - 1})
 
 
-def _check_streams(name: str, n: int, m: int, a: int, offset: int, tied: bool, lengths: list[int]) -> None:
-    """For every stage: segment(k) is round k of a long build, and segments 0..K-2 + drain(K) is build_schedule(K)."""
+def _check_streams(name: str, n: int, m: int, a: int, offset: int, tied: bool, lengths: list[int],
+                   **layout: Any) -> None:
+    """For every stage: segment(k) is round k of a long build, and segments 0..K-2 + drain(K) is build_schedule(K).
+    ``layout``: ``virtual_stages`` and ``placement`` (then a "stage" is a device's list)."""
     longest = max(lengths)
-    reference = build_schedule(name, n, m, a, longest + 2, backward_offset=offset, tied=tied)
+    reference = build_schedule(name, n, m, a, longest + 2, backward_offset=offset, tied=tied, **layout)
     rounds = assign_rounds(reference)
     by_round: list[list[list[Action]]] = [[[] for _ in range(longest + 2)] for _ in range(n)]
     for stage in range(n):
         for action, rnd in zip(reference.actions[stage], rounds[stage]):
             by_round[stage][rnd].append(action)
-    cursors = [StreamCursor(name, n, m, a, stage, backward_offset=offset, tied=tied) for stage in range(n)]
+    cursors = [StreamCursor(name, n, m, a, stage, backward_offset=offset, tied=tied, **layout) for stage in range(n)]
     ran: list[list[Action]] = [[] for _ in range(n)]
     for k in range(longest):  # all stages in step, as in a run (and the templates' caches are shared)
         if k + 1 in lengths:  # a drain after k + 1 calls: segments 0 .. k-1 ran
-            exact = build_schedule(name, n, m, a, k + 1, backward_offset=offset, tied=tied).actions
+            exact = build_schedule(name, n, m, a, k + 1, backward_offset=offset, tied=tied, **layout).actions
             for stage, cursor in enumerate(cursors):
                 drained = copy.copy(cursor)
                 assert ran[stage] + drained.drain(k + 1) == list(exact[stage]), (offset, tied, stage, k + 1)
@@ -72,7 +75,7 @@ def test_cursor_equals_full_builds(name, n, m, a):
         for tied in (False, True):
             # streams through the warm-up and a whole period after it (drains from exact builds), either side of
             # the template's horizon H, and every residue mod P past it (drains shifted from a template)
-            horizon = cursor_module._steady_horizon((name, n, m, a, offset, tied))
+            horizon = cursor_module._steady_horizon((name, n, m, a, offset, tied, 1, "loop"))
             lengths = set(range(1, math.ceil(n / m) + period + 4)) | set(range(horizon - 1, horizon + period + 2))
             _check_streams(name, n, m, a, offset, tied, sorted(lengths | {40}))
 
@@ -81,6 +84,17 @@ def test_cursor_equals_full_builds(name, n, m, a):
 @pytest.mark.parametrize("n,m,a,tied", [(8, 8, 8, True), (4, 3, 5, True), (8, 1, 2, True), (3, 4, 16, False)])
 def test_cursor_equals_full_builds_on_long_streams(name, n, m, a, tied):
     _check_streams(name, n, m, a, a - 1, tied, [1, 2, 64, 130])
+
+
+@pytest.mark.parametrize(("name", "placement"), [("interleaved", "loop"), ("bfs", "loop"), ("paci", "loop"),
+                                                 ("interleaved", "v"), ("bfs", "v"), ("paci", "v")])
+@pytest.mark.parametrize(("n", "m", "a"), [(4, 4, 4), (4, 8, 2), (2, 4, 3), (3, 6, 4)])
+def test_cursor_equals_full_builds_over_virtual_stages(name, placement, n, m, a):
+    """Each device's list of a virtual schedule ([Note: virtual stages]) in rounds and drains, as for one stage per
+    device; tied weights where the placement allows them (one device holds the first and last chunk)."""
+    for offset in _offsets(a):
+        _check_streams(name, n, m, a, offset, placement == "v", [1, 2, 3, 7, 12, 30], virtual_stages=2,
+                       placement=placement)
 
 
 class _Rebuilding:

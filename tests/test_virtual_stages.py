@@ -24,7 +24,13 @@ from lightning_paci.integration.lightning_program import LightningStageProgram
 from lightning_paci.integration.reference_pipeline import ReferencePipeline
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 from lightning_paci.partition import carve_stage, plan_partition
-from lightning_paci.schedules import build_schedule, layout_communicators, static_drift
+from lightning_paci.schedules import (
+    activation_peaks,
+    build_schedule,
+    inflight_profile,
+    layout_communicators,
+    static_drift,
+)
 
 from helpers import run_forked_ranks
 from models import SequentialMLP, reference_accumulation, regression_loader
@@ -77,6 +83,7 @@ def _rank(rank: int, path: str, errors: Any, *, name: str, placement: str, repli
             if replicas > 1:
                 runtime.join_replicas(replica, GradientAverage(params, data_parallel[device], replicas))
             runtime.begin_stream(static_drift(schedule.stage_actions(s)).__getitem__, 0, loss_scale_for(a))
+            runtime.records.measure(activation_bytes=True)
             for k, batch in enumerate(_batches(replicas)[replica]):
                 for i, part in enumerate(split_microbatches(batch, M)):
                     runtime.add_microbatch(k * M + i, part, k)
@@ -84,9 +91,9 @@ def _rank(rank: int, path: str, errors: Any, *, name: str, placement: str, repli
         device_runtime = DeviceRuntime(runtimes)
         device_runtime.run(schedule.actions[device])
         device_runtime.flush()
-        versions = {s: runtime.version for s, runtime in runtimes.items()}
-        torch.save({"states": {s: modules[s].state_dict() for s in mine}, "versions": versions},
-                   f"{out}/{replica}_{device}.pt")
+        torch.save({"states": {s: modules[s].state_dict() for s in mine},
+                    "chunk_peaks": {s: runtime.records.peak_activation_bytes for s, runtime in runtimes.items()},
+                    "device_peak": device_runtime.peak_activation_bytes}, f"{out}/{replica}_{device}.pt")
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -98,6 +105,12 @@ def _run(tmp_path: Path, *, name: str, placement: str = "loop", replicas: int = 
          a: int = M) -> list[dict[str, torch.Tensor]]:
     """Each replica's full state dict, the union of its devices' chunks (each chunk's state holds only its own
     tensors)."""
+    return [state for state, _ in _run_measured(tmp_path, name=name, placement=placement, replicas=replicas, a=a)]
+
+
+def _run_measured(tmp_path: Path, *, name: str, placement: str = "loop", replicas: int = 1,
+                  a: int = M) -> list[tuple[dict[str, torch.Tensor], list[dict[str, Any]]]]:
+    """``_run``'s state dicts, each with its devices' saved measurements."""
     out = tmp_path / "out"
     out.mkdir()
     run_forked_ranks(functools.partial(_rank, name=name, placement=placement, replicas=replicas, a=a, out=str(out)),
@@ -105,11 +118,13 @@ def _run(tmp_path: Path, *, name: str, placement: str = "loop", replicas: int = 
     states = []
     for replica in range(replicas):
         full: dict[str, torch.Tensor] = {}
+        measured = []
         for device in range(P):
             saved = torch.load(out / f"{replica}_{device}.pt")
             for state in saved["states"].values():
                 full.update(state)
-        states.append(full)
+            measured.append(saved)
+        states.append((full, measured))
     return states
 
 
@@ -153,3 +168,23 @@ def test_paci_over_chunks_equals_the_reference_executor(tmp_path: Path, placemen
     # and it is not one device's result: the chunks' updates crossed micro-batches in flight
     one_device = reference_accumulation(_model(), _batches(1)[0], M, K).state_dict()
     assert any(not torch.allclose(state[k], v) for k, v in one_device.items())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("name", "placement"), [("interleaved", "loop"), ("bfs", "loop"), ("paci", "loop"),
+                                                 ("paci", "v")])
+def test_each_devices_peak_activation_memory_is_the_one_its_list_predicts(tmp_path: Path, name: str,
+                                                                          placement: str) -> None:
+    """The bytes every chunk holds per micro-batch (its meter's peak over its peak in flight), weighted along the
+    device's list (``activation_peaks``, the simulator's reading with the chunks' own sizes), give the device's
+    measured peak exactly."""
+    a = M if name != "paci" else 2
+    ((_, measured),) = _run_measured(tmp_path, name=name, placement=placement, a=a)
+    schedule = build_schedule(name, P, M, a, K, virtual_stages=V, placement=placement)
+    per_microbatch = [0.0] * schedule.num_stages
+    for saved in measured:
+        for stage, peak in saved["chunk_peaks"].items():
+            per_microbatch[stage] = peak / inflight_profile(schedule.stage_actions(stage))[0]
+    assert all(b > 0 for b in per_microbatch)
+    predicted = activation_peaks(schedule, per_microbatch)
+    assert [saved["device_peak"] for saved in measured] == pytest.approx(predicted, rel=1e-12)

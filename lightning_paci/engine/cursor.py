@@ -55,13 +55,14 @@ from lightning_paci.schedules import (
 
 __all__ = ["StreamCursor"]
 
-_Key = tuple[str, int, int, int, int, bool]  # name, num_stages, num_microbatches, accumulation, offset % a, tied
+# name, devices, num_microbatches, accumulation, offset % a, tied, virtual stages, placement
+_Key = tuple[str, int, int, int, int, bool, int, str]
 _MAX_TRIES = 4  # how often the template may grow before the schedule is declared not periodic
 
 
 def _steps(key: _Key) -> tuple[int, int, int]:
     """(P mini-batches per period, micro-batch shift, tied-weight index shift) of one period."""
-    _, _, m, a, _, _ = key
+    _, _, m, a, _, _, _, _ = key
     period = a // math.gcd(a, m)
     return period, period * m, period * m // a
 
@@ -93,8 +94,9 @@ def _starts(rounds: Sequence[int], count: int) -> tuple[int, ...]:
 @lru_cache(maxsize=4)
 def _built(key: _Key, num_minibatches: int) -> tuple[tuple[tuple[Action, ...], ...], tuple[tuple[int, ...], ...]]:
     """All stages' lists and rounds for one horizon (a few templates per process; the stage slices are kept)."""
-    name, n, m, a, offset, tied = key
-    schedule = build_schedule(name, n, m, a, num_minibatches, backward_offset=offset, tied=tied)
+    name, n, m, a, offset, tied, v, placement = key
+    schedule = build_schedule(name, n, m, a, num_minibatches, backward_offset=offset, tied=tied, virtual_stages=v,
+                              placement=placement)
     return schedule.actions, assign_rounds(schedule)
 
 
@@ -105,6 +107,7 @@ def _periodic_lag(key: _Key, horizon: int, first: int) -> int:
     period, mb_step, tied_step = _steps(key)
     lists, rounds = _built(key, horizon)
     n = len(lists)
+    num_stages = n * key[6]  # message keys name stages (chunks with virtual stages), the lists are devices'
     posted: dict[object, int] = {}
     for s in range(n):
         starts = _starts(rounds[s], horizon)
@@ -114,12 +117,12 @@ def _periodic_lag(key: _Key, horizon: int, first: int) -> int:
                 return -1
         for action, rnd in zip(lists[s], rounds[s]):
             if action.kind in SEND_KINDS:
-                posted[message_key(action, n)] = rnd
+                posted[message_key(action, num_stages)] = rnd
     lag = 0
     for s in range(n):
         for action, rnd in zip(lists[s], rounds[s]):
             if action.kind in RECV_KINDS and horizon - 1 - period <= rnd <= horizon - 2:
-                lag = max(lag, rnd - posted[message_key(action, n)])
+                lag = max(lag, rnd - posted[message_key(action, num_stages)])
     return lag
 
 
@@ -128,11 +131,11 @@ def _steady_horizon(key: _Key) -> int:
     """The template's horizon ``H``: its stable rounds ``0 .. H-2`` hold two verified periods after the warm-up
     and cover the longest wait of a receive, so the induction in [Note: periodic schedules] applies to every
     later round. Starts at ``ceil(N/m) + 3P + 2`` (the warm-up is over by round ``ceil(N/m) + 1``)."""
-    name, n, m, a, offset, tied = key
+    name, n, m, a, offset, tied, v, placement = key
     period = _steps(key)[0]
-    if tied and n > 1:
+    if tied and n > 1 and v == 1:
         # the last stage's RECV_T positions follow the untied lists' rounds: those must repeat too
-        _steady_horizon((name, n, m, a, offset, False))
+        _steady_horizon((name, n, m, a, offset, False, v, placement))
     first = math.ceil(n / m) + 1
     for _ in range(_MAX_TRIES):
         horizon = first + 3 * period + 1
@@ -225,11 +228,13 @@ class StreamCursor:
     """
 
     def __init__(self, name: str, num_stages: int, num_microbatches: int, accumulation: int, stage: int,
-                 *, backward_offset: int = 0, tied: bool = False) -> None:
+                 *, backward_offset: int = 0, tied: bool = False, virtual_stages: int = 1,
+                 placement: str = "loop") -> None:
         self.args = (name, num_stages, num_microbatches, accumulation)
-        self.stage = stage
+        self.stage = stage  # the device's list, with virtual stages (``num_stages``: the devices)
         self.backward_offset = backward_offset
         self.tied = tied
+        self.virtual_stages, self.placement = virtual_stages, placement
         self.position = 0  # actions of the stream's list already handed out
         self._key: _Key | None = None
         self._stage_template: _StageTemplate | None = None  # fetched at the first call
@@ -237,9 +242,12 @@ class StreamCursor:
     def _template(self) -> _StageTemplate:
         if self._stage_template is None:
             # the builder's own argument checks, with its messages, before anything is derived from the arguments
-            build_schedule(*self.args, 1, backward_offset=self.backward_offset, tied=self.tied)
+            build_schedule(*self.args, 1, backward_offset=self.backward_offset, tied=self.tied,
+                           virtual_stages=self.virtual_stages, placement=self.placement)
             name, n, m, a = self.args
-            self._key = (name, n, m, a, self.backward_offset % a, bool(self.tied))  # only the offset mod a matters
+            # only the offset mod a matters
+            self._key = (name, n, m, a, self.backward_offset % a, bool(self.tied), self.virtual_stages,
+                         self.placement)
             self._stage_template = _stage_template(self._key, self.stage)
         return self._stage_template
 
@@ -261,7 +269,8 @@ class StreamCursor:
         if num_minibatches == 0:
             return []
         if isinstance(num_minibatches, bool) or not isinstance(num_minibatches, int) or num_minibatches < 1:
-            build_schedule(*self.args, num_minibatches, backward_offset=self.backward_offset, tied=self.tied)  # raises
+            build_schedule(*self.args, num_minibatches, backward_offset=self.backward_offset, tied=self.tied,
+                           virtual_stages=self.virtual_stages, placement=self.placement)  # raises
         template = self._template()
         cut = template.start(num_minibatches - 1)  # where the cool-down starts: rounds 0..K-2 are the stream's
         if self.position > cut:  # a call past the cool-down's start ran already: build and compare
@@ -289,7 +298,8 @@ class StreamCursor:
     def _drain_rebuilt(self, template: _StageTemplate, num_minibatches: int) -> list[Action]:
         """Drain after a call that ran part of round ``K-1`` or later: only correct if the list built for ``K``
         starts with what ran, which is checked against the full list (never the case in a strategy's stream)."""
-        schedule = build_schedule(*self.args, num_minibatches, backward_offset=self.backward_offset, tied=self.tied)
+        schedule = build_schedule(*self.args, num_minibatches, backward_offset=self.backward_offset, tied=self.tied,
+                                  virtual_stages=self.virtual_stages, placement=self.placement)
         own = schedule.actions[self.stage]
         if tuple(own[:self.position]) != tuple(template.take(0, self.position)):
             raise AssertionError("drained list does not extend the executed prefix")

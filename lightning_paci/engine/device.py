@@ -18,7 +18,7 @@ from typing import Any
 from lightning_paci.engine.comm import Comm, ReceivesAhead
 from lightning_paci.engine.reference import LocalComm
 from lightning_paci.engine.runtime import StageRuntime
-from lightning_paci.schedules import Action
+from lightning_paci.schedules import Action, F
 
 __all__ = ["ChunkComm", "DeviceRuntime", "local_network"]
 
@@ -61,6 +61,9 @@ class DeviceRuntime:
 
     def __init__(self, runtimes: Mapping[int, StageRuntime]) -> None:
         self.runtimes = dict(runtimes)  # stage -> its runtime
+        # with the chunks' activation meters on (``records.measure(activation_bytes=True)``): the most bytes the
+        # device's chunks held at once, summed over the chunks after each forward
+        self.peak_activation_bytes = 0
 
     def run(self, actions: Sequence[Action]) -> None:
         """Execute ``actions`` (this device's, in order) to the end."""
@@ -72,9 +75,13 @@ class DeviceRuntime:
             raise ValueError(f"the device's list names stages {sorted(unknown)}, which it does not hold "
                              f"(it holds {sorted(self.runtimes)})")
         ahead = {stage: ReceivesAhead(self.runtimes[stage].comm, stage, chunk) for stage, chunk in mine.items()}
+        records = [runtime.records for runtime in self.runtimes.values() if runtime.records.activations]
         for action in actions:
             self.runtimes[action.stage].execute(action)
             ahead[action.stage].taken(action)
+            if records and action.kind is F:
+                held = sum(sum(r.activation_bytes.values()) for r in records)
+                self.peak_activation_bytes = max(self.peak_activation_bytes, held)
         for runtime in self.runtimes.values():
             runtime.settle()
 

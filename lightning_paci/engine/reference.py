@@ -14,7 +14,7 @@ LightningModule is the integration's part (:class:`~lightning_paci.integration.r
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_paci.engine.data_parallel import ReplicaMismatchError
@@ -23,7 +23,7 @@ from lightning_paci.engine.pickle_guard import guarded_dumps
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.schedules import OPT, RECV_KINDS, Action, message_key, validate_schedule
 
-__all__ = ["LocalComm", "ReplicaAverage", "ReplicaParameterAverage", "run_lists"]
+__all__ = ["LocalComm", "ReplicaAverage", "ReplicaParameterAverage", "run_device_lists", "run_lists"]
 
 
 def run_lists(runtimes: Sequence[StageRuntime], lists: Sequence[Sequence[Action]]) -> None:
@@ -58,6 +58,33 @@ def run_lists(runtimes: Sequence[StageRuntime], lists: Sequence[Sequence[Action]
     if any(positions[i] < len(lists[i % n]) for i in range(len(runtimes))):
         validate_schedule(lists)  # raises with the grid
         raise AssertionError("reference executor stalled on a list the validator accepts")
+
+
+def run_device_lists(devices: Sequence[Mapping[int, StageRuntime]], lists: Sequence[Sequence[Action]],
+                     num_stages: int) -> None:
+    """Execute devices' lists of a virtual schedule ([Note: virtual stages]) in one process: ``devices[d]`` maps
+    each stage device ``d`` holds to its runtime, ``lists[d]`` is the device's list, each action run by the chunk
+    it names. A device's own order decides what its chunks share (a tied weight's gradient, its updates), so unlike
+    ``run_lists`` this keeps every device's order; any interleaving of the devices then gives the same bits."""
+    positions = [0] * len(lists)
+    progress = True
+    while progress:
+        progress = False
+        for device, actions in enumerate(lists):
+            while positions[device] < len(actions):
+                action = actions[positions[device]]
+                runtime = devices[device][action.stage]
+                key = message_key(action, num_stages)
+                if key is not None and action.kind in RECV_KINDS and not runtime.comm.ready(key[1], int(key[0] == "T")):
+                    break
+                runtime.execute(action)
+                positions[device] += 1
+                progress = True
+    for chunks in devices:
+        for runtime in chunks.values():
+            runtime.settle()
+    if any(positions[d] < len(lists[d]) for d in range(len(lists))):
+        raise AssertionError("reference executor stalled on devices' lists; run validate_schedule() for the grid")
 
 
 class ReplicaAverage:

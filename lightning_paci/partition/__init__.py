@@ -14,7 +14,7 @@ Three steps, one module each, run in this order by the strategy (and by ``Refere
 from __future__ import annotations
 
 from lightning_paci.partition.blocks import find_block_container
-from lightning_paci.partition.carve import BoundaryState, StageCarve, StageDone, carve_stage
+from lightning_paci.partition.carve import BoundaryState, StageCarve, StageDone, carve_stage, share_tied_weights
 from lightning_paci.partition.plan import PartitionPlan, PartitionSpec, plan_partition
 from lightning_paci.partition.profile import (
     TIME_BALANCE_MIN_GAIN,
@@ -37,5 +37,6 @@ __all__ = [
     "find_block_container",
     "plan_partition",
     "profile_block_costs",
+    "share_tied_weights",
     "stage_costs",
 ]

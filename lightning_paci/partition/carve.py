@@ -37,7 +37,8 @@ from lightning_paci.partition.blocks import find_block_container
 from lightning_paci.partition.placeholder import BoundaryState, CrossingError, Placeholder
 from lightning_paci.partition.plan import PartitionPlan
 
-__all__ = ["BoundaryState", "CrossingError", "StageCarve", "StageDone", "carve_stage", "removed_modules"]
+__all__ = ["BoundaryState", "CrossingError", "StageCarve", "StageDone", "carve_stage", "removed_modules",
+           "share_tied_weights"]
 
 
 class StageDone(BaseException):
@@ -216,3 +217,17 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
     return StageCarve(plan=plan, stage=stage, boundary=boundary, removed=removed, handles=handles,
                       tied_params=tied_local)
 
+
+
+def share_tied_weights(first: nn.Module, last: nn.Module, plan: PartitionPlan) -> list[nn.Parameter]:
+    """Make the last stage's copy ``last`` use the first stage's tied parameters themselves, where one device holds
+    both stages (the V placement of virtual stages, [Note: virtual stages] in schedules/virtual.py): both uses then
+    add to one gradient, the first stage's optimizer steps it, and the last stage computes with the current weights
+    (no replica, no exchange, no lag). Returns the shared parameters: the last stage's optimizer leaves them out."""
+    shared = []
+    for first_name, last_name in plan.tied:
+        param = first.get_parameter(first_name)
+        owner, _, attr = last_name.rpartition(".")
+        setattr(last.get_submodule(owner) if owner else last, attr, param)
+        shared.append(param)
+    return shared

@@ -116,21 +116,22 @@ def chunk_drift_bounds(schedule: Schedule, *, deferred: bool = False) -> tuple[i
                  for s in range(schedule.num_stages))
 
 
-def activation_peaks(schedule: Schedule) -> tuple[float, ...]:
-    """Per device, the most micro-batches' activations held at once between their ``F`` and ``B``, in units of one
-    micro-batch through a whole device's share of the model: a chunk's micro-batch counts ``1 / v`` (the chunks of a
-    device split its blocks evenly). With one stage per device it is ``inflight_profile``'s peak."""
-    share = 1 / schedule.virtual_stages
+def activation_peaks(schedule: Schedule, stage_bytes: Sequence[float] | None = None) -> tuple[float, ...]:
+    """Per device, the most activations held at once between micro-batches' ``F`` and ``B``: each micro-batch in
+    flight on stage ``s`` counts ``stage_bytes[s]`` (its chunk's activations per micro-batch, measured), by default
+    ``1 / v`` -- one micro-batch through a whole device's share of the model, split evenly over its chunks. With
+    one stage per device and the default it is ``inflight_profile``'s peak."""
+    weights = list(stage_bytes) if stage_bytes is not None else [1 / schedule.virtual_stages] * schedule.num_stages
     peaks = []
     for actions in schedule.actions:
-        held = peak = 0
+        held = peak = 0.0
         for action in actions:
             if action.kind is F:
-                held += 1
+                held += weights[action.stage]
                 peak = max(peak, held)
             elif action.kind is B:
-                held -= 1
-        peaks.append(peak * share)
+                held -= weights[action.stage]
+        peaks.append(peak)
     return tuple(peaks)
 
 

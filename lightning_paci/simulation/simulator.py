@@ -77,7 +77,8 @@ class SimulationResult:
                 "mean_drift", "busy", "idle", "startup_idle", "steady_idle", "drain_idle")
         return {
             "schedule": self.schedule.name,
-            "num_stages": self.schedule.num_stages,
+            "num_stages": self.schedule.num_devices,
+            "virtual_stages": self.schedule.virtual_stages,
             "num_microbatches": self.schedule.num_microbatches,
             "accumulation": self.schedule.accumulation,
             "num_minibatches": self.schedule.num_minibatches,
@@ -250,8 +251,10 @@ def _reduced(now: float, backward_start: float, backward_cost: float, cost: floa
 def format_table(result: SimulationResult) -> str:
     """The per-stage report as the fixed-width table the command line prints (docs/tuning.md quotes it)."""
     sch = result.schedule
-    head = (f"schedule={sch.name} stages={sch.num_stages} microbatches={sch.num_microbatches} "
+    head = (f"schedule={sch.name} stages={sch.num_devices} microbatches={sch.num_microbatches} "
             f"accumulation={sch.accumulation} minibatches={sch.num_minibatches}")
+    if sch.virtual_stages > 1:  # one row per device; drift and its bound: the largest of the device's chunks
+        head += f" virtual_stages={sch.virtual_stages} placement={_placement_name(sch)}"
     cols = f"{'stage':>5} {'max_drift':>9} {'bound':>5} {'mean_drift':>10} {'peak_inflight':>13} " \
            f"{'bubble':>7} {'steady_bubble':>13} {'startup_idle':>12} {'steady_idle':>11} {'drain_idle':>10}"
     rows = [head, cols]
@@ -263,6 +266,10 @@ def format_table(result: SimulationResult) -> str:
     return "\n".join(rows)
 
 
+def _placement_name(schedule: Schedule) -> str:
+    return "loop" if schedule.devices[schedule.num_devices] == 0 else "v"
+
+
 def _costs(text: str) -> float | list[float]:
     values = [float(v) for v in text.split(",")]
     return values[0] if len(values) == 1 else values
@@ -271,8 +278,11 @@ def _costs(text: str) -> float | list[float]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Build, simulate and print one schedule; argument errors exit with argparse's usage message."""
     parser = argparse.ArgumentParser(prog="python -m lightning_paci.simulate", description=_CLI_DESCRIPTION)
-    parser.add_argument("--schedule", default="paci", help="paci, 1f1b, gpipe or layered (default paci)")
-    parser.add_argument("--stages", type=int, required=True, help="pipeline stages N")
+    parser.add_argument("--schedule", default="paci",
+                        help="paci, 1f1b, gpipe, layered, or over virtual stages interleaved and bfs (default paci)")
+    parser.add_argument("--stages", type=int, required=True, help="pipeline stages N (devices, with virtual stages)")
+    parser.add_argument("--virtual-stages", type=int, default=1, help="chunks v per device (default 1)")
+    parser.add_argument("--placement", default="loop", help="loop or v: where each chunk sits (default loop)")
     parser.add_argument("--microbatches", type=int, required=True, help="micro-batches m per mini-batch")
     parser.add_argument("--accumulation", type=int, default=None,
                         help="local backwards a per optimizer step (default m)")
@@ -292,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         schedule = build_schedule(args.schedule, args.stages, args.microbatches,
-                         args.accumulation if args.accumulation is not None else args.microbatches, args.minibatches)
+                         args.accumulation if args.accumulation is not None else args.microbatches, args.minibatches,
+                         virtual_stages=args.virtual_stages, placement=args.placement)
         result = simulate_schedule(schedule, forward_cost=args.forward_cost, backward_cost=args.backward_cost,
                           comm_cost=args.comm_cost, optimizer_cost=args.optimizer_cost,
                           reduce_cost=args.reduce_cost, reduce_buckets=args.reduce_buckets, deferred=args.deferred)
@@ -300,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     print(json.dumps(result.to_json()) if args.json else format_table(result))
     if args.timeline:
-        save_timeline_png(result.intervals, schedule.num_stages, args.timeline, time_unit="simulated time",
+        save_timeline_png(result.intervals, schedule.num_devices, args.timeline, time_unit="simulated time",
                           title=f"{schedule.name}: N={schedule.num_stages}, m={schedule.num_microbatches}, "
                                 f"a={schedule.accumulation}, {schedule.num_minibatches} mini-batches")
     return 0
