@@ -88,12 +88,12 @@ def test_cursor_equals_full_builds_on_long_streams(name, n, m, a, tied):
 
 @pytest.mark.parametrize(("name", "placement"), [("interleaved", "loop"), ("bfs", "loop"), ("paci", "loop"),
                                                  ("interleaved", "v"), ("bfs", "v"), ("paci", "v")])
-@pytest.mark.parametrize(("n", "m", "a"), [(4, 4, 4), (4, 8, 2), (2, 4, 3), (3, 6, 4)])
+@pytest.mark.parametrize(("n", "m", "a"), [(4, 4, 4), (2, 4, 3), (3, 6, 4)])
 def test_cursor_equals_full_builds_over_virtual_stages(name, placement, n, m, a):
     """Each device's list of a virtual schedule ([Note: virtual stages]) in rounds and drains, as for one stage per
     device; tied weights where the placement allows them (one device holds the first and last chunk)."""
     for offset in _offsets(a):
-        _check_streams(name, n, m, a, offset, placement == "v", [1, 2, 3, 7, 12, 30], virtual_stages=2,
+        _check_streams(name, n, m, a, offset, placement == "v", [1, 2, 7, 20], virtual_stages=2,
                        placement=placement)
 
 

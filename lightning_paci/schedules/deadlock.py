@@ -208,6 +208,7 @@ def _programs(calls: Sequence[Sequence[_Call]], layout: str, replicas: int, conn
     two chunks of one device stays in the process and is left out too."""
     n = len(calls)
     num_stages = len(devices)
+    virtual = num_stages != n  # devices holding several stages: links inside a device stay in the process
     comms: dict[tuple[str, int, int, int], Communicator] = {}
     members = {comm: tuple(replica_members)
                for comm, replica_members in _model_members(layout, num_stages, replicas, devices).items()}
@@ -236,10 +237,12 @@ def _programs(calls: Sequence[Sequence[_Call]], layout: str, replicas: int, conn
             updates: dict[int, int] = {}
             for call in stage_calls:
                 ops: list[_Op | None] = []
+                links: list[tuple[Any, ...] | None] = []  # a receive's link (channel, source, destination)
                 for step, action in call:
                     message = message_key(action, num_stages) if action is not None else None
-                    if message is None or devices[message[1]] == devices[message[2]]:
+                    if message is None or virtual and devices[message[1]] == devices[message[2]]:
                         ops.append(None)
+                        links.append(None)
                         continue
                     channel, src, dst, _ = message
                     if (channel, src, dst, replica) not in comms:
@@ -248,22 +251,25 @@ def _programs(calls: Sequence[Sequence[_Call]], layout: str, replicas: int, conn
                     sends = action.kind in SEND_KINDS  # type: ignore[union-attr]
                     peer = devices[dst if sends else src]
                     ops.append(_Op(rank, comm, message, sends, (replica * n + peer,), step))
+                    links.append(None if sends or channel == "T" else (channel, src, dst))
                 # per link (one activation and one gradient link per stage; a device of chunks has several)
                 ahead: dict[tuple[Any, ...], deque[_Op]] = {}
                 if posted_ahead:
-                    for op in ops:
-                        if op is not None and not op.sends and op.key[0] in "FB":
-                            ahead.setdefault(op.key[:3], deque()).append(op)
-                    for link in sorted(ahead, key=lambda link: (link[0] != "F", link[1])):
-                        post(ahead[link][0], _ISSUE)
-                for (step, action), op in zip(call, ops):
-                    if op is not None:
-                        queue = ahead.get(op.key[:3])
-                        if queue and queue[0] is op:
-                            program.append((op, _WAIT))
-                            queue.popleft()
-                            if queue:
+                    for op, link in zip(ops, links):
+                        if link is not None:
+                            ahead.setdefault(link, deque()).append(op)  # type: ignore[arg-type]
+                    for first in ("F", "B"):  # posts never wait: their order among links decides nothing
+                        for link, queue in ahead.items():
+                            if link[0] == first:
                                 post(queue[0], _ISSUE)
+                for (step, action), op, link in zip(call, ops, links):
+                    if op is not None:
+                        posted = ahead.get(link) if link is not None else None
+                        if posted and posted[0] is op:
+                            program.append((op, _WAIT))
+                            posted.popleft()
+                            if posted:
+                                post(posted[0], _ISSUE)
                         else:
                             post(op, _ISSUE if op.sends else _ISSUE_WAIT)
                     elif action is not None and action.kind is OPT and replicas > 1:
