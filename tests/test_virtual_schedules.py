@@ -87,6 +87,14 @@ def test_paci_over_chunks_pays_a_fill_and_a_drain_v_times_shorter():
 
 
 @pytest.mark.parametrize("placement", ["loop", "v"])
+def test_paci_over_chunks_has_no_steady_bubble(placement):
+    # the steady window starts after the last of a device's chunks' first backwards (the grouped warm-up)
+    for p in (4, 8):
+        result = simulate_schedule(build_schedule("paci", p, p, p, 12, virtual_stages=2, placement=placement))
+        assert [report.steady_bubble_fraction for report in result.stages] == [0.0] * p
+
+
+@pytest.mark.parametrize("placement", ["loop", "v"])
 def test_each_chunks_drift_stays_within_its_bound_and_the_simulator_reads_the_same(placement):
     p, m = 4, 4
     for a in (1, 2, 4):
@@ -148,3 +156,17 @@ def test_refusals_name_the_argument_and_the_fix():
     build_schedule("bfs", 4, 6, 6, 1, virtual_stages=2)  # breadth-first takes any m
     with pytest.raises(ValueError, match="`virtual_stages` must be >= 1, got 0"):
         build_schedule("paci", 4, 4, 4, 1, virtual_stages=0)
+
+
+def test_the_timeline_shows_devices_and_shades_their_later_chunks(tmp_path):
+    from lightning_paci.simulation.timeline import draw_timeline
+
+    result = simulate_schedule(build_schedule("interleaved", 4, 4, 4, 2, virtual_stages=2))
+    chunks = result.interval_chunks
+    intervals = result.intervals
+    assert len(chunks) == len(intervals)
+    # device 0 holds chunks 0 and 4: its first forwards are chunk 0's (place 0), then chunk 4's (place 1)
+    first = [(iv.microbatch, place) for iv, place in zip(intervals, chunks) if iv.stage == 0 and iv.kind == "F"]
+    assert first[:8] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1)]
+    figure = draw_timeline(intervals, 4, chunks=chunks)
+    assert [label.get_text() for label in figure.axes[0].get_yticklabels()] == [f"device {d}" for d in range(4)]

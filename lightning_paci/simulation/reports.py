@@ -3,7 +3,8 @@ steady state, drain), drift and in-flight depth.
 
 Phases (per stage ``s``; ``K`` mini-batches of ``m`` micro-batches):
 
-* start-up ends at the later of the stage's first backward and its first forward of mini-batch 1,
+* start-up ends at the later of the stage's first backward (with virtual stages: the last of its chunks' first
+  backwards) and its first forward of mini-batch 1,
 * drain starts at the earlier of the end of its last forward and its first forward of mini-batch ``K - 1``,
 * steady state is in between. For flush schedules it is ``K - 2`` whole mini-batch periods, so its idle fraction is
   exactly ``(N - 1) / (m + N - 1)`` with balanced costs. It needs ``K >= 3``; with fewer mini-batches the steady
@@ -104,7 +105,8 @@ def stage_report(schedule: Schedule, s: int, starts: list[float], f_cost: Sequen
     stepped_while_held: set[int] = set()
     at_forward: dict[tuple[int, int], int] = {}
     drift: dict[int, int] = {}
-    first_b = last_f_end = t_first = t_last = None
+    last_f_end = t_first = t_last = None
+    first_backward: dict[int, float] = {}  # chunk -> its first backward here: the start-up lasts until the last one
     busy = 0.0
     ends: list[float] = []
     compute = (a for a in schedule.actions[s] if a[1] is F or a[1] is B or a[1] is OPT)
@@ -133,8 +135,8 @@ def stage_report(schedule: Schedule, s: int, starts: list[float], f_cost: Sequen
             drift[mb] = max(gap, drift.get(mb, 0))  # type: ignore[index, arg-type]
             held -= 1
             chunk_held[stage] -= 1
-            if first_b is None:
-                first_b = start
+            if stage not in first_backward:
+                first_backward[stage] = start
         else:
             busy += optimizer_cost
             ends.append(start + optimizer_cost)
@@ -142,6 +144,7 @@ def stage_report(schedule: Schedule, s: int, starts: list[float], f_cost: Sequen
             if chunk_held.get(stage, 0) > 0:
                 stepped_while_held.add(stage)
     idle = makespan - busy
+    first_b = max(first_backward.values()) if first_backward else None
     startup_idle, steady_idle, drain_idle, steady_fraction = _phases(
         starts, ends, 0.0, makespan, k_total, first_b, last_f_end, t_first, t_last)
     values = drift.values()

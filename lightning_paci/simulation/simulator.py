@@ -72,6 +72,16 @@ class SimulationResult:
                 out.append(Interval(s, action.kind, action.microbatch, start, start + cost))
         return out
 
+    @property
+    def interval_chunks(self) -> list[int]:
+        """For each of ``intervals``, its chunk's place among its device's chunks (0, 1, ..., v-1; all 0 with one
+        stage per device), for ``draw_timeline(chunks=...)``."""
+        devices = self.schedule.devices
+        place = {stage: sum(1 for other in range(stage) if devices[other] == devices[stage])
+                 for stage in range(self.schedule.num_stages)}
+        return [place[action.stage] for s in range(len(self._starts))
+                for action in self.schedule.actions[s] if action.kind in COMPUTE_KINDS]
+
     def to_json(self) -> dict[str, object]:
         keys = ("stage", "max_drift", "drift_bound", "bubble_fraction", "steady_bubble_fraction", "peak_inflight",
                 "mean_drift", "busy", "idle", "startup_idle", "steady_idle", "drain_idle")
@@ -311,7 +321,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     print(json.dumps(result.to_json()) if args.json else format_table(result))
     if args.timeline:
+        chunks = result.interval_chunks if schedule.virtual_stages > 1 else None
         save_timeline_png(result.intervals, schedule.num_devices, args.timeline, time_unit="simulated time",
-                          title=f"{schedule.name}: N={schedule.num_stages}, m={schedule.num_microbatches}, "
-                                f"a={schedule.accumulation}, {schedule.num_minibatches} mini-batches")
+                          chunks=chunks,
+                          title=f"{schedule.name}: N={schedule.num_devices}"
+                                + (f" x {schedule.virtual_stages} chunks" if chunks else "")
+                                + f", m={schedule.num_microbatches}, a={schedule.accumulation}, "
+                                  f"{schedule.num_minibatches} mini-batches")
     return 0

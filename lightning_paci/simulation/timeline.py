@@ -34,9 +34,14 @@ def draw_timeline(
     title: str = "",
     time_unit: str = "time",
     figure_width: float | None = None,
+    chunks: Sequence[int] | None = None,
 ) -> Any:
     """Return a matplotlib ``Figure``: one row per stage (stage 0 on top), forward / backward / optimizer step /
-    waits in distinct colours, idle as the pale background, micro-batch numbers written inside wide-enough boxes."""
+    waits in distinct colours, idle as the pale background, micro-batch numbers written inside wide-enough boxes.
+
+    ``chunks`` (with virtual stages, [Note: virtual stages]: rows are devices): each interval's chunk index in the
+    device's order (0 for its first chunk, 1 for its second, ...); a device's later chunks are drawn in lighter
+    shades of the same colours."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -50,17 +55,20 @@ def draw_timeline(
     fig, ax = plt.subplots(figsize=(width, 0.6 * num_stages + 1.6))
     ax.barh(range(num_stages), [span] * num_stages, left=start, height=0.8, color=_IDLE_COLOR, edgecolor="none")
     min_label_width = span / (width * 9.0)  # about one character at the figure's scale
-    for iv in intervals:
+    for index, iv in enumerate(intervals):
         row = iv.stage
+        alpha = 1.0 if chunks is None else 1.0 / (1.0 + 0.8 * chunks[index])  # later chunks: lighter
         if iv.end - iv.start <= 0.0:  # an instantaneous event (a zero-cost optimizer step): a marker line
-            ax.plot([iv.start, iv.start], [row - 0.4, row + 0.4], color=COLORS.get(iv.kind, "#999999"), linewidth=2.5)
+            ax.plot([iv.start, iv.start], [row - 0.4, row + 0.4], color=COLORS.get(iv.kind, "#999999"), linewidth=2.5,
+                    alpha=alpha)
             continue
         ax.barh(row, iv.end - iv.start, left=iv.start, height=0.8, color=COLORS.get(iv.kind, "#999999"),
-                edgecolor="white", linewidth=0.4)
+                edgecolor="white", linewidth=0.4, alpha=alpha)
         label = str(iv.microbatch)
         if iv.microbatch is not None and iv.kind in ("F", "B") and iv.end - iv.start >= min_label_width * len(label):
             ax.text((iv.start + iv.end) / 2, row, label, ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(num_stages), [f"stage {s}" for s in range(num_stages)])
+    row_name = "stage" if chunks is None else "device"
+    ax.set_yticks(range(num_stages), [f"{row_name} {s}" for s in range(num_stages)])
     ax.invert_yaxis()
     ax.set_xlim(start, end)
     ax.set_xlabel(time_unit)
