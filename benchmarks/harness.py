@@ -40,7 +40,7 @@ from lightning_paci.schedules import Interval
 
 __all__ = ["Benchmark", "EmulatedModel", "OneThread", "add_shape_arguments", "emulated_loader", "floor_efficiency",
            "main", "median", "plot_curves", "print_table", "run_emulated", "run_seconds", "sleep_until",
-           "steady_seconds", "time_to"]
+           "steady_seconds", "time_to", "torch_step"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SPIN_S = 0.0003  # the last stretch of an emulated kernel is spun, not slept (see sleep_until)
@@ -286,6 +286,20 @@ def run_emulated(*, num_stages: int, schedule: str, num_microbatches: int, num_m
         trainer.fit(model, emulated_loader(num_minibatches, batch_size=num_microbatches * 2))
         return [[Interval(*iv) for iv in json.loads((Path(tmp) / f"stage{s}.json").read_text())]
                 for s in range(num_stages)]
+
+
+def torch_step(schedule: Any, optimizer: torch.optim.Optimizer, rank: int, world: int, x: torch.Tensor,
+               y: torch.Tensor) -> None:
+    """One mini-batch through a torch.distributed.pipelining schedule on this rank -- the first rank feeds the
+    inputs, the last the targets, a lone rank both -- then the optimizer's step."""
+    if rank == 0:
+        schedule.step(x, target=y) if world == 1 else schedule.step(x)
+    elif rank == world - 1:
+        schedule.step(target=y)
+    else:
+        schedule.step()
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 def run_seconds(stages: Sequence[Sequence[Interval]]) -> float:

@@ -47,6 +47,7 @@ from benchmarks.harness import (
     run_emulated,
     run_seconds,
     steady_seconds,
+    torch_step,
 )
 from lightning_paci import BubbleMonitor, DriftMonitor, TimelineMonitor, build_schedule, simulate_schedule
 from lightning_paci.schedules import Interval
@@ -105,14 +106,7 @@ def _torch_worker(rank: int, shape: tuple[str, int, int, int, float, float, int]
             host_figures["other per micro-batch"] = rest / ((k - 2) * m) * 1e6
             host_figures["total per micro-batch"] = steady_cpu / ((k - 2) * m) * 1e6
         step_starts.append(time.perf_counter())
-        if rank == 0:
-            schedule.step(x)
-        elif rank == n - 1:
-            schedule.step(target=y)
-        else:
-            schedule.step()
-        optimizer.step()
-        optimizer.zero_grad()
+        torch_step(schedule, optimizer, rank, n, x, y)
     dist.barrier()
     if host:
         Path(f"{out}.{rank}").write_text(json.dumps(host_figures))

@@ -33,7 +33,15 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.harness import Benchmark, EmulatedModel, add_shape_arguments, emulated_loader, median, print_table
+from benchmarks.harness import (
+    Benchmark,
+    EmulatedModel,
+    add_shape_arguments,
+    emulated_loader,
+    median,
+    print_table,
+    torch_step,
+)
 from lightning_paci import build_schedule, simulate_schedule
 from lightning_paci.schedules import layout_communicators, stage_devices, static_drift
 
@@ -117,14 +125,7 @@ def _torch(rank: int, shape: Shape, path: str, out: str) -> None:
     step_starts = []
     for x, y in batches:
         step_starts.append(time.perf_counter())
-        if rank == 0:
-            schedule.step(x, target=y) if p == 1 else schedule.step(x)
-        elif rank == p - 1:
-            schedule.step(target=y)
-        else:
-            schedule.step()
-        optimizer.step()
-        optimizer.zero_grad()
+        torch_step(schedule, optimizer, rank, p, x, y)
     dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps([time.perf_counter() - start, step_starts[-1] - step_starts[1]]))
