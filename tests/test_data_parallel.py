@@ -319,8 +319,10 @@ def test_buckets_reduced_during_the_backward_equal_the_blocking_average_bit_for_
     model = SequentialMLP(depth=6)
     blocking = copy.deepcopy(model)
     loader = regression_loader(num_batches=12, batch_size=4)
+    # the split by parameters: a split by measured time could differ between the two runs, and under paci a block's
+    # staleness is its stage's
     shape = dict(devices=4, max_steps=4, schedule=schedule, microbatches=2, data_parallel_size=2,
-                 trainer_kwargs={"use_distributed_sampler": True})
+                 partition="parameters", trainer_kwargs={"use_distributed_sampler": True})
     fit(model, loader, reduce_bucket_mb=1e-6, callbacks=[RecordReduction(tmp_path)], **shape)
     fit(blocking, loader, reduce_bucket_mb=None, **shape)
     for key, value in blocking.state_dict().items():
