@@ -105,6 +105,10 @@ def test_each_chunks_drift_stays_within_its_bound_and_the_simulator_reads_the_sa
             chunks = [s for s in range(schedule.num_stages) if schedule.devices[s] == report.stage]
             assert report.max_drift == max(bounds[s] for s in chunks)
             assert report.drift_bound >= report.max_drift  # the peak-based bound, never below
+        deferred = chunk_drift_bounds(schedule, deferred=True)  # each update made at the chunk's next backward
+        for report in simulate_schedule(schedule, deferred=True, reduce_cost=1.0).stages:
+            chunks = [s for s in range(schedule.num_stages) if schedule.devices[s] == report.stage]
+            assert report.max_drift == max(deferred[s] for s in chunks)
     for name in ("interleaved", "bfs"):  # flush schedules at a = m: every update with nothing in flight
         assert set(chunk_drift_bounds(build_schedule(name, p, m, m, 3, virtual_stages=2))) == {0}
 

@@ -3,7 +3,8 @@
 A schedule is built in three pure passes (no torch, no torch.distributed), so that the runtime, the one-process
 reference executor, the simulator and the monitors all read one definition of what a stage does and when:
 
-1. compute order: forwards ``F`` and backwards ``B`` per stage (``_compute_order``),
+1. compute order: forwards ``F`` and backwards ``B`` per stage (``_compute_order``; a device's over its chunks,
+   virtual.py),
 2. an ``OPT`` after every ``accumulation``-th local backward, and
 3. the point-to-point messages the compute order implies (2 and 3 in one sweep, ``_lower``).
 
@@ -48,7 +49,6 @@ from lightning_paci.schedules.actions import (
     SEND_F,
     SEND_T,
     Action,
-    ActionKind,
     B,
     F,
     Schedule,
@@ -127,7 +127,7 @@ def build_schedule(
                          f"`microbatches` ({num_microbatches}), got {accumulation}.")
     with _collector_paused():
         lowered = [
-            _lower(stage, num_stages, _compute_order(name, num_stages, stage, num_microbatches, num_minibatches),
+            _lower(_compute_order(name, num_stages, stage, num_microbatches, num_minibatches), num_stages,
                    accumulation, backward_offset)
             if name != "layered" else
             _lower_layered(stage, num_stages, num_microbatches, num_minibatches, accumulation, backward_offset)
@@ -219,30 +219,28 @@ def _add_tied_exchange(schedule: Schedule) -> Schedule:
                     tuple(lists))
 
 
-def _one_f_one_b(stage: int, num_stages: int, first: int, count: int) -> list[tuple[ActionKind, int]]:
-    """1F1B over micro-batches ``first .. first+count-1`` with warm-up ``N-1-s`` (capped by ``count``)."""
+def _one_f_one_b(stage: int, num_stages: int, first: int, count: int) -> list[Unit]:
+    """1F1B of ``stage`` over micro-batches ``first .. first+count-1`` with warm-up ``N-1-s`` (capped by ``count``)."""
     warmup = min(num_stages - 1 - stage, count)
-    order: list[tuple[ActionKind, int]] = [(F, first + i) for i in range(warmup)]
+    order: list[Unit] = [(stage, F, first + i) for i in range(warmup)]
     for i in range(count - warmup):
-        order.append((F, first + warmup + i))
-        order.append((B, first + i))
-    order.extend((B, first + i) for i in range(count - warmup, count))
+        order.append((stage, F, first + warmup + i))
+        order.append((stage, B, first + i))
+    order.extend((stage, B, first + i) for i in range(count - warmup, count))
     return order
 
 
-def _compute_order(
-    name: str, num_stages: int, stage: int, num_microbatches: int, num_minibatches: int
-) -> list[tuple[ActionKind, int]]:
+def _compute_order(name: str, num_stages: int, stage: int, num_microbatches: int, num_minibatches: int) -> list[Unit]:
     if name == "paci":  # see [Note: PACI order]: one 1F1B over the whole stream, no flush
         return _one_f_one_b(stage, num_stages, 0, num_microbatches * num_minibatches)
-    order: list[tuple[ActionKind, int]] = []
+    order: list[Unit] = []
     for minibatch in range(num_minibatches):
         first = minibatch * num_microbatches
         if name in ("1f1b", "interleaved"):  # one chunk per device: interleaved 1F1B is 1F1B, bfs is gpipe
             order += _one_f_one_b(stage, num_stages, first, num_microbatches)
         else:  # gpipe
-            order += [(F, first + i) for i in range(num_microbatches)]
-            order += [(B, first + i) for i in range(num_microbatches)]
+            order += [(stage, F, first + i) for i in range(num_microbatches)]
+            order += [(stage, B, first + i) for i in range(num_microbatches)]
     return order
 
 
@@ -268,37 +266,6 @@ def _lower_layered(stage: int, num_stages: int, m: int, num_minibatches: int, ac
     return tuple(out)
 
 
-def _lower(
-    stage: int, num_stages: int, order: Iterable[tuple[ActionKind, int]], accumulation: int, backward_offset: int
-) -> tuple[Action, ...]:
-    """Passes 2 and 3 in one sweep: an ``OPT`` after every ``accumulation``-th backward (counting continues from
-    ``backward_offset``) and the messages the compute order implies. A ``RECV`` goes right before the action that
-    needs it; a ``SEND`` right after the action that produced it and before a following ``OPT``, so an optimizer
-    step never delays a neighbour."""
-    new = tuple.__new__  # about twice as fast as Action(...): large simulations build millions of actions
-    has_prev, has_next = stage > 0, stage < num_stages - 1
-    out: list[Action] = []
-    append = out.append
-    done = backward_offset
-    for kind, microbatch in order:
-        if kind is F:
-            if has_prev:
-                append(new(Action, (stage, RECV_F, microbatch)))
-            append(new(Action, (stage, F, microbatch)))
-            if has_next:
-                append(new(Action, (stage, SEND_F, microbatch)))
-        else:
-            if has_next:
-                append(new(Action, (stage, RECV_B, microbatch)))
-            append(new(Action, (stage, B, microbatch)))
-            if has_prev:
-                append(new(Action, (stage, SEND_B, microbatch)))
-            done += 1
-            if done % accumulation == 0:
-                append(new(Action, (stage, OPT, None)))
-    return tuple(out)
-
-
 def _build_virtual(name: str, num_devices: int, m: int, accumulation: int, num_minibatches: int,
                    backward_offset: int, tied: bool, devices: tuple[int, ...], placement: str) -> Schedule:
     """``v > 1`` chunks per device ([Note: virtual stages]): the device orders of virtual.py, lowered per chunk."""
@@ -318,32 +285,36 @@ def _build_virtual(name: str, num_devices: int, m: int, accumulation: int, num_m
                          f"use placement='v' with an even virtual_stages (got placement={placement!r}).")
     with _collector_paused():
         orders = device_orders(name, devices, m, num_minibatches, _one_f_one_b, placement)
-        lowered = tuple(_lower_units(order, len(devices), accumulation, backward_offset) for order in orders)
+        lowered = tuple(_lower(order, len(devices), accumulation, backward_offset) for order in orders)
     # tied weights on one device: no exchange, the device's two chunks share the parameter (see the runtime)
     return Schedule(name, len(devices), m, accumulation, num_minibatches, lowered, placement=devices)
 
 
-def _lower_units(order: Iterable[Unit], num_stages: int, accumulation: int, backward_offset: int) -> tuple[Action, ...]:
-    """``_lower`` for a device running several chunks: each unit's messages by its own chunk's neighbours, and an
-    ``OPT`` of chunk ``s`` after every ``accumulation``-th backward of chunk ``s``."""
-    new = tuple.__new__
+def _lower(order: Iterable[Unit], num_stages: int, accumulation: int, backward_offset: int) -> tuple[Action, ...]:
+    """Passes 2 and 3 in one sweep, over a device's units (a stage and an ``F`` or ``B``; several chunks with virtual
+    stages): an ``OPT`` of stage ``s`` after every ``accumulation``-th backward of ``s`` (counting continues from
+    ``backward_offset``) and the messages each unit implies with its own stage's neighbours. A ``RECV`` goes right
+    before the action that needs it; a ``SEND`` right after the action that produced it and before a following
+    ``OPT``, so an optimizer step never delays a neighbour."""
+    new = tuple.__new__  # about twice as fast as Action(...): large simulations build millions of actions
     last = num_stages - 1
-    done: dict[int, int] = {}
+    done = [backward_offset] * num_stages
     out: list[Action] = []
+    append = out.append
     for stage, kind, microbatch in order:
         if kind is F:
             if stage > 0:
-                out.append(new(Action, (stage, RECV_F, microbatch)))
-            out.append(new(Action, (stage, F, microbatch)))
+                append(new(Action, (stage, RECV_F, microbatch)))
+            append(new(Action, (stage, F, microbatch)))
             if stage < last:
-                out.append(new(Action, (stage, SEND_F, microbatch)))
+                append(new(Action, (stage, SEND_F, microbatch)))
         else:
             if stage < last:
-                out.append(new(Action, (stage, RECV_B, microbatch)))
-            out.append(new(Action, (stage, B, microbatch)))
+                append(new(Action, (stage, RECV_B, microbatch)))
+            append(new(Action, (stage, B, microbatch)))
             if stage > 0:
-                out.append(new(Action, (stage, SEND_B, microbatch)))
-            done[stage] = done.get(stage, backward_offset) + 1
+                append(new(Action, (stage, SEND_B, microbatch)))
+            done[stage] += 1
             if done[stage] % accumulation == 0:
-                out.append(new(Action, (stage, OPT, None)))
+                append(new(Action, (stage, OPT, None)))
     return tuple(out)

@@ -68,7 +68,7 @@ def stage_devices(num_devices: int, virtual_stages: int, placement: str) -> tupl
 
 
 def device_orders(name: str, devices: Sequence[int], num_microbatches: int, num_minibatches: int,
-                  one_f_one_b: Callable[[int, int, int, int], list[tuple[ActionKind, int]]],
+                  one_f_one_b: Callable[[int, int, int, int], list[Unit]],
                   placement: str) -> list[list[Unit]]:
     """Every device's compute order for ``name`` in ``"bfs"``, ``"interleaved"``, ``"paci"`` over the stages placed
     on ``devices`` (``devices[s]``: stage ``s``'s device). ``one_f_one_b(stage, num_stages, first, count)`` is the
@@ -92,7 +92,7 @@ def device_orders(name: str, devices: Sequence[int], num_microbatches: int, num_
     if placement == "loop":
         return [[unit for first, count in spans for unit in _units(stages, d, num_devices, v, first, count)]
                 for d, stages in enumerate(mine)]
-    chunk_orders = [[(s, kind, mb) for first, count in spans for kind, mb in one_f_one_b(s, num_stages, first, count)]
+    chunk_orders = [[unit for first, count in spans for unit in one_f_one_b(s, num_stages, first, count)]
                     for s in range(num_stages)]
     return _merged(chunk_orders, devices, num_devices)
 

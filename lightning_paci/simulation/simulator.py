@@ -232,9 +232,12 @@ def simulate_schedule(
 
     makespan = max(clock) if n else 0.0
     reports = [stage_report(schedule, s, starts[s], fwd, bwd, optimizer_cost, makespan) for s in range(n)]
-    if deferred and v == 1:  # the updates are made later than their OPT: the gaps of the list read that way
+    if deferred:  # the updates are made later than their OPT: the gaps of the list read that way, per chunk
         for report in reports:
-            report.drift = static_drift(schedule.actions[report.stage], deferred=True)
+            report.drift = {}
+            for stage in (s for s in range(num_stages) if schedule.devices[s] == report.stage):
+                for mb, gap in static_drift(schedule.stage_actions(stage), deferred=True).items():
+                    report.drift[mb] = max(gap, report.drift.get(mb, 0))
             report.max_drift = max(report.drift.values(), default=0)
             report.mean_drift = sum(report.drift.values()) / len(report.drift) if report.drift else 0.0
             report.drift_bound = report.max_drift
