@@ -65,7 +65,7 @@ class LightningStageProgram:
         check, self._check = self._check, None
         try:
             with recording_logs(self.module, records, microbatch_size(data), self.step_name,
-                                keep=self.device_logs), self.context(), (
+                                keep=self.device_logs), self.context(), self.carve.entered(), (
                     check.watch() if check is not None else contextlib.nullcontext()):
                 output = step(data, *step_args)
         except StageDone:

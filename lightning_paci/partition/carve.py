@@ -25,7 +25,9 @@ the ingress hook then replaces::
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +40,7 @@ from lightning_paci.partition.placeholder import BoundaryState, CrossingError, P
 from lightning_paci.partition.plan import PartitionPlan
 
 __all__ = ["BoundaryState", "CrossingError", "StageCarve", "StageDone", "carve_stage", "removed_modules",
-           "share_tied_weights"]
+           "share_tied_weights", "untie"]
 
 
 class StageDone(BaseException):
@@ -102,6 +104,13 @@ class StageCarve:
     # buffers outside the container that ran on placeholder zeros here (partition/crossing.py): another stage's copy
     # is the real one, so this stage leaves them out of gathered states
     foreign_buffers: set[str] = field(default_factory=set)
+    # several stages in one process ([Note: chunks of one device] in chunks.py): puts this stage's modules in place
+    # for one forward; None for a process holding one stage, whose modules are always in place
+    enter: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+
+    def entered(self) -> contextlib.AbstractContextManager[Any]:
+        """Around every forward of this stage (and every hook installed for it): its own modules in place."""
+        return self.enter() if self.enter is not None else _IN_PLACE
 
     @property
     def is_first(self) -> bool:
@@ -148,16 +157,13 @@ def removed_modules(plan: PartitionPlan, stage: int) -> dict[str, tuple[int, boo
     return out
 
 
-def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarve:
-    """Keep only ``stage``'s parameters in ``module`` (in place) and install the boundary hooks.
+_IN_PLACE = contextlib.nullcontext()
 
-    Removed modules are moved to the meta device (their memory is freed) and kept for :meth:`StageCarve.restore`.
-    """
-    _, container = find_block_container(module, plan.container)
-    last = plan.num_stages - 1
-    removed: dict[str, nn.Module] = {}
-    # untie first: stage 0's user keeps the shared Parameter, the last stage's user gets its own copy (a replica
-    # that its optimizer skips and that receives stage 0's updates, see [Note: tied weights] in schedules.py)
+
+def untie(module: nn.Module, plan: PartitionPlan) -> None:
+    """Give the last stage's names of each tied weight their own copy: stage 0's user keeps the shared Parameter,
+    the last stage's user gets a replica that its optimizer skips and that receives stage 0's updates (see [Note:
+    tied weights] in schedules.py)."""
     replicas: dict[str, nn.Parameter] = {}  # one replica per tied weight, under all its last-stage names
     for first, last_name in plan.tied:
         owner_name, _, attr = last_name.rpartition(".")
@@ -166,6 +172,22 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
         if first not in replicas:
             replicas[first] = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
         setattr(holder, attr, replicas[first])
+
+
+def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int, *, untie_weights: bool = True,
+                shadows: Mapping[str, nn.Module] | None = None) -> StageCarve:
+    """Keep only ``stage``'s parameters in ``module`` (in place) and install the boundary hooks.
+
+    Removed modules are moved to the meta device (their memory is freed) and kept for :meth:`StageCarve.restore`.
+    ``shadows``: modules another stage of this process owns, by name, as meta copies for their placeholders: the
+    real ones stay (chunks.py puts them back after this carve); ``untie_weights``: False where the caller unties.
+    """
+    _, container = find_block_container(module, plan.container)
+    last = plan.num_stages - 1
+    removed: dict[str, nn.Module] = {}
+    shadows = shadows or {}
+    if untie_weights:
+        untie(module, plan)
 
     def swap(name: str, owner: str, *, is_block: bool = False) -> None:
         parent_name, _, child = name.rpartition(".")
@@ -176,8 +198,11 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int) -> StageCarv
             original = original.__dict__["_shadow"]
         device = next((t.device for t in [*original.parameters(), *original.buffers()] if not t.is_meta),
                       next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu")))
-        removed[name] = original.to("meta")
-        parent._modules[child] = Placeholder(owner, removed[name], may_pass_through=is_block, name=name,
+        if name in shadows:
+            shadow = shadows[name]
+        else:
+            shadow = removed[name] = original.to("meta")
+        parent._modules[child] = Placeholder(owner, shadow, may_pass_through=is_block, name=name,
                                               boundary=boundary, device=device)
 
     boundary = BoundaryState()

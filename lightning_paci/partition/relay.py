@@ -37,6 +37,7 @@ from torch import nn
 from lightning_paci.engine.messages import flatten
 from lightning_paci.partition.carve import CrossingError, StageCarve, StageDone, removed_modules
 from lightning_paci.partition.crossing import CrossingCheck
+from lightning_paci.partition.placeholder import Placeholder
 from lightning_paci.partition.plan import PartitionPlan
 
 __all__ = ["Needs", "Relay", "RelayPlan", "StageProbe", "install_relays", "plan_relays", "probe_crossings"]
@@ -116,7 +117,7 @@ def probe_crossings(module: nn.Module, carve: StageCarve, run_step: Callable[[],
         return hook
 
     handles = [sub.register_forward_pre_hook(count(name)) for name, sub in module.named_modules()
-               if name and name not in removed]
+               if name and name not in removed and not isinstance(sub, Placeholder)]  # (a sibling chunk's)
     check = None if carve.is_first else CrossingCheck(module, carve, collect=True)
     boundary = carve.boundary
     boundary.begin(None)
