@@ -12,6 +12,7 @@ accumulating.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -92,6 +93,33 @@ class StageOptimizer:
             raise ValueError("The optimizer already has state; build it fresh in `configure_optimizers`.")
         self._owned: set[int] | None = None  # sharded over replicas: ids of the parameters this replica updates
         self._share: Callable[[], None] | None = None
+        self._clock: _HyperparameterClock | None = None  # a chunk's view of a device's optimizer (see `chunk`)
+        self.updates = 0  # steps taken (a chunk's own, for its view)
+
+    def chunk(self, params: Sequence[nn.Parameter], before_step: Callable[[torch.optim.Optimizer], None] | None
+              ) -> StageOptimizer:
+        """The view of one chunk of a device ([Note: chunks of one device] in partition/chunks.py): the same
+        optimizer and state, stepping only ``params``' gradients (the others' aliases hold none, so per-tensor
+        optimizers leave those tensors and their state untouched), with its own ``before_step``. The schedulers
+        advance once per update *version* across the chunks: a chunk's ``k``-th update uses the hyperparameters
+        the schedulers gave for step ``k``, whichever chunk reached it first, as one device would."""
+        mine = {id(p) for p in params}
+        view = copy.copy(self)
+        view.pairs = [(alias, p) for alias, p in self.pairs if id(p) in mine]
+        view.before_step = before_step
+        if self.schedulers and self._clock is None:
+            self._clock = _HyperparameterClock(self.optimizer, self.schedulers)
+        view._clock, view.schedulers, view.updates = self._clock, [], 0
+        if view._clock is not None:
+            view._clock.views.append(view)
+        return view
+
+    def resume_at(self, steps: int) -> None:
+        """A checkpoint's ``steps`` updates were made before this run: a chunk's view counts from there, and the
+        schedulers' clock takes the groups as they are when the next update comes (the checkpoint's)."""
+        self.updates = steps
+        if self._clock is not None:
+            self._clock.version, self._clock.kept = steps, {}
 
     def shard(self, owned: set[int], share: Callable[[], None]) -> None:
         """Update only the parameters whose ids are in ``owned`` (the others' gradients are hidden from the
@@ -134,6 +162,8 @@ class StageOptimizer:
         """
         if self.nonfinite(extra, flags):
             return Step(done=False)
+        if self._clock is not None:
+            self._clock.use(self.updates)
         for alias, p in self.pairs:  # the same tensors: what hooks and clipping do to them, the update sees
             alias.grad = p.grad
         if self.before_step is not None:
@@ -156,6 +186,9 @@ class StageOptimizer:
                 squares[i, 1] = new.float().pow(2).sum()
         for scheduler in self.schedulers:
             scheduler.step()
+        self.updates += 1
+        if self._clock is not None:
+            self._clock.reached(self.updates)
         for alias, p in self.pairs:
             alias.grad = None
             p.grad = None
@@ -182,3 +215,38 @@ class StageOptimizer:
     def weight_norm(self) -> float:
         """||theta|| over the stage's parameters."""
         return float(sum(p.detach().float().pow(2).sum() for _, p in self.pairs)) ** 0.5
+
+
+class _HyperparameterClock:
+    """The schedulers of a device's optimizer, stepped once per update version across its chunks' views: each
+    version's group hyperparameters are kept until every view has used them (at most the versions the chunks are
+    apart, a few)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedulers: Sequence[Any]) -> None:
+        self.optimizer, self.schedulers = optimizer, list(schedulers)
+        self.views: list[StageOptimizer] = []
+        self.version = 0
+        self.kept: dict[int, list[dict[str, Any]]] = {0: self._groups()}
+
+    def _groups(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+
+    def use(self, version: int) -> None:
+        """Set the groups' hyperparameters to those of update ``version``."""
+        if not self.kept:  # resumed: the groups hold the checkpoint's values
+            self.kept[self.version] = self._groups()
+        for group, kept in zip(self.optimizer.param_groups, self.kept[version], strict=True):
+            group.update(kept)
+
+    def reached(self, version: int) -> None:
+        """A view made its update ``version``: step the schedulers up to it (from the newest version's values)."""
+        if version > self.version:
+            self.use(self.version)
+            while self.version < version:
+                for scheduler in self.schedulers:
+                    scheduler.step()
+                self.version += 1
+                self.kept[self.version] = self._groups()
+        oldest = min(view.updates for view in self.views)
+        for old in [v for v in self.kept if v < oldest]:
+            del self.kept[old]
