@@ -9,10 +9,11 @@ from datetime import timedelta
 from typing import Literal
 
 from lightning_paci.engine.recompute import RECOMPUTE_MODES
-from lightning_paci.engine.topology import check_size_option
+from lightning_paci.engine.topology import Topology, check_size_option, check_topology, resolve_sizes
 from lightning_paci.optim.weight_prediction import COMPENSATIONS
 from lightning_paci.partition import PartitionSpec
-from lightning_paci.schedules import SCHEDULE_NAMES, ScheduleName
+from lightning_paci.schedules import PLACEMENTS, SCHEDULE_NAMES, VIRTUAL_SCHEDULE_NAMES, ScheduleName
+from lightning_paci.schedules.virtual import Placement
 
 __all__ = ["PACIConfig"]
 
@@ -114,6 +115,15 @@ class PACIConfig:
         weights: pretrained weights read per stage (partition/weights.py): a transformers directory (safetensors,
             sharded with its index or not), a ``.safetensors`` file, a consolidated ``.ckpt`` or a PACI sharded
             checkpoint directory. Keys are the module's ``state_dict()`` names, or those less one common prefix.
+        virtual_stages: stages per process (default 1). With ``v > 1`` the blocks are cut into ``v x P`` stages and
+            each process runs ``v`` of them ([Note: virtual stages] in schedules/virtual.py), parameter names
+            unchanged: a drain and a fill cost about ``1/v`` of one stage per process; ``schedule`` is ``"paci"``,
+            ``"interleaved"`` or ``"bfs"``. PACI's drift bound is taken per stage and is higher for the first
+            stages (docs/virtual-stages.md). Not with ``recompute``, ``dp_shard``, ``deferred_update``, ``weights``
+            or a model built on the meta device.
+        placement: with virtual stages, ``"loop"`` (default: stage ``c`` on process ``c mod P``) or ``"v"`` (zig-zag:
+            the first and the last stage on one process, so a tied embedding and LM head share one weight and
+            exchange nothing; global rank 0 then holds them).
 
     Gradient clipping (``Trainer(gradient_clip_val=...)``) is applied per stage to the stage's own gradients; there
     is no cross-stage global norm (that would need a per-step collective).
@@ -143,9 +153,11 @@ class PACIConfig:
     recompute_stages: int | None = None
     model_init: Literal["stage", "full"] = "stage"
     weights: str | os.PathLike[str] | None = None
+    virtual_stages: int = 1
+    placement: Placement = "loop"
 
     def __post_init__(self) -> None:
-        _choice("schedule", self.schedule, SCHEDULE_NAMES)
+        _choice("schedule", self.schedule, SCHEDULE_NAMES + VIRTUAL_SCHEDULE_NAMES)
         for name in ("microbatches", "accumulation"):
             _positive_int(name, getattr(self, name), f"Use e.g. `PACIStrategy({name}=8)`.", optional=True)
         _choice("nonfinite", self.nonfinite, ("raise", "skip"))
@@ -200,6 +212,36 @@ class PACIConfig:
             raise ValueError("`schedule='layered'` cuts each block's graph at its entry and exit to run the "
                              "backward block by block; `recompute='blocks'` recomputes those blocks inside the "
                              "backward. Use one of them: `recompute='off'`, or `schedule='gpipe'`.")
+        self._check_virtual_stages()
         if self.recompute_stages is not None and self.recompute == "off":
             raise ValueError(f"`recompute_stages={self.recompute_stages}` needs `recompute='blocks'`: it chooses which "
                              f"stages recompute. Pass `PACIStrategy(recompute='blocks', recompute_stages=...)`.")
+
+    def topology(self, devices: int, num_nodes: int) -> Topology:
+        """Stages x replicas over ``devices x num_nodes`` processes, checked ([Note: rank layout])."""
+        sizes = resolve_sizes(self.pipeline_parallel_size, self.data_parallel_size, devices * num_nodes,
+                              devices=devices, num_nodes=num_nodes)
+        return check_topology(Topology(*sizes, mirrored=self.virtual_stages > 1 and self.placement == "v"),
+                              nonfinite=self.nonfinite, local_sgd_steps=self.local_sgd_steps)
+
+    def _check_virtual_stages(self) -> None:
+        _positive_int("virtual_stages", self.virtual_stages, "Use e.g. `virtual_stages=2` for two stages per device; "
+                      "1 (default) runs one stage per device.")
+        _choice("placement", self.placement, PLACEMENTS)
+        v = self.virtual_stages
+        if v > 1 and self.schedule in ("1f1b", "gpipe", "layered"):
+            fix = {"1f1b": "'interleaved'", "gpipe": "'bfs'", "layered": "'bfs'"}[self.schedule]
+            raise ValueError(f"`schedule={self.schedule!r}` runs one stage per device, got `virtual_stages={v}`: use "
+                             f"`schedule={fix}` (its order over several stages per device), or `virtual_stages=1`.")
+        if v == 1:
+            return
+        refused = [(name, value, why) for name, value, why in (
+            ("recompute", self.recompute != "off", "recomputation wraps the blocks of one stage per process"),
+            ("dp_shard", self.dp_shard != "none", "the optimizer shards are made per stage"),
+            ("deferred_update", self.deferred_update, "the deferred update is modelled for one stage per process"),
+            ("weights", self.weights is not None, "weights are read into a model built per stage on the meta device"),
+        ) if value]
+        if refused:
+            name, _, why = refused[0]
+            raise ValueError(f"`{name}={getattr(self, name)!r}` is not supported with `virtual_stages={v}` ({why}): "
+                             f"drop `{name}`, or run `virtual_stages=1`.")

@@ -41,10 +41,9 @@ from typing_extensions import override
 
 from lightning_paci.config import PACIConfig
 from lightning_paci.engine.activity import activity
-from lightning_paci.engine.communicators import transport_device
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.engine.supervision import mark_setup_error
-from lightning_paci.engine.topology import Topology, check_topology, resolve_sizes
+from lightning_paci.engine.topology import Topology
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.checkpoint import (
     PipelineCheckpoints,
@@ -67,14 +66,17 @@ from lightning_paci.integration.processes import (
     broadcast_object,
     check_launched_world,
     collective_waits,
+    reduce_decision,
     reduce_over,
     start_process_groups,
 )
 from lightning_paci.integration.stage_build import StageBuilder, meta_stays_on_meta
 from lightning_paci.integration.trainer_checks import check_trainer
 from lightning_paci.optim.stage_optimizer import optimizer_and_step_schedulers
-from lightning_paci.partition import PartitionPlan, PartitionSpec, carve_stage
-from lightning_paci.schedules import ScheduleName
+from lightning_paci.partition import PartitionPlan, PartitionSpec
+from lightning_paci.partition.chunks import carve_chunks
+from lightning_paci.schedules import ScheduleName, stage_devices
+from lightning_paci.schedules.virtual import Placement
 
 __all__ = ["PACIStrategy", "optimizer_and_step_schedulers"]
 
@@ -140,6 +142,8 @@ class PACIStrategy(ParallelStrategy):
         recompute_stages: int | None = None,
         model_init: Literal["stage", "full"] = "stage",
         weights: str | os.PathLike[str] | None = None,
+        virtual_stages: int = 1,
+        placement: Placement = "loop",
     ) -> None:
         given = locals()  # the arguments above, by name: PACIConfig's fields and Lightning's (a test keeps them equal)
         self.config = PACIConfig(**{f.name: given[f.name] for f in dataclasses.fields(PACIConfig)})
@@ -178,14 +182,16 @@ class PACIStrategy(ParallelStrategy):
     def topology(self) -> Topology:
         """Pipeline stages x data-parallel replicas over ``devices x num_nodes`` processes; an impossible split is a
         ``ValueError`` naming the numbers and the fix (engine/topology.py)."""
-        return check_topology(Topology(*resolve_sizes(
-            self.config.pipeline_parallel_size, self.config.data_parallel_size, self.num_nodes * self.num_processes,
-            devices=self.num_processes, num_nodes=self.num_nodes)), nonfinite=self.config.nonfinite,
-            local_sgd_steps=self.config.local_sgd_steps)
+        return self.config.topology(self.num_processes, self.num_nodes)
 
     @property
     def num_stages(self) -> int:
+        """Processes per pipeline; the model is cut into ``len(stage_devices)`` stages, ``virtual_stages`` each."""
         return self.topology.pipeline
+
+    @property
+    def stage_devices(self) -> tuple[int, ...]:  # the process (`stage_index`) of each of the pipeline's stages
+        return stage_devices(self.num_stages, self.config.virtual_stages, self.config.placement)
 
     @property
     def data_parallel_size(self) -> int:
@@ -251,9 +257,15 @@ class PACIStrategy(ParallelStrategy):
 
     @property
     def runtime(self) -> StageRuntime:
-        if self._stage is None or self._stage.runtime is None:
+        """This process's stage's runtime (its first stage's with ``virtual_stages > 1``: see ``runtimes``)."""
+        return next(iter(self.runtimes.values()))
+
+    @property
+    def runtimes(self) -> dict[int, StageRuntime]:
+        """The runtime of each stage this process runs, by stage (one, or ``virtual_stages``)."""
+        if self._stage is None or not self._stage.runtimes:
             raise RuntimeError("PACIStrategy.runtime is only available after `trainer.fit` has set up the stage.")
-        return self._stage.runtime
+        return self._stage.runtimes
 
     @property
     def plan(self) -> PartitionPlan:
@@ -340,27 +352,21 @@ class PACIStrategy(ParallelStrategy):
             plan = self._builder.plan_stages(trainer, module)  # and logged
             # one device's optimizer layout, read off the whole module before carving
             layout = OptimizerLayout.of(module) if trainer.state.fn == TrainerFn.FITTING else None
-            carve = carve_stage(module, plan, self.stage_index)
-            self._builder.materialize(module, carve, has_checkpoint=trainer.ckpt_path is not None)
+            carve = carve_chunks(module, plan, [s for s, d in enumerate(self.stage_devices) if d == self.stage_index])
+            self._builder.materialize(module, carve.first, has_checkpoint=trainer.ckpt_path is not None)
             self._stage = LocalStage(
                 module, plan, carve, config=self.config, num_microbatches=self.num_microbatches, layout=layout,
-                links=self._links(), broadcast=self.pipeline_broadcast,
-                eval_context=self.precision_plugin.val_step_context)
+                links=StageLinks.of(self), broadcast=self.pipeline_broadcast,
+                eval_context=self.precision_plugin.val_step_context, index=self.stage_index)
         super().setup(trainer)
         self._stage.prepare_relays(self, self._builder.take_sample())  # on the device, in the step's precision
         if trainer.state.fn == TrainerFn.FITTING:
             owned = [cfg.scheduler for cfg in self.lr_scheduler_configs if cfg.interval == "step"]
             self._stage.start_training(self.optimizers, schedulers=owned, accumulation=self.accumulation,
-                                       hooks=LightningHooks(module, trainer, self.stage_index),
+                                       hooks=lambda stage: LightningHooks(module, trainer, stage),
                                        train_context=self.precision_plugin.train_step_context)
             self.undo_at_teardown(patch_for_pipeline(trainer, module, owned))
             activity.source = self._stage.activity()
-
-    def _links(self) -> StageLinks:
-        groups = self.process_groups
-        return StageLinks([self.rank_of(s) for s in range(self.num_stages)], groups.p2p, replica=self.replica_index,
-                          replicas=self.data_parallel_size, replica_group=groups.data, deliver=self.root_device,
-                          transport=transport_device(groups.backend, self.root_device), headers=groups.host)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -434,7 +440,7 @@ class PACIStrategy(ParallelStrategy):
         """A monitor's figures of this stage (``paci/<figure>/stage_<s>``) for the Trainer's loggers on global rank 0:
         they travel with the pipeline's own messages (LightningHooks.figures)."""
         if self._stage is not None and self._stage.hooks is not None:
-            self._stage.hooks.figures(figures, step, last_stage=self._stage.carve.is_last)
+            self._stage.hooks.figures(figures, step, last_stage=self._stage.carve.holds_last)
 
     # -- collectives (never per training batch) ----------------------------------------------------------------------
     def pipeline_broadcast(self, obj: Any, stage: int) -> Any:
@@ -466,12 +472,7 @@ class PACIStrategy(ParallelStrategy):
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if not api.distributed_is_initialized():
-            return decision
-        value = torch.tensor(int(decision), device=self.root_device)
-        with activity.collective("reduce_boolean_decision"):
-            dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return bool(value == self.world_size) if all else bool(value > 0)
+        return reduce_decision(decision, all=all, device=self.root_device, world=self.world_size)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:

@@ -11,7 +11,8 @@ from lightning_paci.config import PACIConfig
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"schedule": "zb"}, r"`schedule` must be one of 'paci', '1f1b', 'gpipe', 'layered', got 'zb'"),
+    ({"schedule": "zb"}, r"`schedule` must be one of 'paci', '1f1b', 'gpipe', 'layered', 'interleaved', 'bfs', "
+                         r"got 'zb'"),
     ({"microbatches": 0}, r"`microbatches` must be an int >= 1 \(or None for the default\), got 0\. Use e\.g\."),
     ({"accumulation": True}, r"`accumulation` must be an int >= 1 .*got True"),
     ({"nonfinite": "ignore"}, r"`nonfinite` must be one of 'raise', 'skip', got 'ignore'"),
@@ -20,6 +21,14 @@ from lightning_paci.config import PACIConfig
     ({"freeze_gc": "yes"}, r"`freeze_gc` must be True or False, got 'yes'"),
     ({"failure_timeout": 0}, r"`failure_timeout` must be > 0 seconds, got 0\. The default 20\.0"),
     ({"start_method": "thread"}, r"`start_method` must be one of 'popen', 'spawn', 'fork', 'forkserver'"),
+    ({"virtual_stages": 0}, r"`virtual_stages` must be an int >= 1, got 0\. Use e\.g\. `virtual_stages=2`"),
+    ({"placement": "zigzag"}, r"`placement` must be one of 'loop', 'v', got 'zigzag'"),
+    ({"schedule": "1f1b", "virtual_stages": 2}, r"`schedule='1f1b'` runs one stage per device, got "
+                                                r"`virtual_stages=2`: use `schedule='interleaved'`"),
+    ({"schedule": "layered", "virtual_stages": 2}, r"use `schedule='bfs'`"),
+    ({"virtual_stages": 2, "recompute": "blocks"}, r"`recompute='blocks'` is not supported with `virtual_stages=2` "
+                                                   r"\(recomputation wraps .*\): drop `recompute`"),
+    ({"virtual_stages": 3, "dp_shard": "optimizer"}, r"`dp_shard='optimizer'` is not supported with"),
 ])
 def test_bad_options_are_refused_at_construction(options, message):
     with pytest.raises(ValueError, match=message):

@@ -28,7 +28,7 @@ passes through GPU memory. ``LIGHTNING_PACI_EMULATE_NCCL=1`` checks the rule on 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -70,18 +70,20 @@ def new_group(ranks: list[int], *, backend: str, timeout: timedelta) -> dist.Pro
 
 
 def warm_communicators(groups: Mapping[Communicator, dist.ProcessGroup], rank_of: Callable[[int, int], int], *,
-                       device: torch.device) -> int:
+                       device: torch.device, placement: Sequence[int] | None = None) -> int:
     """Connect this rank's communicators, one after the other in the layout's order: on each, its sender (the
     message direction's source) sends one byte and its receiver takes it. Returns how many this rank connected.
 
     One global order makes this deadlock-free whatever NCCL blocks on: the first communicator of the order that is
-    not connected yet has both its ranks waiting on it (each finished everything before it in the order)."""
+    not connected yet has both its ranks waiting on it (each finished everything before it in the order).
+    ``placement``: each stage's process with virtual stages (a link names stages)."""
+    where = (lambda stage: placement[stage]) if placement is not None else (lambda stage: stage)
     me = dist.get_rank()
     token = torch.zeros(1, dtype=torch.uint8, device=device)
     count = 0
     for comm, group in groups.items():
         _, replica, _, src, dst = comm
-        sender, receiver = rank_of(src, replica), rank_of(dst, replica)
+        sender, receiver = rank_of(where(src), replica), rank_of(where(dst), replica)
         if me == sender:
             group.send([token], dist.get_group_rank(group, receiver), 0).wait()
         elif me == receiver:
@@ -128,11 +130,14 @@ class PipelineLinks:
 
     @classmethod
     def setup(cls, num_stages: int, replicas: int, rank_of: Callable[[int, int], int], *, device: torch.device,
-              backend: str, timeout: timedelta, stage: int = 0, replica: int = 0) -> PipelineLinks:
+              backend: str, timeout: timedelta, stage: int = 0, replica: int = 0,
+              placement: Sequence[int] | None = None) -> PipelineLinks:
         """Create every group of ``schedules.setup_groups`` on every rank, in its order ([Note: group creation]:
         the order the model checks), then connect this rank's point-to-point ones in the layout's order ([Note:
-        communicator creation]). ``stage``/``replica``: this rank's, for its data-parallel groups."""
-        made = _create(setup_groups(num_stages, replicas, backend), num_stages, rank_of, timeout)
+        communicator creation]). ``stage``/``replica``: this rank's, for its data-parallel groups. With virtual
+        stages ``num_stages`` counts the processes and ``placement`` gives each stage's."""
+        stages = len(placement) if placement is not None else num_stages
+        made = _create(setup_groups(stages, replicas, backend, placement), num_stages, rank_of, timeout)
         groups = {key: group for key, group in made.items() if key[0] == "p2p"}
-        connected = warm_communicators(groups, rank_of, device=transport_device(backend, device))
+        connected = warm_communicators(groups, rank_of, device=transport_device(backend, device), placement=placement)
         return cls(groups, made.get(HOST_GROUP), connected, made.get(("dp", stage)), made.get(("pp", replica)))

@@ -59,8 +59,12 @@ class DeviceRuntime:
     """Runs a device's list: each action by the chunk it names; each chunk's next activation and gradient receive
     posted ahead as a lone stage's are ([Note: receives posted ahead])."""
 
-    def __init__(self, runtimes: Mapping[int, StageRuntime]) -> None:
-        self.runtimes = dict(runtimes)  # stage -> its runtime
+    def __init__(self, runtimes: Mapping[int, StageRuntime], *, index: int = 0, num_devices: int = 1,
+                 virtual_stages: int = 1, placement: str = "loop") -> None:
+        self.runtimes = dict(sorted(runtimes.items()))  # stage -> its runtime
+        # where this device sits: its index among ``num_devices``, ``virtual_stages`` chunks each under ``placement``
+        self.index, self.num_devices = index, num_devices
+        self.virtual_stages, self.placement = virtual_stages, placement
         # with the chunks' activation meters on (``records.measure(activation_bytes=True)``): the most bytes the
         # device's chunks held at once, summed over the chunks after each forward
         self.peak_activation_bytes = 0

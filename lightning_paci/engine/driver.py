@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_paci.engine.cursor import StreamCursor
+from lightning_paci.engine.device import DeviceRuntime
 from lightning_paci.engine.microbatch import loss_scale_for, split_weighted
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.schedules import OPT, RECV_T, SEND_T, Action
@@ -37,8 +38,14 @@ class StreamDriver:
     """
 
     def __init__(self, runtime: StageRuntime, *, schedule: str, num_microbatches: int, accumulation: int,
-                 tied: bool, max_stream_batches: int, on_drain: Callable[[], None] | None = None) -> None:
+                 tied: bool, max_stream_batches: int, on_drain: Callable[[], None] | None = None,
+                 device: DeviceRuntime | None = None) -> None:
         self.runtime = runtime
+        # with virtual stages, ``device`` runs this process's chunks (``runtime`` is one of them): every chunk
+        # begins, takes the micro-batches and ends each stream; the device's list interleaves their actions
+        self.device = device
+        self.chunks = list(device.runtimes.values()) if device is not None else [runtime]
+        self._runner: StageRuntime | DeviceRuntime = device if device is not None else runtime
         self.on_drain = on_drain
         self.schedule = schedule
         self.num_microbatches = num_microbatches
@@ -61,43 +68,60 @@ class StreamDriver:
                 self.accumulation = accumulation
             done = runtime.microbatch_base  # backwards run so far on every stage (streams end drained)
             offset = (done - runtime.window_base) % self.accumulation
-            self._cursor = StreamCursor(self.schedule, runtime.num_stages, m, self.accumulation, runtime.stage,
-                                        backward_offset=offset, tied=self.tied)
-            runtime.begin_stream(_crossings(runtime, offset, self.accumulation), offset,
-                                 loss_scale_for(accumulation) if accumulation is not None else None,
-                                 window_size=self.accumulation)
+            self._cursor = self._new_cursor(offset)
+            for chunk in self.chunks:
+                chunk.begin_stream(_crossings(chunk, offset, self.accumulation), offset,
+                                   loss_scale_for(accumulation) if accumulation is not None else None,
+                                   window_size=self.accumulation)
+                chunk.records.set_phase("startup")  # the new stream fills the pipeline
             self.calls = 0
-            runtime.records.set_phase("startup")  # the new stream fills the pipeline
         for i, (part, weight) in enumerate(split_weighted(batch, m)):
-            runtime.add_microbatch(self.calls * m + i, part, batch_idx, weight=weight)
+            for chunk in self.chunks:
+                chunk.add_microbatch(self.calls * m + i, part, batch_idx, weight=weight)
         self.calls += 1
         if drain or self.calls >= self.max_stream_batches:
             self.drain(close_window=close_window and drain)
         else:
-            runtime.run(self._cursor.segment(self.calls - 1))
+            self._runner.run(self._cursor.segment(self.calls - 1))
+
+    def _new_cursor(self, offset: int) -> StreamCursor:
+        device, runtime, m = self.device, self.runtime, self.num_microbatches
+        if device is None:
+            return StreamCursor(self.schedule, runtime.num_stages, m, self.accumulation, runtime.stage,
+                                backward_offset=offset, tied=self.tied)
+        return StreamCursor(self.schedule, device.num_devices, m, self.accumulation, device.index,
+                            backward_offset=offset, tied=self.tied, virtual_stages=device.virtual_stages,
+                            placement=device.placement)
 
     def drain(self, *, close_window: bool = False) -> None:
         """Run the cool-down of the current stream on this stage and wait for its sends (no-op outside a stream);
         ``close_window``: then step the accumulation window if it is still open (``closing_actions``), and start
         the next window's count here."""
-        runtime, cursor = self.runtime, self._cursor
+        runtime, cursor, chunks = self.runtime, self._cursor, self.chunks
         if cursor is None:
             return
-        runtime.records.set_phase("drain")
-        runtime.run(cursor.drain(self.calls))
-        runtime.apply_pending_update()  # [Note: deferred update]: nothing stays pending past a drain
-        runtime.comm.flush()
-        if runtime.held or runtime.data:
-            raise AssertionError(f"stage {runtime.stage}: drain left {len(runtime.held)} micro-batches in flight")
-        runtime.end_stream(self.calls * self.num_microbatches)
+        for chunk in chunks:
+            chunk.records.set_phase("drain")
+        self._runner.run(cursor.drain(self.calls))
+        for chunk in chunks:
+            chunk.apply_pending_update()  # [Note: deferred update]: nothing stays pending past a drain
+            chunk.comm.flush()
+            if chunk.held or chunk.data:
+                raise AssertionError(f"stage {chunk.stage}: drain left {len(chunk.held)} micro-batches in flight")
+            chunk.end_stream(self.calls * self.num_microbatches)
         self._cursor = None
         if close_window:
             if (runtime.microbatch_base - runtime.window_base) % self.accumulation:
-                runtime.run(closing_actions(runtime.stage, runtime.num_stages, tied=self.tied))
-                runtime.apply_pending_update()
-                runtime.comm.flush()
-            runtime.end_stream(0, window_closed=True)
-        runtime.records.set_phase("outside")  # validation, checkpoints, epoch ends: not pipeline time
+                tied = self.tied and len(chunks) == 1  # a device holding both tied stages exchanges nothing
+                self._runner.run([action for chunk in chunks
+                                  for action in closing_actions(chunk.stage, chunk.num_stages, tied=tied)])
+                for chunk in chunks:
+                    chunk.apply_pending_update()
+                    chunk.comm.flush()
+            for chunk in chunks:
+                chunk.end_stream(0, window_closed=True)
+        for chunk in chunks:
+            chunk.records.set_phase("outside")  # validation, checkpoints, epoch ends: not pipeline time
         if self.on_drain is not None:
             self.on_drain()
 

@@ -68,16 +68,20 @@ class Topology:
 
     pipeline: int
     data: int = 1
+    # the pipeline's last stage on its first process (virtual stages placed in a V): process ``p`` on the ranks of
+    # ``P-1-p``, so that global rank 0 still holds the last stage ([Note: the logging rank])
+    mirrored: bool = False
 
     @property
     def world(self) -> int:
         return self.pipeline * self.data
 
     def rank_of(self, stage: int, replica: int) -> int:
-        return (self.pipeline - 1 - stage) * self.data + replica
+        """The global rank of process ``stage`` (its stage, or its device with virtual stages) of ``replica``."""
+        return (stage if self.mirrored else self.pipeline - 1 - stage) * self.data + replica
 
     def stage_of(self, rank: int) -> int:
-        return self.pipeline - 1 - rank // self.data
+        return rank // self.data if self.mirrored else self.pipeline - 1 - rank // self.data
 
     def replica_of(self, rank: int) -> int:
         return rank % self.data
@@ -99,8 +103,9 @@ class Topology:
     def describe(self) -> str:
         if self.data == 1:
             return f"{self.pipeline} stages"
+        order = "s" if self.mirrored else "(P-1-s)"
         return (f"{self.pipeline} stages x {self.data} data-parallel replicas (stage s, replica r on rank "
-                f"(P-1-s)*{self.data}+r: a stage's replicas on consecutive ranks)")
+                f"{order}*{self.data}+r: a stage's replicas on consecutive ranks)")
 
 
 def check_topology(topology: Topology, *, nonfinite: str, local_sgd_steps: int | None) -> Topology:

@@ -12,7 +12,7 @@ reach every rank with one broadcast per batch; predictions stay on the last stag
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning.pytorch import LightningModule
@@ -44,50 +44,56 @@ class PipelineEvaluator:
     """Runs one evaluation step (``validation_step``, ``test_step`` or ``predict_step``) across the stages.
 
     Args:
-        module, carve: this stage's carved module.
-        comm: messages between stages (the training pipeline is drained while evaluation runs).
+        module, carves: this process's carved module and its stages (one, or its chunks with virtual stages: they
+            run one after the other, each over every micro-batch, which needs nothing of a later chunk).
+        comms: each stage's messages (the training pipeline is drained while evaluation runs).
         num_microbatches: the most micro-batches a batch is split into (fewer for a smaller batch).
-        broadcast: ``broadcast(obj, src)`` over all stages (the strategy's), used once per batch for the logs.
+        broadcast: ``broadcast(obj, src)`` over all processes of the pipeline (the strategy's), used once per batch
+            for the logs from ``log_source``, the process holding the last stage.
         context: the precision plugin's evaluation context.
     """
 
-    def __init__(self, module: LightningModule, carve: StageCarve, comm: Comm, *, num_microbatches: int,
-                 broadcast: Callable[[Any, int], Any],
+    def __init__(self, module: LightningModule, carves: Sequence[StageCarve], comms: Mapping[int, Comm], *,
+                 num_microbatches: int, broadcast: Callable[[Any, int], Any], log_source: int,
                  context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
-        self.module, self.carve, self.comm = module, carve, comm
+        self.module, self.carves, self.comms = module, list(carves), dict(comms)
         self.num_microbatches = num_microbatches
         self.broadcast = broadcast
+        self.log_source = log_source
         self.context = context
-        self._runtimes: dict[str, StageRuntime] = {}
+        self._runtimes: dict[tuple[str, int], StageRuntime] = {}
 
-    def _runtime(self, step_name: str) -> StageRuntime:
-        if step_name not in self._runtimes:
-            program = LightningStageProgram(self.module, self.carve, step_name=step_name, context=self.context)
-            self._runtimes[step_name] = StageRuntime(self.carve.stage, self.carve.plan.num_stages, program, self.comm,
-                                                     None, loss_scale=1.0, retention=1)
-        return self._runtimes[step_name]
+    def _runtime(self, step_name: str, carve: StageCarve) -> StageRuntime:
+        key = (step_name, carve.stage)
+        if key not in self._runtimes:
+            program = LightningStageProgram(self.module, carve, step_name=step_name, context=self.context)
+            self._runtimes[key] = StageRuntime(carve.stage, carve.plan.num_stages, program, self.comms[carve.stage],
+                                               None, loss_scale=1.0, retention=1)
+        return self._runtimes[key]
 
     def step(self, step_name: str, batch: Any, rest: tuple[Any, ...]) -> Any:
-        """Run ``step_name`` on ``batch`` (``rest``: batch_idx, dataloader_idx); the merged output on the last stage
-        (global rank 0), None elsewhere."""
-        carve = self.carve
-        num_stages = carve.plan.num_stages
+        """Run ``step_name`` on ``batch`` (``rest``: batch_idx, dataloader_idx); the merged output where the last
+        stage runs (global rank 0), None elsewhere."""
         parts = split_microbatches(batch, max(1, min(self.num_microbatches, microbatch_size(batch))))
-        runtime = self._runtime(step_name)
-        for i, part in enumerate(parts):
-            runtime.add_microbatch(i, part, *rest)
-        try:
-            runtime.run(forward_only_actions(carve.stage, num_stages, len(parts)))
-            outputs = [runtime.held.pop(i).output for i in range(len(parts))]
-        finally:
-            runtime.held.clear()
-            runtime.data.clear()
-            runtime.forward_version.clear()
+        outputs = []
+        for carve in self.carves:
+            runtime = self._runtime(step_name, carve)
+            for i, part in enumerate(parts):
+                runtime.add_microbatch(i, part, *rest)
+            try:
+                runtime.run(forward_only_actions(carve.stage, carve.plan.num_stages, len(parts)))
+                outputs = [runtime.held.pop(i).output for i in range(len(parts))]
+            finally:
+                runtime.held.clear()
+                runtime.data.clear()
+                runtime.forward_version.clear()
+        last = self.carves[-1].is_last
         results = [out.result for out in outputs]
         records: list[LogRecord] = [record for out in outputs for record in out.logs]
-        output = merge_microbatch_outputs(results) if carve.is_last else None
+        output = merge_microbatch_outputs(results) if last else None
         if step_name == "predict_step":  # the last stage is global rank 0, where Lightning collects predictions
             return output
-        self.comm.flush()
-        replay_logs(self.module, self.broadcast(host_records(records), num_stages - 1))  # one read per batch
+        for comm in self.comms.values():
+            comm.flush()
+        replay_logs(self.module, self.broadcast(host_records(records), self.log_source))  # one read per batch
         return output

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -22,8 +22,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_paci.config import PACIConfig
 from lightning_paci.engine.activity import Doing, runtime_activity
-from lightning_paci.engine.comm import DistComm
+from lightning_paci.engine.comm import Comm, DistComm
+from lightning_paci.engine.communicators import transport_device
 from lightning_paci.engine.data_parallel import GradientAverage, join_replicas
+from lightning_paci.engine.device import ChunkComm, DeviceRuntime, local_network
 from lightning_paci.engine.driver import StreamDriver
 from lightning_paci.engine.grad_buckets import OverlappedGradientAverage, backward_order
 from lightning_paci.engine.layered import LayerCuts, LayeredBackward
@@ -40,8 +42,10 @@ from lightning_paci.integration.optimizer_layout import OptimizerLayout
 from lightning_paci.integration.setup_probe import Sample, find_relays
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 from lightning_paci.optim.weight_prediction import costly_regime, weight_prediction_for
-from lightning_paci.partition import PartitionPlan, StageCarve
+from lightning_paci.partition import PartitionPlan
+from lightning_paci.partition.chunks import DeviceCarve
 from lightning_paci.partition.relay import RelayPlan, install_relays
+from lightning_paci.schedules import build_schedule
 
 __all__ = ["LocalStage", "StageLinks"]
 
@@ -64,122 +68,181 @@ class StageLinks:
     transport: torch.device | None = None  # where tensors travel (host memory on gloo)
     headers: Any = None  # the host group for message headers under NCCL
 
-    def connect(self) -> DistComm:
+    # with virtual stages: each stage's process index in the pipeline ([Note: chunks of one device])
+    devices: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, strategy: Any) -> StageLinks:
+        """A ``PACIStrategy``'s connections after its process groups started."""
+        groups, devices = strategy.process_groups, strategy.stage_devices
+        return cls([strategy.rank_of(d) for d in devices], groups.p2p, replica=strategy.replica_index,
+                   replicas=strategy.data_parallel_size, replica_group=groups.data, deliver=strategy.root_device,
+                   transport=transport_device(groups.backend, strategy.root_device), headers=groups.host,
+                   devices=devices if strategy.config.virtual_stages > 1 else None)
+
+    def connect(self, stage: int | None = None) -> DistComm:
+        """A transport for this process's ``stage`` (None: its only one)."""
         return DistComm(self.ranks, groups=self.groups, replica=self.replica, deliver=self.deliver,
-                        device=self.transport, headers=self.headers)
+                        device=self.transport, headers=self.headers, stage=stage)
+
+    def connect_chunks(self, stages: Sequence[int]) -> dict[int, Comm]:
+        """Each of this process's ``stages``' transport: messages between two of them stay in the process."""
+        if len(stages) == 1:
+            return {stages[0]: self.connect()}
+        local = local_network(stages, len(self.ranks))
+        return {s: ChunkComm(self.connect(s), local[s], frozenset(t for t in stages if t != s)) for s in stages}
 
     def watched(self, stage: int) -> int:
-        """The failure watchdog's id of ``stage`` of this replica ([Note: judging progress])."""
-        return stage if self.replicas == 1 else self.ranks[stage]
+        """The failure watchdog's id of ``stage`` of this replica ([Note: judging progress]): its process's."""
+        if self.replicas > 1:
+            return self.ranks[stage]
+        return self.devices[stage] if self.devices is not None else stage
 
 
 class LocalStage:
-    """One stage: the carved module and, once training is set up, its runtime, driver and log relay.
+    """This process's stage (or chunks, [Note: chunks of one device]): the carved module and, once training is set
+    up, its runtimes, driver and log relay.
 
     Args:
-        module: the user's LightningModule, carved in place to this stage (``carve``).
-        plan: the partition every stage agreed on.
+        module: the user's LightningModule, carved in place to this process's stages (``carve``).
+        plan: the partition every process agreed on (over every stage: ``v`` per process with virtual stages).
         config: the strategy's options; num_microbatches: micro-batches per Lightning batch.
         links: this process's connections; the stage connects a communicator per use (evaluation, training).
-        broadcast: ``broadcast(obj, src)`` over all stages, for evaluation's log records.
+        broadcast: ``broadcast(obj, src)`` over the pipeline's processes, for evaluation's log records.
         eval_context: the precision plugin's evaluation context.
         layout: the single-device optimizer's layout (optimizer_layout.py): consolidated checkpoints then also
             resume on one device, and one-device checkpoints resume here.
+        index: this process's place in the pipeline (its stage, or its device with virtual stages).
     """
 
-    def __init__(self, module: LightningModule, plan: PartitionPlan, carve: StageCarve, *, config: PACIConfig,
+    def __init__(self, module: LightningModule, plan: PartitionPlan, carve: DeviceCarve, *, config: PACIConfig,
                  num_microbatches: int, links: StageLinks, broadcast: Callable[[Any, int], Any],
-                 eval_context: _Context, layout: OptimizerLayout | None = None) -> None:
+                 eval_context: _Context, layout: OptimizerLayout | None = None, index: int | None = None) -> None:
         self.module, self.plan, self.carve, self.config = module, plan, carve, config
         self.layout = layout
         self.accumulation = num_microbatches
         self.num_microbatches = num_microbatches
         self.links = links
-        self.evaluator = PipelineEvaluator(module, carve, links.connect(), num_microbatches=num_microbatches,
-                                           broadcast=broadcast, context=eval_context)
-        self.runtime: StageRuntime | None = None
+        self.index = carve.first.stage if index is None else index
+        devices = links.devices or tuple(range(plan.num_stages))
+        self.log_source = devices[plan.num_stages - 1]  # the process holding the last stage
+        self.evaluator = PipelineEvaluator(module, list(carve), links.connect_chunks(carve.stages),
+                                           num_microbatches=num_microbatches, broadcast=broadcast,
+                                           log_source=self.log_source, context=eval_context)
+        self.runtime: StageRuntime | None = None  # the first chunk's (the stage's) runtime
+        self.runtimes: dict[int, StageRuntime] = {}  # every chunk's, by stage
+        self.optimizer: StageOptimizer | None = None  # the process's optimizer (its chunks step views of it)
         self.driver: StreamDriver | None = None
         self.relay = LogRelay(num_microbatches)
-        self.fingerprint = BatchFingerprint(carve.stage)
+        self.fingerprint = BatchFingerprint(self.index)
         self._broadcast = broadcast
         self._resumed_gradients: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._shards: OptimizerShards | None = None  # dp_shard="optimizer": this replica's share of the updates
-        self.hooks: LightningHooks | None = None
+        self.hooks: LightningHooks | None = None  # the last chunk's: monitors' figures and hook logs leave from it
         self.relays: RelayPlan | None = None  # values relayed past stage boundaries, found once at setup
-        self._recompute = BlockRecompute(module.get_submodule(plan.container), plan.blocks(carve.stage)) \
-            if recomputes(config.recompute, config.recompute_stages, carve.stage) else None
-
-    @property
-    def index(self) -> int:
-        return self.carve.stage
+        stage = carve.first.stage
+        self._recompute = BlockRecompute(module.get_submodule(plan.container), plan.blocks(stage)) \
+            if recomputes(config.recompute, config.recompute_stages, stage) else None
 
     def prepare_relays(self, strategy: Any, sample: Sample | None) -> None:
         """Find the values this pipeline relays past stage boundaries on ``sample`` (with every other stage) and
-        install this stage's part (see [Note: relayed crossings] in partition/relay.py); once per carve."""
+        install this process's part (see [Note: relayed crossings] in partition/relay.py); once per carve."""
         if self.relays is not None:
             return
-        self.relays = find_relays(strategy, self.module, self.plan, self.carve, sample)
-        install_relays(self.module, self.carve, self.relays)
+        devices = self.links.devices or tuple(range(self.plan.num_stages))
+        self.relays = find_relays(strategy, self.module, self.plan, list(self.carve), sample, devices)
+        for carve in self.carve:
+            with carve.entered():
+                install_relays(self.module, carve, self.relays)
         if self.relays.relays:
             rank_zero_info(f"lightning_paci: {self.relays.describe()}")
 
     def start_training(self, optimizers: list[torch.optim.Optimizer], *, schedulers: list[Any], accumulation: int,
-                       hooks: LightningHooks | None, train_context: _Context) -> None:
-        """Wrap the stage's optimizer (see [Note: alias optimizer]) and build the runtime and stream driver;
-        ``hooks`` (Lightning's backward and optimizer hooks, clipping) run at each local backward and update; with
-        data parallelism the runtime joins this stage's replicas (engine/data_parallel.py)."""
+                       hooks: Callable[[int], LightningHooks] | None, train_context: _Context) -> None:
+        """Wrap the stage's optimizer (see [Note: alias optimizer]) and build the runtimes and stream driver;
+        ``hooks(stage)`` (Lightning's backward and optimizer hooks, clipping) run at each local backward and update;
+        with data parallelism every runtime joins its stage's replicas (engine/data_parallel.py)."""
         if len(optimizers) != 1:
             raise ValueError(
                 f"`configure_optimizers` returned {len(optimizers)} optimizers; `PACIStrategy` steps exactly one "
                 f"optimizer per stage. Return a single optimizer (param groups may differ per submodule)."
             )
-        optimizer = optimizers[0]
-        carve = self.carve
-        self.hooks = hooks
+        optimizer, carves = optimizers[0], list(self.carve)
         self.accumulation = accumulation
-        stage_optimizer = StageOptimizer(optimizer, list(self.module.parameters()), schedulers=schedulers,
-                                         before_step=hooks.before_step if hooks else None, exclude=self._replicas)
-        program = LightningStageProgram(self.module, carve, context=train_context)
+        # what the lists need (micro-batches per loop, tied weights' placement) fails here, not at the first batch
+        build_schedule(self.config.schedule, self.plan.num_stages // len(carves), self.num_microbatches, accumulation,
+                       1, tied=bool(self.plan.tied), virtual_stages=len(carves), placement=self.config.placement)
+        chunk_hooks = {carve.stage: hooks(carve.stage) for carve in carves} if hooks is not None else {}
+        self.hooks = chunk_hooks.get(carves[-1].stage)
+        single = len(carves) == 1
+        self.optimizer = StageOptimizer(
+            optimizer, list(self.module.parameters()), schedulers=schedulers,
+            before_step=self.hooks.before_step if self.hooks is not None and single else None, exclude=self._replicas)
         warn = rank_zero_warn if self.config.schedule == "paci" else None  # flush schedules have no drift at a = m
-        prediction = weight_prediction_for(self.config.compensation, optimizer, stage_optimizer.pairs, warn=warn)
         if self.config.deferred_update and self.links.replicas == 1:
             raise ValueError("`deferred_update=True` defers each update while the replicas' gradient reduction "
                              "completes, and this run has one replica per stage: drop `deferred_update`, or give the "
                              "stages replicas (`data_parallel_size`).")
         sharded = self.config.dp_shard == "optimizer" and self.links.replicas > 1
-        if prediction is not None and (sharded or self.config.deferred_update):
-            _refuse_or_warn_prediction(self.config.compensation, warn, sharded=sharded)
-            prediction = None
-        self.runtime = StageRuntime(self.index, self.plan.num_stages, program, self.links.connect(), stage_optimizer,
-                                    loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
-                                    skip_nonfinite=self.config.nonfinite == "skip", hooks=hooks,
-                                    prediction=prediction)
-        if self.config.schedule == "layered":  # [Note: layered backward]
-            container = self.module.get_submodule(self.plan.container) if self.plan.container else self.module
-            blocks = [container[i] for i in self.plan.blocks(self.index)]  # type: ignore[index]
-            self.runtime.run_layer_major(LayeredBackward(LayerCuts(blocks)))
-        costly = costly_regime(optimizer, schedulers) if warn is not None and self.runtime.prediction else None
+        comms = self.links.connect_chunks(self.carve.stages)
+        owned = self.carve.chunk_parameters(self.module)
+        costly = None
+        for carve in carves:
+            stage, chunk_hook = carve.stage, chunk_hooks.get(carve.stage)
+            view = self.optimizer if single else self.optimizer.chunk(
+                owned[stage], chunk_hook.before_step if chunk_hook is not None else None)
+            prediction = weight_prediction_for(self.config.compensation, optimizer, view.pairs, warn=warn)
+            if prediction is not None and (sharded or self.config.deferred_update):
+                _refuse_or_warn_prediction(self.config.compensation, warn, sharded=sharded)
+                prediction = None
+            runtime = StageRuntime(stage, self.plan.num_stages, LightningStageProgram(self.module, carve,
+                                   context=train_context), comms[stage], view,
+                                   loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
+                                   skip_nonfinite=self.config.nonfinite == "skip", hooks=chunk_hook,
+                                   prediction=prediction)
+            if self.config.schedule == "layered":  # [Note: layered backward]
+                container = self.module.get_submodule(self.plan.container) if self.plan.container else self.module
+                blocks = [container[i] for i in self.plan.blocks(stage)]  # type: ignore[index]
+                runtime.run_layer_major(LayeredBackward(LayerCuts(blocks)))
+            if warn is not None and runtime.prediction:
+                costly = costly or costly_regime(optimizer, schedulers)
+            self.runtimes[stage] = runtime
         if costly is not None:
             warn(costly)  # type: ignore[misc]
+        self.runtime = self.runtimes[carves[0].stage]
+        device = None if single else DeviceRuntime(
+            self.runtimes, index=self.index, num_devices=self.plan.num_stages // len(carves),
+            virtual_stages=len(carves), placement=self.config.placement)
         self.driver = StreamDriver(self.runtime, schedule=self.config.schedule, num_microbatches=self.num_microbatches,
                                    accumulation=accumulation, tied=bool(self.plan.tied),
                                    max_stream_batches=self.config.max_stream_batches,
-                                   on_drain=lambda: self.fingerprint.check(self._broadcast))
+                                   on_drain=lambda: self.fingerprint.check(self._broadcast), device=device)
         if self.links.replicas > 1:
-            plan, mb = self.plan, self.config.reduce_bucket_mb
-            self._shards = join_replicas(self.runtime, self.driver, self.links.replica_group, self.links.replicas,
-                          self.links.replica, local_sgd_steps=self.config.local_sgd_steps, last_stage=carve.is_last,
-                          names={id(p): name for name, p in self.module.named_parameters()},
-                          bucket_bytes=None if mb is None else int(mb * 2**20),
-                          order=lambda name: backward_order(name, container=plan.container,
-                                                            blocks=plan.blocks(self.index), after=plan.after),
-                          late=carve.tied_params if carve.is_first else (),
-                          shard_optimizer=self.config.dp_shard == "optimizer", deferred=self.config.deferred_update)
+            self._join_replicas()
+
+    def _join_replicas(self) -> None:
+        plan, mb = self.plan, self.config.reduce_bucket_mb
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        for carve in self.carve:
+            runtime = self.runtimes[carve.stage]
+            late = (carve.tied_params or self.carve.shared_tied) if carve.is_first else ()
+            self._shards = join_replicas(
+                runtime, self.driver, self.links.replica_group, self.links.replicas, self.links.replica,
+                local_sgd_steps=self.config.local_sgd_steps, last_stage=carve.is_last, names=names,
+                bucket_bytes=None if mb is None else int(mb * 2**20),
+                order=partial(backward_order, container=plan.container, blocks=plan.blocks(carve.stage),
+                              after=plan.after),
+                late=late, shard_optimizer=self.config.dp_shard == "optimizer", deferred=self.config.deferred_update)
 
     def activity(self) -> Callable[[], Doing | None]:
-        """What the runtime is doing, for the failure watchdog (supervision.runtime_activity)."""
-        assert self.runtime is not None
-        return runtime_activity(self.runtime, self.links.watched)
+        """What the runtimes are doing, for the failure watchdog (supervision.runtime_activity)."""
+        watched = [runtime_activity(runtime, self.links.watched) for runtime in self.runtimes.values()]
+        if len(watched) == 1:
+            return watched[0]
+
+        def now() -> Doing | None:
+            return next((doing for doing in (w() for w in watched) if doing is not None), None)
+        return now
 
     def train(self, batch: Any, batch_idx: int, *, label: str, drain: bool, accumulation: int,
               close_window: bool = False) -> tuple[float | torch.Tensor, int]:
@@ -190,11 +253,17 @@ class LocalStage:
         runtime, driver = self.runtime, self.driver
         if runtime is None or driver is None:
             raise RuntimeError("LocalStage.train before start_training")
-        runtime.label(label)
+        for chunk in self.runtimes.values():
+            chunk.label(label)
         self.fingerprint.update(batch, batch_idx)
         driver.feed(batch, batch_idx, drain=drain, accumulation=accumulation, close_window=close_window)
-        self.relay.emit(self.module, runtime.logs)
-        if self.hooks is not None and self.carve.is_last:
+        # the records of the last stage here, else of the first chunk (complete last); the others' are spent
+        source = self.runtimes[self.carve.last.stage] if self.carve.holds_last else runtime
+        for chunk in self.runtimes.values():
+            if chunk is not source:
+                _drop_spent_logs(chunk)
+        self.relay.emit(self.module, source.logs)
+        if self.hooks is not None and self.carve.holds_last:
             self.hooks.replay_hook_logs()
         return self.relay.last_loss, self.relay.last_minibatch
 
@@ -207,18 +276,19 @@ class LocalStage:
 
     def optimizer_state(self, checkpoints: PipelineCheckpoints) -> dict[str, Any]:
         """The checkpoint's optimizer entry (see checkpoint.py): name-keyed state and the accumulation counters."""
-        runtime = self.runtime
-        assert runtime is not None and runtime.optimizer is not None
-        if isinstance(runtime.reduce_gradients, (GradientAverage, OverlappedGradientAverage)):
-            # data parallel: an open window's gradients differ per replica until the step averages them; average
-            # them now (the step's average is linear: the same update), so the one copy saved is every replica's
-            runtime.reduce_gradients()
+        runtime, optimizer = self.runtime, self.optimizer
+        assert runtime is not None and optimizer is not None
+        for chunk in self.runtimes.values():
+            if isinstance(chunk.reduce_gradients, (GradientAverage, OverlappedGradientAverage)):
+                # data parallel: an open window's gradients differ per replica until the step averages them; average
+                # them now (the step's average is linear: the same update), so the one copy saved is every replica's
+                chunk.reduce_gradients()
         merge = None
         if self._shards is not None:  # the stage's whole state, from its replicas' shares
             shards, names = self._shards, {id(p): n for n, p in self.module.named_parameters()}
-            owned = [names[id(p)] for _, p in runtime.optimizer.pairs if id(p) in shards.owned]
+            owned = [names[id(p)] for _, p in optimizer.pairs if id(p) in shards.owned]
             merge = partial(merge_replica_states, owned=owned, group=self.links.replica_group)
-        entry = checkpoints.optimizer_state(runtime.optimizer, self.module, backwards=runtime.microbatch_base,
+        entry = checkpoints.optimizer_state(optimizer, self.module, backwards=runtime.microbatch_base,
                                             steps=runtime.version, replicas=self._replicas,
                                             window_start=runtime.window_base, merge=merge)
         if self.layout is not None and checkpoints.layout == "consolidated" and entry:  # rank 0: every stage's
@@ -227,18 +297,21 @@ class LocalStage:
 
     def load_optimizer_state(self, checkpoints: PipelineCheckpoints, checkpoint: Mapping[str, Any]) -> None:
         """Resume the optimizer state and the counters, so the next step falls where the saved run's would."""
-        runtime = self.runtime
-        assert runtime is not None and runtime.optimizer is not None
+        optimizer = self.optimizer
+        assert self.runtime is not None and optimizer is not None
         if self.layout is not None:
             checkpoint = self.layout.as_pipeline_checkpoint(checkpoint, self.accumulation)
-        resumed = checkpoints.load_optimizer_state(checkpoint, runtime.optimizer, self.module, self._replicas)
+        resumed = checkpoints.load_optimizer_state(checkpoint, optimizer, self.module, self._replicas)
         if self._shards is not None:  # keep only this replica's share of the loaded state
-            runtime.optimizer.shard(self._shards.owned, self._shards.share)
-        runtime.restore(backwards=resumed.backwards, steps=resumed.steps, window_start=resumed.window_start)
+            optimizer.shard(self._shards.owned, self._shards.share)
+        for runtime in self.runtimes.values():
+            runtime.restore(backwards=resumed.backwards, steps=resumed.steps, window_start=resumed.window_start)
+            if runtime.optimizer is not optimizer and runtime.optimizer is not None:
+                runtime.optimizer.resume_at(resumed.steps)
         self._resumed_gradients = resumed.gradients
-        if resumed.num_stages != self.plan.num_stages:
+        if resumed.num_stages != checkpoints.num_stages:
             rank_zero_info(f"lightning_paci: resumed a {resumed.num_stages}-stage checkpoint on "
-                           f"{self.plan.num_stages} stages (weights and optimizer state repartitioned by parameter "
+                           f"{checkpoints.num_stages} stages (weights and optimizer state repartitioned by parameter "
                            f"name)")
 
     def install_resumed_gradients(self) -> None:
@@ -251,7 +324,7 @@ class LocalStage:
     @property
     def _replicas(self) -> list[torch.nn.Parameter]:
         """The last stage's tied-weight replicas (stage 0 owns and steps the weights)."""
-        return self.carve.tied_params if self.index == self.plan.num_stages - 1 else []
+        return self.carve.last.tied_params if self.carve.holds_last else []
 
     def restore_full_model(self, *, gather: bool, replicas: int = 1, materialize: bool = True,
                            group: Any = None) -> None:
@@ -267,10 +340,19 @@ class LocalStage:
                 log.warning(f"lightning_paci: could not gather the full weights at teardown: {err}")
         if self._recompute is not None:
             self._recompute.remove()
-        if self.runtime is not None and self.runtime.layered is not None:  # the layered backward's block hooks
-            for handle in self.runtime.layered.cuts.handles:
-                handle.remove()
+        for runtime in self.runtimes.values():
+            if runtime.layered is not None:  # the layered backward's block hooks
+                for handle in runtime.layered.cuts.handles:
+                    handle.remove()
         self.carve.restore(self.module, full, materialize=materialize)
+
+
+def _drop_spent_logs(runtime: StageRuntime) -> None:
+    """A chunk whose records are not replayed here keeps a micro-batch's only until it has sent them upstream (its
+    backward and its gradient's send): so nothing grows per micro-batch."""
+    base = runtime.microbatch_base
+    for key in [k for k in runtime.logs if k - base not in runtime.held and k - base not in runtime.input_grads]:
+        del runtime.logs[key]
 
 
 def _refuse_or_warn_prediction(compensation: str, warn: Callable[[str], None] | None, *, sharded: bool) -> None:

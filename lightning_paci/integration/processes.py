@@ -32,9 +32,10 @@ from lightning_paci.engine.supervision import (
 )
 from lightning_paci.engine.topology import Topology
 from lightning_paci.integration import lightning_api as api
-from lightning_paci.schedules import Communicator
+from lightning_paci.schedules import Communicator, stage_devices
 
-__all__ = ["ProcessGroups", "broadcast_object", "check_launched_world", "collective_waits", "reduce_over",
+__all__ = ["ProcessGroups", "broadcast_object", "check_launched_world", "collective_waits", "reduce_decision",
+           "reduce_over",
            "share_cpu_cores",
            "start_process_groups", "start_watchdog"]
 
@@ -97,8 +98,11 @@ def start_process_groups(environment: ClusterEnvironment, topology: Topology, *,
     # pipeline messages on their own communicators, apart from Lightning's collectives: the layout the deadlock
     # model proves deadlock-free under NCCL, connected at setup (engine/communicators.py)
     with activity.phase("setup: creating and connecting the pipeline's process groups", waits=ALL):
+        placement = stage_devices(topology.pipeline, config.virtual_stages, config.placement) \
+            if config.virtual_stages > 1 else None
         links = PipelineLinks.setup(topology.pipeline, topology.data, topology.rank_of, device=device,
-                                    backend=backend, timeout=config.timeout, stage=stage, replica=replica)
+                                    backend=backend, timeout=config.timeout, stage=stage, replica=replica,
+                                    placement=placement)
     groups = ProcessGroups(backend, topology, links.groups, links.connected, links.host, links.data,
                            links.pipeline, watchdog=watchdog)
     if (warning := connections_warning(backend, device, os.environ)) is not None:
@@ -188,3 +192,13 @@ def reduce_over(tensor: Tensor, reduce_op: Any, group: Any, size: int, waits: An
     if op in ("mean", "avg"):
         result = result / size
     return result if tensor.is_floating_point() or op in ("mean", "avg") else result.to(tensor.dtype)
+
+
+def reduce_decision(decision: bool, *, all: bool, device: torch.device, world: int) -> bool:
+    """Lightning's ``reduce_boolean_decision`` over every rank: whether all (``all``) or any decided so."""
+    if not api.distributed_is_initialized():
+        return decision
+    value = torch.tensor(int(decision), device=device)
+    with activity.collective("reduce_boolean_decision"):
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return bool(value == world) if all else bool(value > 0)

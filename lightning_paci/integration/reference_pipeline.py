@@ -17,13 +17,19 @@ from lightning.pytorch import LightningModule
 
 from lightning_paci.engine.microbatch import loss_scale_for, split_weighted
 from lightning_paci.engine.recompute import RECOMPUTE_MODES, BlockRecompute, recomputes
-from lightning_paci.engine.reference import LocalComm, ReplicaAverage, ReplicaParameterAverage, run_lists
+from lightning_paci.engine.reference import (
+    LocalComm,
+    ReplicaAverage,
+    ReplicaParameterAverage,
+    run_device_lists,
+    run_lists,
+)
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.integration.lightning_program import LightningStageProgram
 from lightning_paci.integration.setup_probe import Sample, run_sample, without_side_effects
 from lightning_paci.optim.stage_optimizer import StageOptimizer, optimizer_and_step_schedulers
 from lightning_paci.optim.weight_prediction import weight_prediction_for
-from lightning_paci.partition import PartitionPlan, StageCarve, carve_stage
+from lightning_paci.partition import PartitionPlan, StageCarve, carve_stage, share_tied_weights
 from lightning_paci.partition.relay import RelayPlan, install_relays, plan_relays, probe_crossings
 from lightning_paci.schedules import ActionKind, Schedule, static_drift
 
@@ -60,6 +66,7 @@ class ReferencePipeline:
         self.replica_runtimes: list[list[StageRuntime]] = []
         self._carves: list[list[StageCarve]] = []
         self.relays: RelayPlan | None = None  # found at the first run, on its first micro-batch
+        self._shared = False  # tied weights shared by the first and last stage's copies (virtual stages in a V)
         factory = optimizer_factory or _configured_optimizer
         for replica in range(replicas):
             comms = LocalComm.network(plan.num_stages)
@@ -114,7 +121,14 @@ class ReferencePipeline:
             raise ValueError(f"the schedule has {len(lists)} stages, the plan {self.plan.num_stages}: plan the "
                              f"partition with one stage per chunk (devices x virtual_stages)")
         has_tied_messages = any(a.kind in (ActionKind.SEND_T, ActionKind.RECV_T) for a in lists[0])
-        if bool(self.plan.tied) and not has_tied_messages:
+        devices = schedule.devices
+        # the V placement of virtual stages: the first and last stage on one device use one tied Parameter
+        shares = bool(self.plan.tied) and schedule.virtual_stages > 1 and devices[0] == devices[-1]
+        if shares and not self._shared:
+            for modules in self.replica_modules:
+                share_tied_weights(modules[0], modules[-1], self.plan)
+            self._shared = True
+        if bool(self.plan.tied) and not has_tied_messages and not shares:
             raise ValueError(
                 f"The plan ties {self.plan.tied[0][0]} = {self.plan.tied[0][1]} across the first and last stage, "
                 f"but the {schedule.name!r} lists were built without tied-weight messages: the replica would never "
@@ -132,7 +146,12 @@ class ReferencePipeline:
             for k, batch in enumerate(per_replica[runtime.replica]):
                 for i, (part, weight) in enumerate(split_weighted(batch, schedule.num_microbatches)):
                     runtime.add_microbatch(k * schedule.num_microbatches + i, part, k, weight=weight)
-        run_lists(everyone, lists)
+        if schedule.virtual_stages > 1 and self.replicas == 1:  # each device's order decides what chunks share
+            chunks = [{s: self.runtimes[s] for s in range(len(devices)) if devices[s] == d}
+                      for d in range(schedule.num_devices)]
+            run_device_lists(chunks, schedule.actions, schedule.num_stages)
+        else:
+            run_lists(everyone, lists)
         for average in self._parameter_averages:  # the end of a run is a drain
             average.sync()
         for runtime in everyone:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,27 +87,28 @@ def trace_call_order(strategy: Any, module: LightningModule, sample: Sample | No
     return strategy.broadcast(order, src=0)
 
 
-def find_relays(strategy: Any, module: LightningModule, plan: PartitionPlan, carve: StageCarve,
-                sample: Sample | None) -> RelayPlan:
-    """Probe this stage's part of the step on ``sample`` and combine every stage's needs (one broadcast from each
-    stage of this replica's pipeline); a failed probe is raised on every stage."""
-    probe: StageProbe | str = StageProbe({}, {})
+def find_relays(strategy: Any, module: LightningModule, plan: PartitionPlan, carves: Sequence[StageCarve],
+                sample: Sample | None, devices: Sequence[int]) -> RelayPlan:
+    """Probe this process's stages (``carves``) on ``sample`` and combine every stage's needs (one broadcast per
+    stage from its process, ``devices[stage]`` in the pipeline); a failed probe is raised on every process."""
+    probes: dict[int, StageProbe | str] = {carve.stage: StageProbe({}, {}) for carve in carves}
     if sample is not None:
         data = strategy.precision_plugin.convert_input(strategy.batch_to_device(sample.data))  # as the loops do
         shifted = Sample(data, sample.size, sample.step_name)
         context = (strategy.precision_plugin.train_step_context if sample.step_name == "training_step"
                    else strategy.precision_plugin.val_step_context)
-        try:
-            with without_side_effects(module, cuda_devices=cuda_devices(strategy.root_device)):
-                probe = probe_crossings(module, carve, run_sample(module, shifted, context))
-        except (RuntimeError, ValueError, TypeError, AttributeError) as err:
-            probe = f"stage {carve.stage}: {type(err).__name__}: {err}"
-    everyone = {s: strategy.pipeline_broadcast(probe, s) for s in range(plan.num_stages)}
+        for carve in carves:
+            try:
+                with without_side_effects(module, cuda_devices=cuda_devices(strategy.root_device)), carve.entered():
+                    probes[carve.stage] = probe_crossings(module, carve, run_sample(module, shifted, context))
+            except (RuntimeError, ValueError, TypeError, AttributeError) as err:
+                probes[carve.stage] = f"stage {carve.stage}: {type(err).__name__}: {err}"
+    everyone = {s: strategy.pipeline_broadcast(probes.get(s), devices[s]) for s in range(plan.num_stages)}
     failed = [n for n in everyone.values() if isinstance(n, str)]
     if failed:
         raise RuntimeError(f"lightning_paci: running the step on a sample batch to find the values crossing the "
                            f"stages failed: {failed[0]}")
-    return plan_relays(plan, {s: n for s, n in everyone.items() if not isinstance(n, str)})
+    return plan_relays(plan, {s: n for s, n in everyone.items() if isinstance(n, StageProbe)})
 
 
 def measure_block_costs(strategy: Any, trainer: Trainer, sample: Any) -> BlockCosts | None:

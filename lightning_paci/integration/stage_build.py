@@ -88,7 +88,8 @@ class StageBuilder:
                 ) -> Iterator[None]:
         """``tensor_init_context``: ``base`` is Lightning's own (root device, precision dtype)."""
         strategy, module = self.strategy, self.strategy.lightning_module
-        if empty_init is False or strategy.config.model_init == "full" or self.built is not None or (
+        if empty_init is False or strategy.config.model_init == "full" or self.built is not None or \
+                strategy.config.virtual_stages > 1 or (
                 module is None and not empty_init):
             with base():
                 yield
@@ -177,6 +178,11 @@ class StageBuilder:
         if whole and (warning := batch_norm_warning(module, strategy.num_microbatches)) is not None:
             rank_zero_warn(warning)
         built = self.built
+        if strategy.config.virtual_stages > 1 and self.on_meta(module):
+            raise ValueError(
+                f"`virtual_stages={strategy.config.virtual_stages}` needs the whole model built on every process, and "
+                f"this one is built on the meta device (in `configure_model`, or with `init_module(empty_init=True)`)"
+                f": pass `PACIStrategy(model_init='full')`, or `virtual_stages=1`.")
         if built is None and self.on_meta(module):
             built = self.adopt(module, source="weights" if strategy.config.weights is not None else "empty")
         measured = trace = None
@@ -191,9 +197,13 @@ class StageBuilder:
             strategy.undo_at_teardown(api.whole_model_summaries(trainer, module))
         config = strategy.config
         plan = built.plan if built is not None else plan_partition(
-            module, strategy.num_stages, container=config.block_container, partition=config.partition,
+            module, len(strategy.stage_devices), container=config.block_container, partition=config.partition,
             measured=measured, trace=trace)
-        rank_zero_info(f"lightning_paci: {strategy.topology.describe()}, schedule={config.schedule!r}, "
+        topology, v = strategy.topology, config.virtual_stages
+        layout = topology.describe() if v == 1 else (
+            f"{v * topology.pipeline} stages, {v} on each of {topology.pipeline} processes (placement="
+            f"{config.placement!r})" + (f" x {topology.data} data-parallel replicas" if topology.data > 1 else ""))
+        rank_zero_info(f"lightning_paci: {layout}, schedule={config.schedule!r}, "
                        f"microbatches={strategy.num_microbatches}, accumulation={strategy.accumulation}; "
                        f"{plan.describe()}")
         return plan
@@ -204,7 +214,7 @@ class StageBuilder:
         if config.partition == "balanced":
             rank_zero_info("lightning_paci: the model is built on the meta device, so `partition='balanced'` splits "
                            "by parameter count (no block can be timed before it is materialized)")
-        return plan_partition(module, self.strategy.num_stages, container=config.block_container,
+        return plan_partition(module, len(self.strategy.stage_devices), container=config.block_container,
                               partition=config.partition, measured=None)
 
     @property

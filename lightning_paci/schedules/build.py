@@ -58,10 +58,11 @@ from lightning_paci.schedules.virtual import Unit, device_orders, stage_devices
 
 __all__ = ["SCHEDULE_NAMES", "VIRTUAL_SCHEDULE_NAMES", "ScheduleName", "build_schedule"]
 
-ScheduleName = Literal["paci", "1f1b", "gpipe", "layered"]
-SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)  # what PACIStrategy(schedule=...) runs
-# the schedules over virtual stages ([Note: virtual stages]); with one stage per device they build 1f1b's and gpipe's
-VIRTUAL_SCHEDULE_NAMES: tuple[str, ...] = ("interleaved", "bfs")
+# what PACIStrategy(schedule=...) runs: ``"paci"`` with any number of stages per device, the next three with one,
+# the last two over virtual stages ([Note: virtual stages]; with one stage per device they build 1f1b's and gpipe's)
+ScheduleName = Literal["paci", "1f1b", "gpipe", "layered", "interleaved", "bfs"]
+SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)[:4]  # one stage per device
+VIRTUAL_SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)[4:]
 
 
 def _check_positive(name: str, value: object, fix: str) -> int:
