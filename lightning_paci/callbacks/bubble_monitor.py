@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 from typing_extensions import override
 
@@ -70,14 +72,32 @@ class BubbleMonitor(StageMonitor):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = paci_strategy(trainer)
         self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index, strategy.replica_index)
-        self._last = strategy.runtime.records.time_snapshot()
+        self._last = _process_snapshot(strategy)
 
     def _log(self, trainer: L.Trainer) -> None:
         if self._writer is None or self._last is None:
             return
         strategy = paci_strategy(trainer)
-        now = strategy.runtime.records.time_snapshot()
+        now = _process_snapshot(strategy)
         stage = strategy.stage_index
         self._write(trainer, {metric_tag(figure, stage): value
                               for figure, value in bubble_window_metrics(self._last, now).items()})
         self._last = now
+
+
+def _process_snapshot(strategy: Any) -> dict[str, dict[str, float]]:
+    """The process's time accounts: with virtual stages its stages run one action at a time, so their compute,
+    waits, messages and steps add up, and the wall time of a phase is the longest any of them spent in it (each
+    stage enters the steady phase at its own first backward); the figures are the process's (``stage_<p>`` is
+    then the process's index, ``stage_index``)."""
+    snapshots = [runtime.records.time_snapshot() for runtime in strategy.runtimes.values()]
+    if len(snapshots) == 1:
+        return snapshots[0]
+    total: dict[str, dict[str, float]] = {}
+    for snapshot in snapshots:
+        for phase, accounts in snapshot.items():
+            into = total.setdefault(phase, {})
+            for category, seconds in accounts.items():
+                combine = max if category == "wall" else float.__add__
+                into[category] = combine(into.get(category, 0.0), seconds)
+    return total

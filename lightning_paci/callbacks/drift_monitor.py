@@ -16,7 +16,7 @@ from lightning_paci.callbacks.stage_monitor import (
     stage_writer,
 )
 from lightning_paci.engine.records import BackwardRecord
-from lightning_paci.schedules import build_schedule, derived_drift_bound, static_tied_lags
+from lightning_paci.schedules import build_schedule, chunk_drift_bounds, derived_drift_bound, static_tied_lags
 
 __all__ = ["DriftMonitor", "drift_window_metrics"]
 
@@ -56,6 +56,10 @@ class DriftMonitor(StageMonitor):
     * ``paci/tied_lag_bound/stage_<N-1>``: the largest such lag the last stage's action list allows (read from the
       list: 1 for N = m = a = 8 under ``"paci"``, 4 for N = 8, m = a = 2; 0 under flush schedules with a = m).
 
+    With ``virtual_stages=v`` every stage of the ``v x P`` gets its figures (``stage_<s>``, written by the process
+    running it), its bound read from its own actions in the process's list (docs/virtual-stages.md); under the V
+    placement a tied weight is one Parameter, so there is no lag to report.
+
     Args:
         logging_interval: Lightning steps per window (default: the Trainer's ``log_every_n_steps``).
         weight_drift: measure the relative weight drift (steps the optimizer one tensor at a time, which is exact
@@ -73,40 +77,50 @@ class DriftMonitor(StageMonitor):
     def __init__(self, logging_interval: int | None = None, weight_drift: bool = True) -> None:
         super().__init__(logging_interval)
         self.weight_drift = weight_drift
-        self._seen = 0
-        self._bound = 0
-        self._seen_lags = 0
-        self._tied_bound: int | None = None
+        self._seen: dict[int, int] = {}  # per stage of this process: backwards already logged
+        self._bound: dict[int, int] = {}
+        self._seen_lags: dict[int, int] = {}
+        self._tied_bound: dict[int, int] = {}
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = paci_strategy(trainer)
-        records = strategy.runtime.records
-        records.measure(weight_drift=self.weight_drift)
         self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index, strategy.replica_index)
-        tied = bool(strategy.plan.tied)
-        schedule = build_schedule(strategy.config.schedule, strategy.num_stages, strategy.num_microbatches,
-                         strategy.accumulation, 4 + 2 * strategy.accumulation, tied=tied)
-        own = schedule.actions[strategy.stage_index]
-        self._bound = derived_drift_bound(own, strategy.accumulation, deferred=strategy.config.deferred_update)
-        last = strategy.stage_index == strategy.num_stages - 1
-        self._tied_bound = max(static_tied_lags(own).values(), default=0) if tied and last else None
-        self._seen = records.num_backwards
-        self._seen_lags = records.tied_lags.count
+        tied, config = bool(strategy.plan.tied), strategy.config
+        schedule = build_schedule(config.schedule, strategy.num_stages, strategy.num_microbatches,
+                                  strategy.accumulation, 4 + 2 * strategy.accumulation, tied=tied,
+                                  virtual_stages=config.virtual_stages, placement=config.placement)
+        last, deferred = schedule.num_stages - 1, config.deferred_update
+        # with virtual stages a stage's gaps are read off its actions in its process's order (the peak-based bound
+        # assumes one backward between two forwards, which a process running several stages need not keep)
+        exact = chunk_drift_bounds(schedule, deferred=deferred) if config.virtual_stages > 1 else None
+        for stage, runtime in strategy.runtimes.items():
+            records = runtime.records
+            records.measure(weight_drift=self.weight_drift)
+            own = schedule.stage_actions(stage)
+            self._bound[stage] = exact[stage] if exact is not None else derived_drift_bound(
+                own, strategy.accumulation, deferred=deferred)
+            if tied and stage == last and runtime.tied:
+                self._tied_bound[stage] = max(static_tied_lags(own).values(), default=0)
+            self._seen[stage] = records.num_backwards
+            self._seen_lags[stage] = records.tied_lags.count
 
     def _log(self, trainer: L.Trainer) -> None:
-        strategy = paci_strategy(trainer)
-        records, stage = strategy.runtime.records, strategy.stage_index
-        backwards = records.backwards_since(self._seen)
-        if not backwards or self._writer is None:
+        if self._writer is None:
             return
-        self._seen = records.num_backwards
-        figures = {metric_tag(figure, stage): value
-                   for figure, value in drift_window_metrics(backwards, self._bound).items()}
-        lags = records.tied_lags_since(self._seen_lags)
-        self._seen_lags = records.tied_lags.count
-        if lags:
-            figures[metric_tag("tied_lag_max", stage)] = max(lags)
-        if self._tied_bound is not None:
-            figures[metric_tag("tied_lag_bound", stage)] = self._tied_bound
+        figures: dict[str, float] = {}
+        for stage, runtime in paci_strategy(trainer).runtimes.items():
+            records = runtime.records
+            backwards = records.backwards_since(self._seen[stage])
+            if not backwards:
+                continue
+            self._seen[stage] = records.num_backwards
+            figures.update({metric_tag(figure, stage): value
+                            for figure, value in drift_window_metrics(backwards, self._bound[stage]).items()})
+            lags = records.tied_lags_since(self._seen_lags[stage])
+            self._seen_lags[stage] = records.tied_lags.count
+            if lags:
+                figures[metric_tag("tied_lag_max", stage)] = max(lags)
+            if stage in self._tied_bound:
+                figures[metric_tag("tied_lag_bound", stage)] = self._tied_bound[stage]
         self._write(trainer, figures)

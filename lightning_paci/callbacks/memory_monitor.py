@@ -42,13 +42,16 @@ class MemoryMonitor(StageMonitor):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = paci_strategy(trainer)
         self._writer = stage_writer(monitor_directory(trainer), strategy.stage_index, strategy.replica_index)
-        strategy.runtime.records.measure(activation_bytes=True)
+        for runtime in strategy.runtimes.values():
+            runtime.records.measure(activation_bytes=True)
 
     def _log(self, trainer: L.Trainer) -> None:
         if self._writer is None:
             return
-        strategy = paci_strategy(trainer)
-        records, stage = strategy.runtime.records, strategy.stage_index
-        self._write(trainer, {metric_tag("peak_inflight", stage): records.peak_inflight,
-                              metric_tag("peak_activation_bytes", stage): records.peak_activation_bytes,
-                              metric_tag("relayed_bytes", stage): records.peak_relayed_bytes})
+        figures: dict[str, float] = {}
+        for stage, runtime in paci_strategy(trainer).runtimes.items():  # each stage a process runs
+            records = runtime.records
+            figures.update({metric_tag("peak_inflight", stage): records.peak_inflight,
+                            metric_tag("peak_activation_bytes", stage): records.peak_activation_bytes,
+                            metric_tag("relayed_bytes", stage): records.peak_relayed_bytes})
+        self._write(trainer, figures)

@@ -70,10 +70,16 @@ class TimelineMonitor(StageMonitor):
         strategy = paci_strategy(trainer)
         if strategy.replica_index:  # the picture shows replica 0's pipeline (its replicas run the same lists)
             return
-        mine = recent_intervals(list(strategy.runtime.records.intervals), self.last_microbatches)
+        # with virtual stages a row per process, its stages' intervals in its order ([Note: virtual stages])
+        runtimes, devices = strategy.runtimes, strategy.stage_devices
+        order = {stage: rank for rank, stage in enumerate(runtimes)}
+        own = [iv for runtime in runtimes.values()
+               for iv in recent_intervals(list(runtime.records.intervals), self.last_microbatches)]
+        mine = [Interval(devices[iv.stage], iv.kind, iv.microbatch, iv.start, iv.end) for iv in own]
+        chunks = [order[iv.stage] for iv in own]
         path = self.directory / f"stage_{strategy.stage_index}.json"
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps([list(iv) for iv in mine]))
+        tmp.write_text(json.dumps([[*iv, chunk] for iv, chunk in zip(mine, chunks, strict=True)]))
         os.replace(tmp, path)
         if self._writer is not None:
             self._draw(trainer, mine)
@@ -83,19 +89,22 @@ class TimelineMonitor(StageMonitor):
 
         assert self.directory is not None
         num_stages = paci_strategy(trainer).num_stages
-        every: list[Interval] = []
+        every: list[tuple[Interval, int]] = []
         for s in range(num_stages):
             path = self.directory / f"stage_{s}.json"
             if path.exists():
-                every += [Interval(*iv) for iv in json.loads(path.read_text())]
+                every += [(Interval(*iv[:5]), iv[5]) for iv in json.loads(path.read_text())]
         if not every or not mine:
             return
         lo, hi = min(iv.start for iv in mine), max(iv.end for iv in mine)
-        window = [Interval(iv.stage, iv.kind, iv.microbatch, iv.start - lo, iv.end - lo)
-                  for iv in every if iv.end >= lo and iv.start <= hi]
+        kept = [(Interval(iv.stage, iv.kind, iv.microbatch, iv.start - lo, iv.end - lo), chunk)
+                for iv, chunk in every if iv.end >= lo and iv.start <= hi]
+        window = [iv for iv, _ in kept]
         write_chrome_trace(window, self.directory / "trace.json")
+        virtual = paci_strategy(trainer).config.virtual_stages > 1
         figure = draw_timeline(window, num_stages, time_unit="seconds",
-                               title=f"pipeline timeline at step {trainer.global_step}")
+                               title=f"pipeline timeline at step {trainer.global_step}",
+                               chunks=[chunk for _, chunk in kept] if virtual else None)
         self._writer.add_figure("paci/timeline", figure, trainer.global_step)
         figure.savefig(self.directory / "timeline.png", dpi=110)
         plt.close(figure)
