@@ -26,6 +26,15 @@ pytestmark = pytest.mark.distributed
 P, V = 2, 2
 
 
+class _Scheduled(Momentum):
+    """SGD with momentum and a per-step LR schedule: every stage's update uses its own update count's rate."""
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 def _doubles(num_batches: int, batch_size: int = 8) -> DataLoader:
     x, y = regression_loader(num_batches=num_batches, batch_size=batch_size).dataset.tensors
     return DataLoader(TensorDataset(x.double(), y.double()), batch_size=batch_size)
@@ -53,7 +62,7 @@ def _reference(initial, schedule: str, m: int, a: int, loader, *, placement: str
 @pytest.mark.parametrize("schedule, placement", [("interleaved", "loop"), ("bfs", "v")])
 def test_flush_schedules_over_two_stages_per_process_equal_one_device(tmp_path, schedule, placement):
     torch.manual_seed(0)
-    model = SequentialMLP(width=8, depth=8, lr=0.05).double()
+    model = _Scheduled(width=8, depth=8).double()
     initial = copy.deepcopy(model)
     loader, val = _doubles(3), _doubles(2)
     fit(model, loader, devices=P, max_steps=3, schedule=schedule, microbatches=2, partition="parameters",
@@ -72,10 +81,10 @@ def test_flush_schedules_over_two_stages_per_process_equal_one_device(tmp_path, 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("placement, accumulation", [("loop", 4), ("v", 1)])
 def test_paci_over_two_stages_per_process_equals_the_reference_executor(placement, accumulation):
-    # SGD with momentum and the default compensation: each stage's weight prediction reads its share of the one
-    # optimizer the process holds, and its updates cross its own drift
+    # SGD with momentum, a per-step LR schedule and the default compensation: each stage's weight prediction reads
+    # its share of the one optimizer the process holds, its updates cross its own drift and use its own count's rate
     torch.manual_seed(1)
-    model = Momentum(width=8, depth=8, lr=0.05).double()
+    model = _Scheduled(width=8, depth=8).double()
     initial = copy.deepcopy(model)
     loader = _doubles(4)
     fit(model, loader, devices=P, max_steps=4, schedule="paci", microbatches=4, accumulation=accumulation,

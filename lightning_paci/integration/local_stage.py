@@ -195,6 +195,8 @@ class LocalStage:
             if prediction is not None and (sharded or self.config.deferred_update):
                 _refuse_or_warn_prediction(self.config.compensation, warn, sharded=sharded)
                 prediction = None
+            if prediction is not None and not single:
+                prediction.before = view.own_hyperparameters
             runtime = StageRuntime(stage, self.plan.num_stages, LightningStageProgram(self.module, carve,
                                    context=train_context), comms[stage], view,
                                    loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,

@@ -114,6 +114,11 @@ class StageOptimizer:
             view._clock.views.append(view)
         return view
 
+    def own_hyperparameters(self) -> None:
+        """Put this view's update count's hyperparameters in the groups (before a weight prediction reads them)."""
+        if self._clock is not None:
+            self._clock.use(self.updates)
+
     def resume_at(self, steps: int) -> None:
         """A checkpoint's ``steps`` updates were made before this run: a chunk's view counts from there, and the
         schedulers' clock takes the groups as they are when the next update comes (the checkpoint's)."""

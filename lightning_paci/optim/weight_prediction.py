@@ -207,6 +207,9 @@ class WeightPrediction:
         self._step_tensors: list[object] = []
         if self.direction is _adam:
             optimizer.register_step_pre_hook(self._count_step)
+        # called before each prediction: a stage's view of a process's optimizer puts its own update count's
+        # hyperparameters in the groups (StageOptimizer.own_hyperparameters)
+        self.before: Callable[[], None] | None = None
 
     def moved(self, k: int, rest: float = 1.0) -> contextlib.AbstractContextManager[None]:
         """A context in which the weights are ``k`` predicted updates ahead (nothing happens for ``k == 0``);
@@ -215,6 +218,8 @@ class WeightPrediction:
 
     @contextlib.contextmanager
     def _ahead(self, k: int, rest: float) -> Iterator[None]:
+        if self.before is not None:
+            self.before()
         moved = self.apply(k, rest)
         self.moves += 1
         self.peak_extra_bytes = max(self.peak_extra_bytes, moved.kept_bytes + self._temporaries)
