@@ -119,8 +119,7 @@ class PACIConfig:
             each process runs ``v`` of them ([Note: virtual stages] in schedules/virtual.py), parameter names
             unchanged: a drain and a fill cost about ``1/v`` of one stage per process; ``schedule`` is ``"paci"``,
             ``"interleaved"`` or ``"bfs"``. PACI's drift bound is taken per stage and is higher for the first
-            stages (docs/virtual-stages.md). Not with ``recompute``, ``dp_shard``, ``deferred_update``, ``weights``
-            or a model built on the meta device.
+            stages (docs/virtual-stages.md). Not with ``dp_shard`` or ``deferred_update``.
         placement: with virtual stages, ``"loop"`` (default: stage ``c`` on process ``c mod P``) or ``"v"`` (zig-zag:
             the first and the last stage on one process, so a tied embedding and LM head share one weight and
             exchange nothing; global rank 0 then holds them).
@@ -236,10 +235,8 @@ class PACIConfig:
         if v == 1:
             return
         refused = [(name, value, why) for name, value, why in (
-            ("recompute", self.recompute != "off", "recomputation wraps the blocks of one stage per process"),
             ("dp_shard", self.dp_shard != "none", "the optimizer shards are made per stage"),
             ("deferred_update", self.deferred_update, "the deferred update is modelled for one stage per process"),
-            ("weights", self.weights is not None, "weights are read into a model built per stage on the meta device"),
         ) if value]
         if refused:
             name, _, why = refused[0]

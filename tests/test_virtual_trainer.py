@@ -194,7 +194,7 @@ def test_monitors_report_every_stage_of_every_process_and_drift_within_its_stage
 
 
 @pytest.mark.timeout(120)
-def test_what_two_stages_per_process_cannot_run_is_refused_at_setup():
+def test_tied_weights_under_the_loop_placement_are_refused_at_setup():
     from torch.multiprocessing import ProcessRaisedException
 
     tied = HFCausalLM("gpt2", layers=4, tied=True)
@@ -202,8 +202,47 @@ def test_what_two_stages_per_process_cannot_run_is_refused_at_setup():
                                                      r"last chunk on one device: use placement='v'"):
         fit(tied, token_loader(num_batches=2), devices=P, max_steps=1, microbatches=2, virtual_stages=V,
             placement="loop")
-    with torch.device("meta"):
-        on_meta = SequentialMLP(width=8, depth=8)
-    with pytest.raises(ProcessRaisedException, match=r"`virtual_stages=2` needs the whole model built on every "
-                                                     r"process.*pass `PACIStrategy\(model_init='full'\)`"):
-        fit(on_meta, regression_loader(num_batches=2), devices=P, max_steps=1, virtual_stages=V)
+
+
+@pytest.mark.timeout(120)
+def test_recomputation_per_stage_equals_the_reference_executor_recomputing():
+    torch.manual_seed(7)
+    model = Momentum(width=8, depth=8, lr=0.05).double()
+    initial = copy.deepcopy(model)
+    loader = _doubles(3)
+    fit(model, loader, devices=P, max_steps=3, schedule="paci", microbatches=2, accumulation=1,
+        partition="parameters", virtual_stages=V, recompute="blocks", compensation="none")
+    reference = ReferencePipeline(copy.deepcopy(initial), plan_partition(initial, P * V, partition="parameters"),
+                                  compensation="none", recompute="blocks")
+    reference.run(build_schedule("paci", P, 2, 1, 3, virtual_stages=V), list(loader))
+    _assert_equal(model.state_dict(), reference.state_dict(), initial.state_dict())
+
+
+@pytest.mark.timeout(200)
+def test_stage_only_construction_and_weights_per_stage_hold_each_process_s_stages_only(tmp_path):
+    from test_big_models import DumpWeights, _assert_equal_states, _pretrained_directory
+
+    from models import LaterLoopTransformer, LoopTransformer, PretrainedGPT2
+
+    def run(name: str, model, vocab: int = 32, **options) -> DumpWeights:
+        dump = DumpWeights(tmp_path / name)
+        dump.directory.mkdir()
+        L.seed_everything(0)
+        fit(model, token_loader(vocab=vocab), devices=P, max_steps=3, callbacks=[dump], partition="parameters",
+            virtual_stages=V, **options)
+        return dump
+
+    # configure_model: recorded on meta, each process replays only its two stages' parameters, bit for bit
+    built = run("configure_model", LaterLoopTransformer(layers=4))
+    _assert_equal_states(built.weights(), run("init", LoopTransformer(layers=4)).weights())
+    stage_params = plan_partition(LoopTransformer(layers=4), P * V, partition="parameters").stage_params
+    for process in range(P):  # the loop placement: stages p and p + P
+        assert built.start(process)["params"] == stage_params[process] + stage_params[process + P]
+    # weights=: a tied GPT-2 read per process under the V placement trains as from_pretrained in __init__ does
+    directory = _pretrained_directory(tmp_path / "pretrained")
+    read = run("staged", PretrainedGPT2(directory, load_now=False), 64, weights=str(directory), placement="v")
+    ordinary = run("ordinary", PretrainedGPT2(directory, load_now=True), 64, placement="v")
+    _assert_equal_states(read.weights(), ordinary.weights())
+    keys = [set(read.start(process)["weights_read"]["keys"]) for process in range(P)]
+    assert {"transformer.wte.weight", "transformer.ln_f.weight"} <= keys[0]  # stages 0 and 3: embedding and head
+    assert not keys[1] & {"transformer.wte.weight", "transformer.ln_f.weight"} and not keys[0] & keys[1]

@@ -140,9 +140,8 @@ class LocalStage:
         self._shards: OptimizerShards | None = None  # dp_shard="optimizer": this replica's share of the updates
         self.hooks: LightningHooks | None = None  # the last chunk's: monitors' figures and hook logs leave from it
         self.relays: RelayPlan | None = None  # values relayed past stage boundaries, found once at setup
-        stage = carve.first.stage
-        self._recompute = BlockRecompute(module.get_submodule(plan.container), plan.blocks(stage)) \
-            if recomputes(config.recompute, config.recompute_stages, stage) else None
+        self._recompute = [BlockRecompute(module.get_submodule(plan.container), plan.blocks(c.stage)) for c in carve
+                           if recomputes(config.recompute, config.recompute_stages, c.stage)]
 
     def prepare_relays(self, strategy: Any, sample: Sample | None) -> None:
         """Find the values this pipeline relays past stage boundaries on ``sample`` (with every other stage) and
@@ -340,8 +339,8 @@ class LocalStage:
                 full = gather_everywhere(cpu_state(self.module, self.carve.foreign_buffers), replicas, group)
             except (RuntimeError, ConnectionError) as err:
                 log.warning(f"lightning_paci: could not gather the full weights at teardown: {err}")
-        if self._recompute is not None:
-            self._recompute.remove()
+        for recompute in self._recompute:
+            recompute.remove()
         for runtime in self.runtimes.values():
             if runtime.layered is not None:  # the layered backward's block hooks
                 for handle in runtime.layered.cuts.handles:

@@ -38,8 +38,9 @@ from lightning_paci.integration.setup_probe import (
     trace_call_order,
 )
 from lightning_paci.integration.trainer_checks import batch_norm_warning
-from lightning_paci.partition import PartitionPlan, StageCarve, plan_partition
+from lightning_paci.partition import PartitionPlan, plan_partition
 from lightning_paci.partition.carve import removed_modules
+from lightning_paci.partition.chunks import DeviceCarve
 from lightning_paci.partition.stage_init import (
     Recording,
     generator_states,
@@ -88,8 +89,7 @@ class StageBuilder:
                 ) -> Iterator[None]:
         """``tensor_init_context``: ``base`` is Lightning's own (root device, precision dtype)."""
         strategy, module = self.strategy, self.strategy.lightning_module
-        if empty_init is False or strategy.config.model_init == "full" or self.built is not None or \
-                strategy.config.virtual_stages > 1 or (
+        if empty_init is False or strategy.config.model_init == "full" or self.built is not None or (
                 module is None and not empty_init):
             with base():
                 yield
@@ -107,7 +107,8 @@ class StageBuilder:
         restore_generators()  # the recording drew some numbers (tensors made real first); the replay draws all
         built = self.adopt(module, source="weights" if strategy.config.weights is not None else "replayed")
         if built.source == "replayed":
-            dropped = set(removed_modules(built.plan, strategy.stage_index))
+            mine = [s for s, d in enumerate(strategy.stage_devices) if d == strategy.stage_index]  # (virtual stages)
+            dropped = set.intersection(*(set(removed_modules(built.plan, s)) for s in mine))
             keep = owned_registrations(recording.params, module,
                                        lambda n: not any(n.startswith(r + ".") for r in dropped))
             rewind()
@@ -137,8 +138,8 @@ class StageBuilder:
         return self.built is not None or (module is not None and self.strategy.config.model_init == "stage" and any(
             p.is_meta for p in module.parameters()))
 
-    def materialize(self, module: nn.Module, carve: StageCarve, *, has_checkpoint: bool) -> None:
-        """After carving: give the stage's meta parameters memory on the device and their values."""
+    def materialize(self, module: nn.Module, carve: DeviceCarve, *, has_checkpoint: bool) -> None:
+        """After carving: give the process's stages' meta parameters memory on the device and their values."""
         built = self.built
         if built is None:
             return
@@ -146,14 +147,16 @@ class StageBuilder:
         if built.source == "replayed":
             return  # owned parameters are real already
         made = _to_device_empty(module, device)
-        carve.tied_params = [made.get(id(p), p) for p in carve.tied_params]  # the carve kept the meta objects
+        for chunk in carve:  # the carve kept the meta objects
+            chunk.tied_params = [made.get(id(p), p) for p in chunk.tied_params]
+        carve.shared_tied[:] = [made.get(id(p), p) for p in carve.shared_tied]
         weights = self.strategy.config.weights
         if weights is not None:
             self._load(module, carve, os.fspath(weights))
         elif not has_checkpoint:
             _reset_by_name(module)
 
-    def _load(self, module: nn.Module, carve: StageCarve, path: str) -> None:
+    def _load(self, module: nn.Module, carve: DeviceCarve, path: str) -> None:
         built = self.built
         assert built is not None
         source = WeightsFile.open(path)
@@ -178,11 +181,6 @@ class StageBuilder:
         if whole and (warning := batch_norm_warning(module, strategy.num_microbatches)) is not None:
             rank_zero_warn(warning)
         built = self.built
-        if strategy.config.virtual_stages > 1 and self.on_meta(module):
-            raise ValueError(
-                f"`virtual_stages={strategy.config.virtual_stages}` needs the whole model built on every process, and "
-                f"this one is built on the meta device (in `configure_model`, or with `init_module(empty_init=True)`)"
-                f": pass `PACIStrategy(model_init='full')`, or `virtual_stages=1`.")
         if built is None and self.on_meta(module):
             built = self.adopt(module, source="weights" if strategy.config.weights is not None else "empty")
         measured = trace = None
