@@ -261,23 +261,26 @@ class _DumpIntervals(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy: Any = trainer.strategy
-        data = [list(iv) for iv in strategy.runtime.records.intervals]
-        (self.directory / f"stage{strategy.stage_index}.json").write_text(json.dumps(data))
+        process = strategy.stage_index  # with virtual stages the process's stages' intervals, in its row
+        data = [[process, *iv[1:]] for runtime in strategy.runtimes.values() for iv in runtime.records.intervals]
+        (self.directory / f"stage{process}.json").write_text(json.dumps(data))
 
 
 def run_emulated(*, num_stages: int, schedule: str, num_microbatches: int, num_minibatches: int,
                  blocks_per_stage: int = 2, forward_ms: float = 10.0, backward_ms: float = 20.0,
                  callbacks: list[Callback] | None = None, logger: Any = False,
-                 recompute: str = "off") -> list[list[Interval]]:
+                 recompute: str = "off", virtual_stages: int = 1, placement: str = "loop") -> list[list[Interval]]:
     """Train ``num_minibatches`` batches through ``Trainer(strategy=PACIStrategy(...))`` (forked ranks, 2 samples
-    per micro-batch) and return each stage's measured intervals."""
+    per micro-batch) and return each stage's measured intervals (with ``virtual_stages``: each process's, its
+    stages' together, over ``blocks_per_stage`` blocks per process)."""
     torch.manual_seed(0)
     model = EmulatedModel(num_stages * blocks_per_stage, forward_ms / 1e3, backward_ms / 1e3)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = L.Trainer(
             strategy=PACIStrategy(schedule=schedule, microbatches=num_microbatches,  # type: ignore[arg-type]
                                   start_method="fork", timeout=timedelta(seconds=120),
-                                  recompute=recompute),  # type: ignore[arg-type]
+                                  recompute=recompute, virtual_stages=virtual_stages,  # type: ignore[arg-type]
+                                  placement=placement),  # type: ignore[arg-type]
             accelerator="cpu", devices=num_stages, max_steps=num_minibatches, logger=logger, log_every_n_steps=1,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,

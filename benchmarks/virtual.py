@@ -14,6 +14,9 @@ chunk over gloo, in forked processes, no Trainer -- and the same chunks through 
 drain. Each runs ``K`` and ``2K`` mini-batches: the second run's extra time is ``K`` steady mini-batches (its
 efficiency is the one shown), so a fill and a drain cost ``2 T(K) - T(2K)``, against the simulator's
 ``(P-1) * blocks * (F+B) / v``.
+
+``--trainer`` runs ours through ``Trainer(strategy=PACIStrategy(virtual_stages=v))`` (``harness.run_emulated``: the
+same blocks, the process's stages carved out of one module) instead of the bare engine.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ from benchmarks.harness import (
     emulated_loader,
     median,
     print_table,
+    run_emulated,
+    run_seconds,
+    steady_seconds,
     torch_step,
 )
 from lightning_paci import build_schedule, simulate_schedule
@@ -157,10 +163,21 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedules", nargs="+", default=["interleaved", "bfs", "paci"],
                         help="interleaved, bfs (each with torch's anchor) and paci (fill and drain)")
     parser.add_argument("--no-torch", action="store_true", help="skip torch's schedules")
+    parser.add_argument("--trainer", action="store_true",
+                        help="ours through Trainer(strategy=PACIStrategy(virtual_stages=v)) instead of the bare engine")
+
+
+def _through_trainer(shape: Shape) -> tuple[float, float]:
+    """``run_ours``'s two figures through the Trainer (no warm-up stream: mini-batch 0 fills the pipeline)."""
+    name, p, v, m, k, fwd, bwd, blocks = shape
+    stages = run_emulated(num_stages=p, schedule=name, num_microbatches=m, num_minibatches=k,
+                          blocks_per_stage=blocks, forward_ms=fwd, backward_ms=bwd, virtual_stages=v)
+    return run_seconds(stages), steady_seconds(stages, m, k)
 
 
 def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     k, fwd, bwd, blocks = args.minibatches, args.forward_ms, args.backward_ms, args.blocks_per_stage
+    ours = _through_trainer if args.trainer else run_ours
     rows: list[dict[str, Any]] = []
     for p in args.stages:
         for m in args.microbatches:
@@ -176,14 +193,14 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         # a run of K and one of 2K mini-batches: the second's extra time is K steady mini-batches,
                         # so a fill and a drain cost 2 T(K) - T(2K) (whatever the first mini-batches' order)
                         twice: Shape = (name, p, v, m, 2 * k, fwd, bwd, blocks)
-                        pairs = [(run_ours(shape)[0], run_ours(twice)[0]) for _ in range(args.repeats)]
+                        pairs = [(ours(shape)[0], ours(twice)[0]) for _ in range(args.repeats)]
                         once, double = median([a for a, _ in pairs]), median([b for _, b in pairs])
                         row["simulated"] = 1.0
                         row["ours"] = k * limit / (double - once)
                         row["fill_drain_ms"] = (2 * once - double) * 1e3
                         row["simulated_fill_drain_ms"] = (simulated.makespan - k * limit) * 1e3
                     else:
-                        runs = [run_ours(shape) for _ in range(args.repeats)]
+                        runs = [ours(shape) for _ in range(args.repeats)]
                         row["ours"] = limit * (k - 2) / median([s for _, s in runs])
                         if not args.no_torch:
                             anchor = [_launch(_torch, shape) for _ in range(args.repeats)]
@@ -191,7 +208,8 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             row["torch_vs_simulated"] = row["torch"] / predicted
                     row["ours_vs_simulated"] = row["ours"] / row["simulated"]
                     rows.append(row)
-    print_table(f"emulated cluster, {k} mini-batches, block F/B {fwd:g}/{bwd:g} ms, {blocks} blocks per device "
+    where = " through the Trainer" if args.trainer else ""
+    print_table(f"emulated cluster{where}, {k} mini-batches, block F/B {fwd:g}/{bwd:g} ms, {blocks} blocks per device "
                 f"(v chunks of {blocks}/v), steady efficiency, median of {args.repeats}", rows,
                 [("N", "d"), ("m", "d"), ("v", "d"), ("schedule", "s"), ("simulated", ".3f"), ("ours", ".3f"),
                  ("ours_vs_simulated", ".3f"), ("torch", ".3f"), ("torch_vs_simulated", ".3f"),

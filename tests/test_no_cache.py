@@ -28,7 +28,8 @@ class _Bytes(Callback):
         self.directory = directory
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        train, evaluation = trainer.strategy.runtime.comm, trainer.strategy._stage.evaluator.comm
+        (evaluation,) = trainer.strategy._stage.evaluator.comms.values()  # one stage per process
+        train = trainer.strategy.runtime.comm
         record = {"train": (train.sent_messages, train.sent_bytes),
                   "validation": (evaluation.sent_messages, evaluation.sent_bytes)}
         (self.directory / f"bytes{dist.get_rank()}.json").write_text(json.dumps(record))
