@@ -269,7 +269,8 @@ class _DumpIntervals(Callback):
 def run_emulated(*, num_stages: int, schedule: str, num_microbatches: int, num_minibatches: int,
                  blocks_per_stage: int = 2, forward_ms: float = 10.0, backward_ms: float = 20.0,
                  callbacks: list[Callback] | None = None, logger: Any = False,
-                 recompute: str = "off", virtual_stages: int = 1, placement: str = "loop") -> list[list[Interval]]:
+                 recompute: str = "off", virtual_stages: int = 1, placement: str = "loop",
+                 max_stream_batches: int = 256) -> list[list[Interval]]:
     """Train ``num_minibatches`` batches through ``Trainer(strategy=PACIStrategy(...))`` (forked ranks, 2 samples
     per micro-batch) and return each stage's measured intervals (with ``virtual_stages``: each process's, its
     stages' together, over ``blocks_per_stage`` blocks per process)."""
@@ -280,7 +281,7 @@ def run_emulated(*, num_stages: int, schedule: str, num_microbatches: int, num_m
             strategy=PACIStrategy(schedule=schedule, microbatches=num_microbatches,  # type: ignore[arg-type]
                                   start_method="fork", timeout=timedelta(seconds=120),
                                   recompute=recompute, virtual_stages=virtual_stages,  # type: ignore[arg-type]
-                                  placement=placement),  # type: ignore[arg-type]
+                                  placement=placement, max_stream_batches=max_stream_batches),  # type: ignore[arg-type]
             accelerator="cpu", devices=num_stages, max_steps=num_minibatches, logger=logger, log_every_n_steps=1,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,

@@ -16,7 +16,10 @@ efficiency is the one shown), so a fill and a drain cost ``2 T(K) - T(2K)``, aga
 ``(P-1) * blocks * (F+B) / v``.
 
 ``--trainer`` runs ours through ``Trainer(strategy=PACIStrategy(virtual_stages=v))`` (``harness.run_emulated``: the
-same blocks, the process's stages carved out of one module) instead of the bare engine.
+same blocks, the process's stages carved out of one module) instead of the bare engine; its ``"paci"`` rows compare
+``K`` mini-batches in one stream with the same ``K`` drained and refilled after ``K/2`` (``max_stream_batches``), so
+the figure is a drain and fill in the middle of training, as validation or a checkpoint causes (the first stream's
+fill also pays one-time costs, the first forward's checks among them).
 """
 
 from __future__ import annotations
@@ -167,11 +170,13 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
                         help="ours through Trainer(strategy=PACIStrategy(virtual_stages=v)) instead of the bare engine")
 
 
-def _through_trainer(shape: Shape) -> tuple[float, float]:
-    """``run_ours``'s two figures through the Trainer (no warm-up stream: mini-batch 0 fills the pipeline)."""
+def _through_trainer(shape: Shape, drain_every: int = 256) -> tuple[float, float]:
+    """``run_ours``'s two figures through the Trainer (no warm-up stream: mini-batch 0 fills the pipeline); the
+    pipeline also drains every ``drain_every`` batches (``max_stream_batches``)."""
     name, p, v, m, k, fwd, bwd, blocks = shape
     stages = run_emulated(num_stages=p, schedule=name, num_microbatches=m, num_minibatches=k,
-                          blocks_per_stage=blocks, forward_ms=fwd, backward_ms=bwd, virtual_stages=v)
+                          blocks_per_stage=blocks, forward_ms=fwd, backward_ms=bwd, virtual_stages=v,
+                          max_stream_batches=drain_every)
     return run_seconds(stages), steady_seconds(stages, m, k)
 
 
@@ -189,7 +194,17 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                                   forward_cost=blocks * fwd / 1e3, backward_cost=blocks * bwd / 1e3)
                     predicted = 1 - simulated.stages[0].steady_bubble_fraction
                     row: dict[str, Any] = {"N": p, "m": m, "v": v, "schedule": name, "simulated": predicted}
-                    if name == "paci":
+                    if name == "paci" and args.trainer:
+                        # K mini-batches in one stream, and the same K with a drain and a fill after K/2: the
+                        # difference is one drain and fill in the middle of training (the first stream's fill pays
+                        # one-time costs -- the first forward's checks, allocations -- that a later one does not)
+                        pairs = [(ours(shape), _through_trainer(shape, k // 2)[0]) for _ in range(args.repeats)]
+                        row["simulated"] = 1.0
+                        row["ours"] = limit * (k - 2) / median([steady for (_, steady), _ in pairs])
+                        drained, whole = median([b for _, b in pairs]), median([a for (a, _), _ in pairs])
+                        row["fill_drain_ms"] = (drained - whole) * 1e3
+                        row["simulated_fill_drain_ms"] = (simulated.makespan - k * limit) * 1e3
+                    elif name == "paci":
                         # a run of K and one of 2K mini-batches: the second's extra time is K steady mini-batches,
                         # so a fill and a drain cost 2 T(K) - T(2K) (whatever the first mini-batches' order)
                         twice: Shape = (name, p, v, m, 2 * k, fwd, bwd, blocks)
