@@ -119,7 +119,7 @@ class PACIConfig:
             each process runs ``v`` of them ([Note: virtual stages] in schedules/virtual.py), parameter names
             unchanged: a drain and a fill cost about ``1/v`` of one stage per process; ``schedule`` is ``"paci"``,
             ``"interleaved"`` or ``"bfs"``. PACI's drift bound is taken per stage and is higher for the first
-            stages (docs/virtual-stages.md). Not with ``dp_shard`` or ``deferred_update``.
+            stages (docs/virtual-stages.md). Not with ``deferred_update``.
         placement: with virtual stages, ``"loop"`` (default: stage ``c`` on process ``c mod P``) or ``"v"`` (zig-zag:
             the first and the last stage on one process, so a tied embedding and LM head share one weight and
             exchange nothing; global rank 0 then holds them).
@@ -235,7 +235,6 @@ class PACIConfig:
         if v == 1:
             return
         refused = [(name, value, why) for name, value, why in (
-            ("dp_shard", self.dp_shard != "none", "the optimizer shards are made per stage"),
             ("deferred_update", self.deferred_update, "the deferred update is modelled for one stage per process"),
         ) if value]
         if refused:

@@ -107,18 +107,44 @@ def test_a_tied_gpt2_under_the_v_placement_shares_one_weight_and_equals_the_refe
 
 
 @pytest.mark.timeout(150)
-def test_replicas_of_two_stages_per_process_equal_the_reference_executor(tmp_path):
+@pytest.mark.parametrize("dp_shard", ["none", "optimizer"])
+def test_replicas_of_two_stages_per_process_equal_the_reference_executor(tmp_path, dp_shard):
+    # with dp_shard="optimizer" each replica steps its share of every stage's tensors (ZeRO-1) and sends them to
+    # the other: bit for bit the unsharded update for SGD with momentum
     torch.manual_seed(3)
-    model = SequentialMLP(width=8, depth=8, lr=0.05).double()
+    model = Momentum(width=8, depth=8, lr=0.05).double()
     initial = copy.deepcopy(model)
     loader = _doubles(8, batch_size=4)
     fit(model, loader, devices=2 * P, max_steps=3, schedule="paci", microbatches=2, accumulation=2,
-        partition="parameters", virtual_stages=V, data_parallel_size=2,
-        trainer_kwargs={"use_distributed_sampler": True}, callbacks=[RecordBatches(tmp_path)])
+        partition="parameters", virtual_stages=V, data_parallel_size=2, dp_shard=dp_shard, compensation="none",
+        trainer_kwargs={"use_distributed_sampler": True},
+        callbacks=[RecordBatches(tmp_path), _StateBytes(tmp_path)])
     per_replica = _replica_batches(tmp_path, loader, 2)
-    reference = ReferencePipeline(initial, plan_partition(initial, P * V, partition="parameters"), replicas=2)
+    for process in range(P):  # each replica holds the momentum of its share of the process's two stages
+        held = [json.loads((tmp_path / f"state{process}_{r}.json").read_text()) for r in range(2)]
+        whole = held[0]["params"]  # SGD's momentum: one buffer per parameter
+        assert sum(h["state"] for h in held) == (whole if dp_shard == "optimizer" else 2 * whole)
+        assert all(h["state"] < h["params"] for h in held) == (dp_shard == "optimizer")
+    reference = ReferencePipeline(initial, plan_partition(initial, P * V, partition="parameters"), replicas=2,
+                                  compensation="none")
     reference.run(build_schedule("paci", P, 2, 2, 3, virtual_stages=V), per_replica)
     _assert_equal(model.state_dict(), reference.state_dict())
+
+
+class _StateBytes(L.Callback):
+    """Every rank writes its optimizer-state bytes and its parameters' bytes at the end of training."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from lightning_paci.engine.optimizer_shards import optimizer_state_bytes
+
+        strategy = trainer.strategy
+        record = {"state": optimizer_state_bytes(strategy._stage.optimizer.optimizer),
+                  "params": sum(p.numel() * p.element_size() for p in pl_module.parameters())}
+        path = self.directory / f"state{strategy.stage_index}_{strategy.replica_index}.json"
+        path.write_text(json.dumps(record))
 
 
 def _resumable(directory, epochs: int, **options) -> L.Trainer:

@@ -137,7 +137,8 @@ class LocalStage:
         self.fingerprint = BatchFingerprint(self.index)
         self._broadcast = broadcast
         self._resumed_gradients: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        self._shards: OptimizerShards | None = None  # dp_shard="optimizer": this replica's share of the updates
+        # dp_shard="optimizer": this replica's share of each stage's updates, by stage
+        self._shards: dict[int, OptimizerShards] = {}
         self.hooks: LightningHooks | None = None  # the last chunk's: monitors' figures and hook logs leave from it
         self.relays: RelayPlan | None = None  # values relayed past stage boundaries, found once at setup
         self._recompute = [BlockRecompute(module.get_submodule(plan.container), plan.blocks(c.stage)) for c in carve
@@ -227,13 +228,15 @@ class LocalStage:
         for carve in self.carve:
             runtime = self.runtimes[carve.stage]
             late = (carve.tied_params or self.carve.shared_tied) if carve.is_first else ()
-            self._shards = join_replicas(
+            shards = join_replicas(
                 runtime, self.driver, self.links.replica_group, self.links.replicas, self.links.replica,
                 local_sgd_steps=self.config.local_sgd_steps, last_stage=carve.is_last, names=names,
                 bucket_bytes=None if mb is None else int(mb * 2**20),
                 order=partial(backward_order, container=plan.container, blocks=plan.blocks(carve.stage),
                               after=plan.after),
                 late=late, shard_optimizer=self.config.dp_shard == "optimizer", deferred=self.config.deferred_update)
+            if shards is not None:
+                self._shards[carve.stage] = shards
 
     def activity(self) -> Callable[[], Doing | None]:
         """What the runtimes are doing, for the failure watchdog (supervision.runtime_activity)."""
@@ -285,9 +288,10 @@ class LocalStage:
                 # them now (the step's average is linear: the same update), so the one copy saved is every replica's
                 chunk.reduce_gradients()
         merge = None
-        if self._shards is not None:  # the stage's whole state, from its replicas' shares
-            shards, names = self._shards, {id(p): n for n, p in self.module.named_parameters()}
-            owned = [names[id(p)] for _, p in optimizer.pairs if id(p) in shards.owned]
+        if self._shards:  # the stage's whole state, from its replicas' shares
+            mine = set().union(*(shards.owned for shards in self._shards.values()))
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            owned = [names[id(p)] for _, p in optimizer.pairs if id(p) in mine]
             merge = partial(merge_replica_states, owned=owned, group=self.links.replica_group)
         entry = checkpoints.optimizer_state(optimizer, self.module, backwards=runtime.microbatch_base,
                                             steps=runtime.version, replicas=self._replicas,
@@ -303,8 +307,10 @@ class LocalStage:
         if self.layout is not None:
             checkpoint = self.layout.as_pipeline_checkpoint(checkpoint, self.accumulation)
         resumed = checkpoints.load_optimizer_state(checkpoint, optimizer, self.module, self._replicas)
-        if self._shards is not None:  # keep only this replica's share of the loaded state
-            optimizer.shard(self._shards.owned, self._shards.share)
+        for stage, shards in self._shards.items():  # keep only this replica's share of the loaded state
+            stepping = self.runtimes[stage].optimizer
+            assert stepping is not None
+            stepping.shard(shards.owned, shards.share)
         for runtime in self.runtimes.values():
             runtime.restore(backwards=resumed.backwards, steps=resumed.steps, window_start=resumed.window_start)
             if runtime.optimizer is not optimizer and runtime.optimizer is not None:
