@@ -240,13 +240,7 @@ class LocalStage:
 
     def activity(self) -> Callable[[], Doing | None]:
         """What the runtimes are doing, for the failure watchdog (supervision.runtime_activity)."""
-        watched = [runtime_activity(runtime, self.links.watched) for runtime in self.runtimes.values()]
-        if len(watched) == 1:
-            return watched[0]
-
-        def now() -> Doing | None:
-            return next((doing for doing in (w() for w in watched) if doing is not None), None)
-        return now
+        return _first_busy([runtime_activity(runtime, self.links.watched) for runtime in self.runtimes.values()])
 
     def train(self, batch: Any, batch_idx: int, *, label: str, drain: bool, accumulation: int,
               close_window: bool = False) -> tuple[float | torch.Tensor, int]:
@@ -352,6 +346,16 @@ class LocalStage:
                 for handle in runtime.layered.cuts.handles:
                     handle.remove()
         self.carve.restore(self.module, full, materialize=materialize)
+
+
+def _first_busy(watched: list[Callable[[], Doing | None]]) -> Callable[[], Doing | None]:
+    """What a process running several stages is doing: the one stage with an action under way (one at a time)."""
+    if len(watched) == 1:
+        return watched[0]
+
+    def now() -> Doing | None:
+        return next((doing for doing in (w() for w in watched) if doing is not None), None)
+    return now
 
 
 def _drop_spent_logs(runtime: StageRuntime) -> None:
