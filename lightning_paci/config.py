@@ -119,7 +119,7 @@ class PACIConfig:
             each process runs ``v`` of them ([Note: virtual stages] in schedules/virtual.py), parameter names
             unchanged: a drain and a fill cost about ``1/v`` of one stage per process; ``schedule`` is ``"paci"``,
             ``"interleaved"`` or ``"bfs"``. PACI's drift bound is taken per stage and is higher for the first
-            stages (docs/virtual-stages.md). Not with ``deferred_update``.
+            stages (docs/virtual-stages.md).
         placement: with virtual stages, ``"loop"`` (default: stage ``c`` on process ``c mod P``) or ``"v"`` (zig-zag:
             the first and the last stage on one process, so a tied embedding and LM head share one weight and
             exchange nothing; global rank 0 then holds them).
@@ -232,12 +232,4 @@ class PACIConfig:
             fix = {"1f1b": "'interleaved'", "gpipe": "'bfs'", "layered": "'bfs'"}[self.schedule]
             raise ValueError(f"`schedule={self.schedule!r}` runs one stage per device, got `virtual_stages={v}`: use "
                              f"`schedule={fix}` (its order over several stages per device), or `virtual_stages=1`.")
-        if v == 1:
-            return
-        refused = [(name, value, why) for name, value, why in (
-            ("deferred_update", self.deferred_update, "the deferred update is modelled for one stage per process"),
-        ) if value]
-        if refused:
-            name, _, why = refused[0]
-            raise ValueError(f"`{name}={getattr(self, name)!r}` is not supported with `virtual_stages={v}` ({why}): "
-                             f"drop `{name}`, or run `virtual_stages=1`.")
+

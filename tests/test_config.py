@@ -26,9 +26,6 @@ from lightning_paci.config import PACIConfig
     ({"schedule": "1f1b", "virtual_stages": 2}, r"`schedule='1f1b'` runs one stage per device, got "
                                                 r"`virtual_stages=2`: use `schedule='interleaved'`"),
     ({"schedule": "layered", "virtual_stages": 2}, r"use `schedule='bfs'`"),
-    ({"virtual_stages": 3, "deferred_update": True},
-     r"`deferred_update=True` is not supported with `virtual_stages=3` \(the deferred update .*\): drop "
-     r"`deferred_update`"),
 ])
 def test_bad_options_are_refused_at_construction(options, message):
     with pytest.raises(ValueError, match=message):

@@ -272,3 +272,41 @@ def test_stage_only_construction_and_weights_per_stage_hold_each_process_s_stage
     keys = [set(read.start(process)["weights_read"]["keys"]) for process in range(P)]
     assert {"transformer.wte.weight", "transformer.ln_f.weight"} <= keys[0]  # stages 0 and 3: embedding and head
     assert not keys[1] & {"transformer.wte.weight", "transformer.ln_f.weight"} and not keys[0] & keys[1]
+
+
+class _StageGaps(L.Callback):
+    """Every rank writes each of its stages' measured version gaps and its weights at the end of training."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        strategy = trainer.strategy
+        gaps = {stage: dict(runtime.records.version_gaps) for stage, runtime in strategy.runtimes.items()}
+        (self.directory / f"gaps{trainer.global_rank}.json").write_text(json.dumps(gaps))
+        torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+                   self.directory / f"weights{trainer.global_rank}.pt")
+
+
+@pytest.mark.timeout(150)
+def test_deferred_updates_per_stage_keep_the_replicas_equal_and_each_stage_s_drift_is_its_lists(tmp_path):
+    from lightning_paci.schedules import chunk_drift_bounds, static_drift
+
+    torch.manual_seed(9)
+    steps, m, a = 4, 2, 2
+    fit(SequentialMLP(width=8, depth=8), regression_loader(num_batches=10, batch_size=4), devices=2 * P,
+        max_steps=steps, schedule="paci", microbatches=m, accumulation=a, partition="parameters", virtual_stages=V,
+        data_parallel_size=2, reduce_bucket_mb=1e-6, deferred_update=True, compensation="none",
+        callbacks=[_StageGaps(tmp_path)], trainer_kwargs={"use_distributed_sampler": True})
+    schedule = build_schedule("paci", P, m, a, steps, virtual_stages=V)
+    bounds = chunk_drift_bounds(schedule, deferred=True)
+    assert bounds != chunk_drift_bounds(schedule)  # the deferral shows in the bound
+    for rank in range(2 * P):
+        for stage, gaps in json.loads((tmp_path / f"gaps{rank}.json").read_text()).items():
+            measured = {int(k): v for k, v in gaps.items()}
+            assert measured == static_drift(schedule.stage_actions(int(stage)), deferred=True)
+            assert max(measured.values()) <= bounds[int(stage)]
+    for first, second in ((0, 1), (2, 3)):  # ranks 2p, 2p+1: one process's replicas, equal bit for bit
+        one, other = (torch.load(tmp_path / f"weights{r}.pt") for r in (first, second))
+        assert one.keys() == other.keys() and one
+        assert all(torch.equal(one[k], other[k]) for k in one)
