@@ -32,13 +32,19 @@ from torch import nn
 from lightning_paci.partition.carve import StageCarve, carve_stage, removed_modules, untie
 from lightning_paci.partition.plan import PartitionPlan
 
-__all__ = ["DeviceCarve", "carve_chunks", "chunk_names"]
+__all__ = ["DeviceCarve", "carve_chunks", "chunk_names", "owned_names"]
 
 
 def chunk_names(plan: PartitionPlan) -> list[str]:
     """Every position a stage owns or stands in for: the blocks and the outside modules with parameters."""
     blocks = [f"{plan.container}.{i}" if plan.container else str(i) for i in range(plan.num_blocks)]
     return blocks + list(plan.before) + list(plan.after)
+
+
+def owned_names(plan: PartitionPlan, stage: int) -> set[str]:
+    """The positions (``chunk_names``) whose module ``stage`` runs itself."""
+    removed = removed_modules(plan, stage)
+    return {name for name in chunk_names(plan) if name not in removed}
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
@@ -115,17 +121,16 @@ class DeviceCarve:
         on the root module) to the first chunk."""
         owners: dict[str, int] = {}
         for stage in self.stages:
-            removed = removed_modules(self.plan, stage)
-            for name in chunk_names(self.plan):
-                if name not in removed:
-                    owners.setdefault(name, stage)
+            for name in owned_names(self.plan, stage):
+                owners.setdefault(name, stage)
+        owned = [(_owner(name, owners, self.stages[0]), param)
+                 for name, param in module.named_parameters(remove_duplicate=False)]
         out: dict[int, list[nn.Parameter]] = {s: [] for s in self.stages}
         seen: set[int] = set()
-        for name, param in sorted(module.named_parameters(remove_duplicate=False),
-                                  key=lambda item: _owner(item[0], owners, self.stages[0])):
+        for stage, param in sorted(owned, key=lambda item: item[0]):  # stable: registration order within a stage
             if id(param) not in seen:
                 seen.add(id(param))
-                out[_owner(name, owners, self.stages[0])].append(param)
+                out[stage].append(param)
         return out
 
     def restore(self, module: nn.Module, full_state: dict[str, torch.Tensor] | None = None, *,
@@ -155,32 +160,32 @@ def carve_chunks(module: nn.Module, plan: PartitionPlan, stages: Sequence[int]) 
         return DeviceCarve(plan, {stages[0]: carve_stage(module, plan, stages[0])}, [])
     last = plan.num_stages - 1
     names = chunk_names(plan)
-    mine = {name for s in stages for name in names if name not in removed_modules(plan, s)}
+    own = {s: owned_names(plan, s) for s in stages}
+    mine = set().union(*own.values())
     shadows = {name: _meta_copy(module.get_submodule(name)) for name in mine}
     shared: list[nn.Parameter] = []
     if last in stages and 0 not in stages:
         untie(module, plan)
     elif last in stages:
         shared = list({id(p): p for p in (module.get_parameter(first) for first, _ in plan.tied)}.values())
-    places = [_place(module, name) for name in names]
-    rest = {name: _at(parent, child) for name, (parent, child) in zip(names, places, strict=True)}
+    place_of = {name: _place(module, name) for name in names}
+    rest = {name: _at(parent, child) for name, (parent, child) in place_of.items()}
     carves: dict[int, StageCarve] = {}
     layouts: dict[int, dict[str, nn.Module]] = {}
     for stage in stages:
-        own = {name for name in names if name not in removed_modules(plan, stage)}
         carve = carve_stage(module, plan, stage, untie_weights=False,
-                            shadows={name: shadows[name] for name in mine - own})
+                            shadows={name: shadows[name] for name in mine - own[stage]})
         if shared:
             carve.tied_params = []  # one Parameter, stepped by stage 0's optimizer, nothing to exchange
-        layouts[stage] = {name: _at(parent, child) for name, (parent, child) in zip(names, places, strict=True)}
+        layouts[stage] = {name: _at(parent, child) for name, (parent, child) in place_of.items()}
         for name in mine:  # the union again before the next chunk
-            parent, child = _place(module, name)
+            parent, child = place_of[name]
             parent._modules[child] = rest[name]
         carves[stage] = carve
-    at_rest = {name: _at(parent, child) for name, (parent, child) in zip(names, places, strict=True)}
+    at_rest = {name: _at(parent, child) for name, (parent, child) in place_of.items()}
     for stage, carve in carves.items():
         carve.enter = _Layout([(parent, child, layouts[stage][name], at_rest[name])
-                               for name, (parent, child) in zip(names, places, strict=True)
+                               for name, (parent, child) in place_of.items()
                                if layouts[stage][name] is not at_rest[name]])
     return DeviceCarve(plan, carves, shared)
 
