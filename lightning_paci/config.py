@@ -67,9 +67,9 @@ class PACIConfig:
             ``"sharded"``: a directory with one file per stage plus ``meta.pt``, nothing gathered (for models too
             large for one process); ``python -m lightning_paci.checkpoint DIR FILE`` consolidates it.
         freeze_gc: at the start of training, collect the young generations and move every object then alive into
-            the garbage collector's permanent generation (``gc.freeze()``; undone at teardown, where a cycle made
-            before training is collected; a full collection first would cost 0.5-0.6 s per rank, walking every object of
-            the process, and in a forked rank copying its parent's heap). A process that has imported
+            the garbage collector's permanent generation (``gc.freeze()``; undone at teardown, after which a cycle
+            made before training can be collected). A full collection first would cost 0.5-0.6 s per rank: it walks
+            every object of the process, and in a forked rank copies its parent's heap. A process that has imported
             torch, Lightning and transformers holds ~470k objects, and each full collection over them paused a
             stage for 1-1.5 s; in a pipeline every stage's pause stalls all the others (measured: 1.6-2.9 s steps
             instead of 0.8 s, several times per 200 steps). Objects created during training are still collected.
