@@ -4,10 +4,11 @@ dtypes and flags, for payloads below and above the single-operation size."""
 from __future__ import annotations
 
 import os
+import struct
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from lightning_paci.engine.comm import DistComm
 from lightning_paci.engine.messages import FIRST_BYTES, flatten
 from lightning_paci.engine.reference import LocalComm
+from lightning_paci.engine.wire import HeaderReader, HeaderWriter, frame
 from lightning_paci.schedules import layout_communicators
 
 from helpers import run_forked_ranks
@@ -23,17 +25,69 @@ from helpers import run_forked_ranks
 pytestmark = pytest.mark.distributed
 
 
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+class Opaque:
+    """A leaf of no known kind: pickled with every message, whatever ``==`` says."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque)  # equal to every other Opaque: only the pickle carries ``value``
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def _messages() -> list[Any]:
-    """Deterministic payloads: nested structures, several dtypes, one crossing FIRST_BYTES, non-tensor leaves."""
+    """Deterministic payloads: nested structures, several dtypes, one crossing FIRST_BYTES, non-tensor leaves; then
+    runs of one structure with new floats and tensors (headers repeated, [Note: header reuse]) broken by forms that
+    compare equal but are not the same: True for 1, a namedtuple for a tuple, a dict's keys reordered, an object."""
     g = torch.Generator().manual_seed(0)
     big = FIRST_BYTES // 4 + 1000  # float32 elements: the message needs a second operation
+
+    def grads(loss: float, skip: Any = False) -> dict[str, Any]:
+        return {"grads": [torch.randn(4, 8, generator=g)], "logs": [("loss", loss, 4, ())], "skip": skip}
+
     return [
         {"grads": [torch.randn(4, 8, generator=g)], "logs": [("loss", 1.5, 4, ())], "skip": False},
         (torch.randn(big, generator=g), {"mask": torch.rand(3, 5, generator=g) > 0.5, "n": 7}),
         [torch.randint(0, 255, (6, 9), generator=g), None, "text"],
         torch.randn(2, big, generator=g).requires_grad_(True),
         {"grads": [torch.randn(1, 3, generator=g).to(torch.bfloat16)], "logs": [], "skip": True},
+        grads(0.25), grads(float("nan")), grads(-0.0), grads(float("inf")), grads(1e-300),  # 4 repeats
+        grads(0.5, skip=0), grads(0.5, skip=False),  # 0 == False: sent whole both times
+        (torch.randn(2, big, generator=g), 3.5), (torch.randn(2, big, generator=g), 2.5),  # two operations, repeated
+        Pair(torch.randn(3, generator=g), 1), (torch.randn(3, generator=g), 1), Pair(torch.randn(3, generator=g), 1),
+        {"a": torch.randn(2, generator=g), "b": 1}, {"b": 1, "a": torch.randn(2, generator=g)},
+        {"b": 1, "a": torch.randn(2, generator=g)},  # the third repeats the second
+        (Opaque(1), torch.randn(2, generator=g)), (Opaque(2), torch.randn(2, generator=g)),
     ]
+
+
+REPEATED = 6  # the messages above whose header repeats the previous one's
+
+
+def _strictly_equal(a: Any, b: Any) -> bool:
+    """The same types everywhere, the same dict key order, floats bit for bit, tensors bit-equal with the same
+    dtype, shape and ``requires_grad``."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return (a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad
+                and torch.equal(a.detach().view(torch.uint8), b.detach().view(torch.uint8)))
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_strictly_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_strictly_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, Opaque):
+        return a.value == b.value
+    return a == b
 
 
 def _worker(rank: int, path: str, errors: Any) -> None:
@@ -47,6 +101,7 @@ def _worker(rank: int, path: str, errors: Any) -> None:
             for message in expected:
                 comm.send(message, 1)
             comm.flush()
+            assert comm.reused_headers == REPEATED, comm.reused_headers
         else:
             for message in expected:
                 _assert_same(comm.recv(0), message)
@@ -58,12 +113,9 @@ def _worker(rank: int, path: str, errors: Any) -> None:
 
 
 def _assert_same(received: Any, sent: Any) -> None:
-    """Same structure and non-tensor leaves, same shapes, dtypes and requires_grad flags (the skeletons), and
-    bit-equal tensors."""
-    (got_skeleton, got), (sent_skeleton, expected) = flatten(received), flatten(sent)
-    assert got_skeleton == sent_skeleton
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    """The same structure, types and non-tensor leaves (floats bit for bit), the same shapes, dtypes and
+    requires_grad flags, and bit-equal tensors."""
+    assert _strictly_equal(received, sent), f"{received!r} != {sent!r}"
 
 
 @pytest.mark.timeout(60)
@@ -150,3 +202,17 @@ def test_host_header_wire_keeps_cpu_leaves_on_the_host_and_device_tensors_in_the
         assert [t.device.type for t in flatten(got[name])[1]] == ["cpu"] * len(flatten(expected)[1])
         for a, b in zip(flatten(got[name])[1], flatten(expected)[1]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_repeated_header_the_receiver_does_not_hold_fails_naming_both_ends() -> None:
+    writer, reader = HeaderWriter(), HeaderReader()
+    skeleton, _, _, floats, form = frame({"grads": [torch.zeros(2)], "logs": [("loss", 0.5, 2, ())]})
+    blob, first = writer.header((0, 1), skeleton, form, 0)
+    assert blob and floats == [0.5]
+    assert reader.read((0, 0), first, blob, 1)[0] == skeleton
+    repeat, same = writer.header((0, 1), skeleton, form, 0)
+    assert repeat == b"" and same == first
+    assert reader.read((0, 0), same, repeat, 1)[0] == skeleton
+    with pytest.raises(AssertionError, match=r"stage 1: the message from stage 0 repeats header .* the last header "
+                                             r"received on that link is none"):
+        HeaderReader().read((0, 0), same, repeat, 1)

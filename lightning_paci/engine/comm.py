@@ -5,10 +5,11 @@ lengths and batch sizes may change from one micro-batch to the next without any 
 
 Wire format of one message from ``src`` to ``dst`` (all on one process group, in order)::
 
-    uint8[FIRST_BYTES]  8-byte little-endian header length L, 8-byte data length D, the pickled structure (each
-                        tensor replaced by TensorMeta(shape, dtype, requires_grad, offset, nbytes)), then -- if
-                        everything fits -- the tensors' bytes (64-byte aligned offsets)
-    uint8[rest]         only when the above did not fit: the remaining header bytes and all tensor bytes
+    uint8[FIRST_BYTES]  the header (wire.py: blob length, tensor data length, header id, float count), the pickled
+                        structure (each tensor replaced by TensorMeta(shape, dtype, requires_grad, offset, nbytes),
+                        each float by a FloatSlot; nothing when the link's last structure repeats, [Note: header
+                        reuse]), the floats, then -- if everything fits -- the tensors' bytes (64-byte aligned)
+    uint8[rest]         only when the above did not fit: the rest
 
 A small message (hidden states of a small model, gradients, log records) is one point-to-point operation, a large
 one two. In a 1F1B steady state every message is on the critical path, so per-message latency *is* the pipeline
@@ -20,7 +21,6 @@ other at the same time cannot deadlock (waiting on a send right after posting it
 
 from __future__ import annotations
 
-import pickle
 import struct
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -37,13 +37,11 @@ from lightning_paci.engine.messages import (
     StageMismatchError,
     TensorMeta,
     as_bytes,
-    describe,
     from_bytes,
-    metas_of,
     unflatten,
 )
-from lightning_paci.engine.pickle_guard import guarded_dumps
 from lightning_paci.engine.split_wire import frame_split, read_split_header, unpack_split
+from lightning_paci.engine.wire import HEADER, HeaderReader, HeaderWriter, frame, place_floats
 from lightning_paci.schedules.actions import RECV_B, RECV_F, Action
 from lightning_paci.schedules.deadlock import Communicator, communicator
 
@@ -103,6 +101,7 @@ class DistComm:
         self._posted: dict[int, tuple[Any, torch.Tensor]] = {}
         self._can_post = groups is not None and layout == "directed"
         self.sent_messages = self.sent_bytes = 0  # framed bytes (header + payload) of every message sent
+        self._writer, self._reader = HeaderWriter(), HeaderReader()  # [Note: header reuse]
 
     def _route(self, channel: int, src: int, dst: int, header: bool = False) -> tuple[dist.ProcessGroup, int, int]:
         """The process group of a message, the peer's rank in it and the tag, looked up once per link and direction
@@ -132,36 +131,39 @@ class DistComm:
         group, peer, _ = self._route(channel, self._stage, stage)
         if self._headers is not None:
             return self._send_split(payload, stage, channel, group, peer)
-        skeleton, tensors, metas = describe(payload)
-        blob = guarded_dumps(skeleton, what=f"stage {self._stage}: the message to stage {stage}")
+        skeleton, tensors, metas, floats, form = frame(payload)
+        blob, header_id = self._writer.header((channel, stage), skeleton, form, self._stage)  # [Note: header reuse]
         data_bytes = metas[-1].offset + metas[-1].nbytes if metas else 0
-        head = 16 + len(blob)
+        head = HEADER.size + len(blob) + 8 * len(floats)
         start = -(-head // ALIGN) * ALIGN  # tensor bytes start aligned after the header
         total = start + data_bytes
         self.sent_messages += 1
         self.sent_bytes += total
-        if self._host and total <= FIRST_BYTES and all(t.device.type == "cpu" for t in tensors):
+        if self._host and total <= FIRST_BYTES and all([t.device.type == "cpu" for t in tensors]):
             buffer = self._spare.pop() if self._spare else torch.empty(FIRST_BYTES, dtype=torch.uint8)
             raw: Any = buffer.numpy()  # an ndarray: a buffer (numpy declares `__buffer__` for Python >= 3.12 only)
-            struct.pack_into("<QQ", raw, 0, len(blob), data_bytes)
-            raw[16:head] = np.frombuffer(blob, dtype=np.uint8)
+            HEADER.pack_into(raw, 0, len(blob), data_bytes, header_id, len(floats))
+            if blob:
+                raw[HEADER.size:HEADER.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+            if floats:
+                struct.pack_into(f"<{len(floats)}d", raw, HEADER.size + len(blob), *floats)
             for meta, tensor in zip(metas, tensors):
                 if meta.nbytes:
                     raw[start + meta.offset: start + meta.offset + meta.nbytes] = _host_bytes(tensor)
             self._pending.append((group.send([buffer], peer, 0), buffer, True))
         else:
-            for part in self._device_wire(blob, data_bytes, start, total, metas, tensors):
+            header = HEADER.pack(len(blob), data_bytes, header_id, len(floats)) + blob + struct.pack(
+                f"<{len(floats)}d", *floats)
+            for part in self._device_wire(header, start, total, metas, tensors):
                 self._pending.append((group.send([part], peer, 0), part, False))
         self._reap()
 
-    def _device_wire(self, blob: bytes, data_bytes: int, start: int, total: int, metas: list[TensorMeta],
+    def _device_wire(self, header: bytes, start: int, total: int, metas: list[TensorMeta],
                      tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """A message in one buffer on the transport's device (CUDA, or larger than ``FIRST_BYTES``), cut into the
-        first ``FIRST_BYTES`` and the rest."""
+        first ``FIRST_BYTES`` and the rest; ``header``: its bytes before the tensors'."""
         buffer = torch.empty(max(total, FIRST_BYTES), dtype=torch.uint8)
-        buffer[:16 + len(blob)] = torch.frombuffer(
-            bytearray(len(blob).to_bytes(8, "little") + data_bytes.to_bytes(8, "little") + blob), dtype=torch.uint8
-        )
+        buffer[:len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         buffer = buffer.to(self._device)
         for meta, tensor in zip(metas, tensors):
             if meta.nbytes:
@@ -228,6 +230,11 @@ class DistComm:
                 self._posted[stage] = (err, buffer)  # the runtime reports naming the peer, the action and the step
 
     @property
+    def reused_headers(self) -> int:
+        """Messages sent without a pickled structure, repeating their link's last ([Note: header reuse])."""
+        return self._writer.reused
+
+    @property
     def posted(self) -> int:
         """Receives posted ahead and not yet taken."""
         return len(self._posted)
@@ -250,8 +257,8 @@ class DistComm:
         work.wait()
         # CUDA: the first part's host copy (the header); an ndarray, a buffer (see above)
         raw: Any = first.numpy() if self._host else first.cpu().numpy()
-        blob_bytes, data_bytes = struct.unpack_from("<QQ", raw)
-        head = 16 + blob_bytes
+        blob_bytes, data_bytes, header_id, count = HEADER.unpack_from(raw)
+        head = HEADER.size + blob_bytes + 8 * count
         start = -(-head // ALIGN) * ALIGN
         total = start + data_bytes
         if total > FIRST_BYTES:
@@ -261,10 +268,12 @@ class DistComm:
             raw = whole.numpy() if self._host else raw
         else:
             whole = first
-        blob: Any = raw[16:head] if self._host or head <= FIRST_BYTES else whole[16:head].cpu().numpy()
-        skeleton = pickle.loads(blob)
+        header: Any = raw[:head] if self._host or head <= FIRST_BYTES else whole[:head].cpu().numpy()
+        skeleton, metas = self._reader.read((channel, stage), header_id, header[HEADER.size:HEADER.size + blob_bytes],
+                                            self._stage)  # [Note: header reuse]
+        floats = struct.unpack_from(f"<{count}d", header, HEADER.size + blob_bytes) if count else ()
         tensors = []
-        for meta in metas_of(skeleton):
+        for meta in metas:
             a, b = start + meta.offset, start + meta.offset + meta.nbytes
             numpy_dtype = _NUMPY.get(meta.dtype) if self._host else None
             if numpy_dtype is not None:  # a view of the received bytes, one torch call
@@ -277,7 +286,7 @@ class DistComm:
                 tensor.requires_grad_(True)
             tensors.append(tensor)
         self._reap()
-        return unflatten(skeleton, tensors)
+        return place_floats(skeleton, tensors, floats) if count else unflatten(skeleton, tensors)
 
     def ready(self, stage: int, channel: int = 0) -> bool:
         return True  # a blocking receive simply waits

@@ -17,7 +17,7 @@ import torch
 from lightning_paci.errors import StageMismatchError
 
 __all__ = ["ALIGN", "FIRST_BYTES", "StageMismatchError", "TensorMeta", "as_bytes", "describe", "flatten",
-           "from_bytes", "map_leaves", "map_tensors", "metas_of", "unflatten"]
+           "from_bytes", "map_leaves", "map_tensors", "metas_of", "rebuild_mapping", "unflatten"]
 
 
 FIRST_BYTES = 16384
@@ -36,7 +36,7 @@ class TensorMeta:
     host: bool = False  # headers on a side channel (split_wire.py): the bytes travel in the host header
 
 
-def map_leaves(node: Any, leaf_type: type, fn: Callable[[Any], Any]) -> Any:
+def map_leaves(node: Any, leaf_type: type | tuple[type, ...], fn: Callable[[Any], Any]) -> Any:
     """Rebuild a nested tuple / namedtuple / list / dict structure with ``fn`` applied to its ``leaf_type`` leaves
     (in depth-first order); other leaves are kept as they are."""
     # list comprehensions, not generators: a message's walk is per micro-batch, and each step of a generator is
@@ -53,7 +53,7 @@ def map_leaves(node: Any, leaf_type: type, fn: Callable[[Any], Any]) -> Any:
     if isinstance(node, (list, tuple)):
         return kind([map_leaves(v, leaf_type, fn) for v in node])
     if isinstance(node, dict):
-        return _rebuild_mapping(node, {k: map_leaves(v, leaf_type, fn) for k, v in node.items()})
+        return rebuild_mapping(node, {k: map_leaves(v, leaf_type, fn) for k, v in node.items()})
     return node
 
 
@@ -84,7 +84,7 @@ def describe(structure: Any) -> tuple[Any, list[torch.Tensor], list[TensorMeta]]
     return map_leaves(structure, torch.Tensor, describe), tensors, metas
 
 
-def _rebuild_mapping(original: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
+def rebuild_mapping(original: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
     """Keep dict subclasses (e.g. transformers' ModelOutput) when their constructor accepts the items."""
     if type(original) is dict:
         return items

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 
 from lightning_paci.engine.microbatch import microbatch_size
 from lightning_paci.engine.program import ForwardOutput
@@ -101,6 +102,20 @@ class LightningHooks:
     def __init__(self, module: LightningModule, trainer: Any, stage: int) -> None:
         self.module, self.trainer, self.stage = module, trainer, stage
         self.logs: list[LogRecord] = []
+        self._overrides: dict[str, list[Callable[..., Any]]] = {}
+
+    def _overriding(self, hook: str) -> list[Callable[..., Any]]:
+        """The callbacks' (bound to the trainer and module) and then the module's ``hook`` methods that are not
+        Lightning's no-op defaults, looked up at the first call (the Trainer's callbacks are final by then): the
+        backward hooks run per micro-batch, and with none overridden a stage skips them and their log recording."""
+        found = self._overrides.get(hook)
+        if found is None:
+            found = [partial(getattr(callback, hook), self.trainer, self.module) for callback in self.trainer.callbacks
+                     if _overridden(callback, hook, Callback)]
+            if _overridden(self.module, hook, LightningModule):
+                found.append(getattr(self.module, hook))
+            self._overrides[hook] = found
+        return found
 
     @contextlib.contextmanager
     def _recording(self, hook: str) -> Iterator[None]:
@@ -112,16 +127,18 @@ class LightningHooks:
             self.logs.extend(r._replace(name=f"{r.name}/stage_{self.stage}") for r in records)
 
     def before_backward(self, loss: torch.Tensor) -> None:
-        with self._recording("on_before_backward"):
-            for callback in self.trainer.callbacks:
-                callback.on_before_backward(self.trainer, self.module, loss)
-            self.module.on_before_backward(loss)
+        hooks = self._overriding("on_before_backward")
+        if hooks:
+            with self._recording("on_before_backward"):
+                for hook in hooks:
+                    hook(loss)
 
     def after_backward(self) -> None:
-        with self._recording("on_after_backward"):
-            for callback in self.trainer.callbacks:
-                callback.on_after_backward(self.trainer, self.module)
-            self.module.on_after_backward()
+        hooks = self._overriding("on_after_backward")
+        if hooks:
+            with self._recording("on_after_backward"):
+                for hook in hooks:
+                    hook()
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         with self._recording("on_before_optimizer_step"):
@@ -155,6 +172,12 @@ class LightningHooks:
         else:
             self.logs.extend(LogRecord(name, float(value), 1, ((FIGURE_STEP, step),))
                              for name, value in figures.items())
+
+
+def _overridden(obj: Any, hook: str, base: type) -> bool:
+    """Whether ``obj.hook`` is something other than ``base``'s own (a no-op in Lightning's hook classes)."""
+    method = getattr(obj, hook, None)
+    return getattr(method, "__func__", None) is not getattr(base, hook)
 
 
 FIGURE_STEP = "paci_figure_step"  # the option marking a monitor's figure among the hooks' log records
