@@ -95,8 +95,9 @@ class DistComm:
         self._host = self._device.type == "cpu"  # messages are built and read through NumPy views (see send)
         # received tensors move there (gloo with GPUs: bytes staged through the host, engine/communicators.py)
         self._deliver = deliver if deliver is not None and deliver != self._device else None
-        self._pending: deque[tuple[Any, torch.Tensor, bool]] = deque()  # sends in flight: work, buffer, reusable
-        self._spare: list[torch.Tensor] = []  # FIRST_BYTES host buffers whose sends completed, reused
+        # sends in flight: work, buffer, and for a reusable host buffer its NumPy view (else None)
+        self._pending: deque[tuple[Any, torch.Tensor, Any]] = deque()
+        self._spare: list[tuple[torch.Tensor, Any]] = []  # FIRST_BYTES host buffers (and views) free for reuse
         # [Note: receives posted ahead]: stage -> (work, buffer) of the posted receive of its next channel-0 message
         self._posted: dict[int, tuple[Any, torch.Tensor]] = {}
         self._can_post = groups is not None and layout == "directed"
@@ -139,9 +140,12 @@ class DistComm:
         total = start + data_bytes
         self.sent_messages += 1
         self.sent_bytes += total
-        if self._host and total <= FIRST_BYTES and all([t.device.type == "cpu" for t in tensors]):
-            buffer = self._spare.pop() if self._spare else torch.empty(FIRST_BYTES, dtype=torch.uint8)
-            raw: Any = buffer.numpy()  # an ndarray: a buffer (numpy declares `__buffer__` for Python >= 3.12 only)
+        if self._host and total <= FIRST_BYTES and all([t.is_cpu for t in tensors]):
+            if self._spare:
+                buffer, raw = self._spare.pop()
+            else:  # raw: an ndarray, a buffer (numpy declares `__buffer__` for Python >= 3.12 only)
+                buffer = torch.empty(FIRST_BYTES, dtype=torch.uint8)
+                raw = buffer.numpy()
             HEADER.pack_into(raw, 0, len(blob), data_bytes, header_id, len(floats))
             if blob:
                 raw[HEADER.size:HEADER.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
@@ -150,12 +154,12 @@ class DistComm:
             for meta, tensor in zip(metas, tensors):
                 if meta.nbytes:
                     raw[start + meta.offset: start + meta.offset + meta.nbytes] = _host_bytes(tensor)
-            self._pending.append((group.send([buffer], peer, 0), buffer, True))
+            self._pending.append((group.send([buffer], peer, 0), buffer, raw))
         else:
             header = HEADER.pack(len(blob), data_bytes, header_id, len(floats)) + blob + struct.pack(
                 f"<{len(floats)}d", *floats)
             for part in self._device_wire(header, start, total, metas, tensors):
-                self._pending.append((group.send([part], peer, 0), part, False))
+                self._pending.append((group.send([part], peer, 0), part, None))
         self._reap()
 
     def _device_wire(self, header: bytes, start: int, total: int, metas: list[TensorMeta],
@@ -176,9 +180,9 @@ class DistComm:
         frame = frame_split(payload, self._device, what=f"stage {self._stage}: the message to stage {stage}")
         header_group, header_peer, tag = self._route(channel, self._stage, stage, header=True)
         for part in frame.header:
-            self._pending.append((header_group.send([part], header_peer, tag), part, False))
+            self._pending.append((header_group.send([part], header_peer, tag), part, None))
         if frame.payload is not None:
-            self._pending.append((group.send([frame.payload], peer, 0), frame.payload, False))
+            self._pending.append((group.send([frame.payload], peer, 0), frame.payload, None))
         self.sent_messages += 1
         self.sent_bytes += frame.nbytes
         self._reap()
@@ -205,9 +209,9 @@ class DistComm:
 
     def _reap(self) -> None:
         while self._pending and self._pending[0][0].is_completed():
-            _, buffer, reusable = self._pending.popleft()
-            if reusable and len(self._spare) < _SPARE:
-                self._spare.append(buffer)
+            _, buffer, view = self._pending.popleft()
+            if view is not None and len(self._spare) < _SPARE:
+                self._spare.append((buffer, view))
 
     def post(self, stage: int) -> None:
         """[Note: receives posted ahead]
