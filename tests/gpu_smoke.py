@@ -168,8 +168,8 @@ def check_split_wire(device: torch.device) -> dict[str, Any]:
         frame = frame_split(message, device, what="the smoke message")
         first = frame.header[0]
         rest = iter(frame.header[1:])
-        skeleton, host, _ = read_split_header(first, lambda count: next(rest))
-        received = unpack_split(skeleton, host, frame.payload)
+        header = read_split_header(first, lambda count: next(rest))
+        received = unpack_split(header, frame.payload)
     finally:
         if device.type == "cuda":
             torch.cuda.set_sync_debug_mode("default")

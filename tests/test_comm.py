@@ -142,6 +142,7 @@ def _directed_worker(rank: int, path: str, errors: Any) -> None:
             for message in messages:
                 comm.send(message, 1)
             comm.flush()
+            assert comm.reused_headers == 3 * REPEATED, comm.reused_headers  # both wires repeat headers
             for message in messages:
                 comm.post(1)
                 comm.post(1)  # a second post of the same link waits for the first to be taken: no-op
@@ -158,6 +159,7 @@ def _directed_worker(rank: int, path: str, errors: Any) -> None:
             for message in messages:
                 comm.send(message, 0)
             comm.flush()
+            assert comm.reused_headers == 3 * REPEATED, comm.reused_headers
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -193,9 +195,9 @@ def test_host_header_wire_keeps_cpu_leaves_on_the_host_and_device_tensors_in_the
     frame = frame_split(message, torch.device("meta"), what="a test message")
     assert len(frame.header) == 2 and frame.payload is not None and frame.payload.device.type == "meta"
     rest = iter(frame.header[1:])
-    skeleton, host, device_bytes = read_split_header(frame.header[0].clone(), lambda n: next(rest)[:n])
-    assert device_bytes == 64  # 3 x 4 float32, 64-byte aligned
-    got = unpack_split(skeleton, host, frame.payload)
+    header = read_split_header(frame.header[0].clone(), lambda n: next(rest)[:n])
+    assert header.device_bytes == 64  # 3 x 4 float32, 64-byte aligned
+    got = unpack_split(header, frame.payload)
     assert got["n"] == 7 and got["device"].device.type == "meta" and got["device"].shape == (3, 4)
     assert got["device"].requires_grad
     for name, expected in (("mask", message["mask"]), ("host", message["host"])):

@@ -177,7 +177,8 @@ class DistComm:
     def _send_split(self, payload: Any, stage: int, channel: int, group: dist.ProcessGroup, peer: int) -> None:
         """[Note: headers on a host side channel]: the header to the link's gloo group, the payload (if any) to its
         device group; neither waits for the device."""
-        frame = frame_split(payload, self._device, what=f"stage {self._stage}: the message to stage {stage}")
+        frame = frame_split(payload, self._device, what="", writer=self._writer, link=(channel, stage),
+                            sender=self._stage)
         header_group, header_peer, tag = self._route(channel, self._stage, stage, header=True)
         for part in frame.header:
             self._pending.append((header_group.send([part], header_peer, tag), part, None))
@@ -199,13 +200,13 @@ class DistComm:
             header_group.recv([more], header_peer, tag).wait()
             return more
 
-        skeleton, host, device_bytes = read_split_header(first, rest)
+        header = read_split_header(first, rest, reader=self._reader, link=(channel, stage), receiver=self._stage)
         payload = None
-        if device_bytes:
-            payload = torch.empty(device_bytes, dtype=torch.uint8, device=self._device)
+        if header.device_bytes:
+            payload = torch.empty(header.device_bytes, dtype=torch.uint8, device=self._device)
             group.recv([payload], peer, 0).wait()  # under NCCL the stream waits, not the host
         self._reap()
-        return unpack_split(skeleton, host, payload)
+        return unpack_split(header, payload)
 
     def _reap(self) -> None:
         while self._pending and self._pending[0][0].is_completed():

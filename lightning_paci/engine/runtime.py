@@ -86,7 +86,8 @@ class StageRuntime(RuntimeState):
         loss_scale: the last stage back-propagates ``loss * loss_scale`` (``1 / accumulation``).
         clock: time source of the records. tied: tied-weight parameters (see [Note: tied weights]).
         skip_nonfinite: drop a micro-batch whose loss is not finite instead of failing.
-        retention: per-micro-batch records kept (:class:`~lightning_paci.engine.records.StageRecords`). hooks: called
+        retention, keep_intervals: per-micro-batch records and intervals kept
+            (:class:`~lightning_paci.engine.records.StageRecords`). hooks: called
             around each local backward (:class:`BackwardHooks`).
         seed: base of every forward's random stream (``torch.initial_seed()``; [Note: randomness per micro-batch]).
         prediction: the staleness compensation's weight prediction ([Note: exact weight prediction]), or None.
@@ -108,6 +109,7 @@ class StageRuntime(RuntimeState):
         tied: Sequence[nn.Parameter] = (),
         skip_nonfinite: bool = False,
         retention: int = 16384,
+        keep_intervals: int = 8192,
         seed: int | None = None,
         hooks: BackwardHooks | None = None,
         prediction: WeightPrediction | None = None,
@@ -117,7 +119,7 @@ class StageRuntime(RuntimeState):
         self.optimizer, self.hooks = optimizer, hooks
         self.seed = torch.initial_seed() if seed is None else seed  # the same on every rank after seeding
         self.clock = clock
-        self.records = StageRecords(clock=clock, retention=retention)
+        self.records = StageRecords(clock=clock, retention=retention, keep_intervals=keep_intervals)
         # micro-batch -> (data, step args after the batch, loss weight; see microbatch.split_weighted)
         self.data: dict[int, tuple[Any, tuple[Any, ...], float]] = {}
         self.loss_weights: dict[int, float] = {}  # micro-batch in flight -> its loss weight, where not 1.0

@@ -6,17 +6,18 @@ the header on the host and copies it to the device from pageable memory, the rec
 (``.cpu()``) before it knows the shapes, waiting for every kernel queued before the receive. So under NCCL each
 directed link also gets a gloo communicator of its own for headers (``DistComm(headers=...)``):
 
-    header (gloo, host)     uint8[FIRST_BYTES]: blob length, host bytes, device bytes (8 bytes each), the pickled
-                            structure (each tensor a TensorMeta with ``host`` set where it stays on the host), then
-                            the host tensors' bytes; the rest in a second operation if it did not fit
+    header (gloo, host)     uint8[FIRST_BYTES]: blob length, host bytes, device bytes, header id, float count (8
+                            bytes each), the pickled structure (each tensor a TensorMeta with ``host`` set where it
+                            stays on the host; nothing when the link's structure repeats, [Note: header reuse]), the
+                            floats, then the host tensors' bytes; the rest in a second operation if it did not fit
     payload (NCCL, device)  uint8[device bytes]: the device tensors' bytes (64-byte aligned offsets), only when
                             there are some
 
 The sender packs the device tensors with device-to-device copies and posts both sends; the receiver's host waits
 for the header only (its sender's host posted it when it got there, ahead of its device), then allocates the payload
 on the device and posts its receive, which the compute stream waits for without the host. A CPU tensor in a message
-(a leaf the user keeps on the host) arrives on the host. Headers repeat a link's structure message after message;
-a header costs a few hundred bytes on a host socket. The payload communicators keep the deadlock model's order
+(a leaf the user keeps on the host) arrives on the host. A header costs a few dozen to a few hundred bytes on a
+host socket. The payload communicators keep the deadlock model's order
 (a header is sent just before its payload and received just before it, so it waits only where the payload would).
 """
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import pickle
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -35,13 +36,15 @@ from lightning_paci.engine.messages import (
     TensorMeta,
     as_bytes,
     from_bytes,
-    map_leaves,
     metas_of,
     unflatten,
 )
 from lightning_paci.engine.pickle_guard import guarded_dumps
+from lightning_paci.engine.wire import HeaderReader, HeaderWriter, frame, place_floats
 
-__all__ = ["SplitFrame", "frame_split", "read_split_header", "unpack_split"]
+__all__ = ["SPLIT_HEADER", "SplitFrame", "SplitHeader", "frame_split", "read_split_header", "unpack_split"]
+
+SPLIT_HEADER = struct.Struct("<QQQQQ")  # blob bytes, host bytes, device bytes, header id, float count
 
 
 class SplitFrame:
@@ -53,76 +56,97 @@ class SplitFrame:
         self.header, self.payload, self.nbytes = header, payload, nbytes  # nbytes: header + payload, unpadded
 
 
-def frame_split(payload: Any, device: torch.device, *, what: str) -> SplitFrame:
+def frame_split(payload: Any, device: torch.device, *, what: str, writer: HeaderWriter | None = None,
+                link: tuple[int, int] = (0, 0), sender: int = 0) -> SplitFrame:
     """Frame ``payload``: tensors on ``device`` (every tensor when ``device`` is the CPU: tests of this path) go to
-    the device buffer, CPU tensors of a device transport stay in the host header."""
-    host_offset = device_offset = 0
-    host: list[tuple[TensorMeta, torch.Tensor]] = []
-    moved: list[tuple[TensorMeta, torch.Tensor]] = []
-
-    def describe(tensor: torch.Tensor) -> TensorMeta:
-        nonlocal host_offset, device_offset
-        on_host = tensor.device.type == "cpu" and device.type != "cpu"
-        nbytes = tensor.numel() * tensor.element_size()
-        offset = host_offset if on_host else device_offset
-        meta = TensorMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad, offset, nbytes, on_host)
-        (host if on_host else moved).append((meta, tensor))
-        if on_host:
-            host_offset += -(-nbytes // ALIGN) * ALIGN
-        else:
-            device_offset += -(-nbytes // ALIGN) * ALIGN
-        return meta
-
-    skeleton = map_leaves(payload, torch.Tensor, describe)
-    blob = guarded_dumps(skeleton, what=what)
-    start = -(-(24 + len(blob)) // ALIGN) * ALIGN
-    total = start + host_offset
+    the device buffer, CPU tensors of a device transport stay in the host header. With ``writer``, the structure
+    is sent once per ``link`` while it repeats ([Note: header reuse]); ``what`` names the message otherwise."""
+    skeleton, tensors, metas, floats, form = frame(payload, split=device.type != "cpu")
+    if writer is not None:
+        blob, header_id = writer.header(link, skeleton, form, sender)
+    else:
+        blob, header_id = guarded_dumps(skeleton, what=what), 0
+    host = [(m, t) for m, t in zip(metas, tensors) if m.host]
+    moved = [(m, t) for m, t in zip(metas, tensors) if not m.host]
+    host_bytes = _end(host)
+    device_bytes = _end(moved)
+    head = SPLIT_HEADER.size + len(blob) + 8 * len(floats)
+    start = -(-head // ALIGN) * ALIGN
+    total = start + host_bytes
     header = torch.zeros(max(total, FIRST_BYTES), dtype=torch.uint8)
     raw: Any = header.numpy()  # an ndarray: a buffer (numpy declares `__buffer__` for Python >= 3.12 only)
-    struct.pack_into("<QQQ", raw, 0, len(blob), host_offset, device_offset)
-    raw[24:24 + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+    SPLIT_HEADER.pack_into(raw, 0, len(blob), host_bytes, device_bytes, header_id, len(floats))
+    if blob:
+        raw[SPLIT_HEADER.size:SPLIT_HEADER.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+    if floats:
+        struct.pack_into(f"<{len(floats)}d", raw, SPLIT_HEADER.size + len(blob), *floats)
     for meta, tensor in host:
         if meta.nbytes:
             raw[start + meta.offset: start + meta.offset + meta.nbytes] = as_bytes(tensor).numpy()
     parts = [header[:FIRST_BYTES], header[FIRST_BYTES:total]] if total > FIRST_BYTES else [header]
     buffer = None
-    if device_offset:
-        buffer = torch.empty(device_offset, dtype=torch.uint8, device=device)
+    if device_bytes:
+        buffer = torch.empty(device_bytes, dtype=torch.uint8, device=device)
         for meta, tensor in moved:
             if meta.nbytes:
                 buffer[meta.offset: meta.offset + meta.nbytes].copy_(as_bytes(tensor))
-    return SplitFrame(parts, buffer, total + device_offset)
+    return SplitFrame(parts, buffer, total + device_bytes)
 
 
-def read_split_header(first: torch.Tensor, rest: Any) -> tuple[Any, list[torch.Tensor | None], int]:
+def _end(described: list[tuple[TensorMeta, torch.Tensor]]) -> int:
+    """Bytes of a packed region: the last tensor's aligned end."""
+    if not described:
+        return 0
+    meta = described[-1][0]
+    return meta.offset + -(-meta.nbytes // ALIGN) * ALIGN
+
+
+class SplitHeader(NamedTuple):
+    """A received header, parsed: what ``unpack_split`` needs besides the payload."""
+
+    skeleton: Any
+    metas: list[TensorMeta]
+    host: list[torch.Tensor | None]  # the host tensors in order, None for a device tensor
+    floats: tuple[float, ...]
+    device_bytes: int
+
+
+def read_split_header(first: torch.Tensor, rest: Any, *, reader: HeaderReader | None = None,
+                      link: tuple[int, int] = (0, 0), receiver: int = 0) -> SplitHeader:
     """Parse a received header: ``first`` is its first ``FIRST_BYTES`` (host), ``rest(n)`` receives the remaining
-    ``n`` bytes. Returns the skeleton, the host tensors in order (None for a device tensor) and the payload's
-    byte count."""
+    ``n`` bytes; ``reader`` holds the links' structures ([Note: header reuse])."""
     raw: Any = first.numpy()  # an ndarray: a buffer (see above)
-    blob_bytes, host_bytes, device_bytes = struct.unpack_from("<QQQ", raw)
-    start = -(-(24 + blob_bytes) // ALIGN) * ALIGN
+    blob_bytes, host_bytes, device_bytes, header_id, count = SPLIT_HEADER.unpack_from(raw)
+    head = SPLIT_HEADER.size + blob_bytes + 8 * count
+    start = -(-head // ALIGN) * ALIGN
     total = start + host_bytes
     if total > FIRST_BYTES:
         raw = np.concatenate([raw, rest(total - FIRST_BYTES).numpy()])
-    skeleton = pickle.loads(raw[24:24 + blob_bytes])
+    blob = raw[SPLIT_HEADER.size:SPLIT_HEADER.size + blob_bytes]
+    if reader is not None:
+        skeleton, metas = reader.read(link, header_id, blob, receiver)
+    else:
+        skeleton = pickle.loads(blob)
+        metas = metas_of(skeleton)
+    floats = struct.unpack_from(f"<{count}d", raw, SPLIT_HEADER.size + blob_bytes) if count else ()
     tensors: list[torch.Tensor | None] = []
-    for meta in metas_of(skeleton):
+    for meta in metas:
         if not meta.host:
             tensors.append(None)
             continue
         chunk = torch.from_numpy(raw[start + meta.offset: start + meta.offset + meta.nbytes].copy())
         tensors.append(from_bytes(chunk, meta))
-    return skeleton, tensors, device_bytes
+    return SplitHeader(skeleton, metas, tensors, floats, device_bytes)
 
 
-def unpack_split(skeleton: Any, host: list[torch.Tensor | None], payload: torch.Tensor | None) -> Any:
+def unpack_split(header: SplitHeader, payload: torch.Tensor | None) -> Any:
     """The received structure: host tensors as parsed, device tensors as views of ``payload``."""
     tensors = []
-    for meta, tensor in zip(metas_of(skeleton), host):
+    for meta, tensor in zip(header.metas, header.host):
         if tensor is None:
             if payload is None:
                 raise AssertionError("a device tensor in a header without a payload")
             tensor = from_bytes(payload[meta.offset: meta.offset + meta.nbytes], meta)
         tensors.append(tensor.requires_grad_(True) if meta.requires_grad else tensor)
-    return unflatten(skeleton, tensors)
-
+    return place_floats(header.skeleton, tensors, header.floats) if header.floats else unflatten(header.skeleton,
+                                                                                                  tensors)

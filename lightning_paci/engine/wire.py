@@ -53,18 +53,20 @@ _SLOTS = tuple(FloatSlot(i) for i in range(64))  # the common ones, not allocate
 _PLAIN = frozenset([type(None), bool, int, str, bytes])  # immutable leaves kept in the skeleton as they are
 
 
-def frame(structure: Any) -> tuple[Any, list[torch.Tensor], list[TensorMeta], list[float], list[Any] | None]:
+def frame(structure: Any, *, split: bool = False
+          ) -> tuple[Any, list[torch.Tensor], list[TensorMeta], list[float], list[Any] | None]:
     """One walk over a message: its skeleton, its tensors and their descriptions (64-byte aligned offsets), its
     floats, and its *form* -- every node's type in walk order, with each dict's keys and their types -- or
-    ``None`` when a leaf is of a kind whose changes ``==`` may not show (never reused; see [Note: header reuse])."""
+    ``None`` when a leaf is of a kind whose changes ``==`` may not show (never reused; see [Note: header reuse]).
+    ``split`` (split_wire.py): CPU tensors are described as host bytes (``TensorMeta.host``, their own offsets)."""
     tensors: list[torch.Tensor] = []
     metas: list[TensorMeta] = []
     floats: list[float] = []
     form: list[Any] | None = []
-    offset = 0
+    offset = host_offset = 0
 
     def walk(node: Any) -> Any:
-        nonlocal offset, form
+        nonlocal offset, host_offset, form
         kind = type(node)
         if form is not None:
             form.append(kind)
@@ -79,9 +81,13 @@ def frame(structure: Any) -> tuple[Any, list[torch.Tensor], list[TensorMeta], li
         if isinstance(node, torch.Tensor):
             tensors.append(node)
             nbytes = node.numel() * node.element_size()
-            meta = TensorMeta(tuple(node.shape), node.dtype, node.requires_grad, offset, nbytes)
+            if split and node.is_cpu:
+                meta = TensorMeta(tuple(node.shape), node.dtype, node.requires_grad, host_offset, nbytes, True)
+                host_offset += -(-nbytes // ALIGN) * ALIGN
+            else:
+                meta = TensorMeta(tuple(node.shape), node.dtype, node.requires_grad, offset, nbytes)
+                offset += -(-nbytes // ALIGN) * ALIGN
             metas.append(meta)
-            offset += -(-nbytes // ALIGN) * ALIGN
             return meta
         if isinstance(node, tuple) and hasattr(node, "_fields"):  # namedtuple
             return kind(*[walk(v) for v in node])
