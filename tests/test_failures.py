@@ -190,12 +190,12 @@ class _HoldRank1InSetup(L.Callback):
 
 def test_a_rank_held_at_setup_is_named_by_the_others(capfd):
     # the watchdog runs from the store's creation on and judges setup too: rank 1 (stage 1 of 3) stays inside its
-    # setup while stages 0 and 2 wait for it at the barrier; setup work is patient (10 x failure_timeout = 20 s)
+    # setup while stages 0 and 2 wait for it at the barrier; setup work is patient (10 x failure_timeout = 10 s)
     from torch.multiprocessing import ProcessExitedException
 
     start = time.monotonic()
     with pytest.raises((ProcessExitedException, ProcessRaisedException)):
-        fit(SequentialMLP(depth=6), regression_loader(), devices=3, partition="parameters", failure_timeout=2.0,
+        fit(SequentialMLP(depth=6), regression_loader(), devices=3, partition="parameters", failure_timeout=1.0,
             callbacks=[_HoldRank1InSetup()])
     assert time.monotonic() - start < 60
     err = capfd.readouterr().err
