@@ -41,7 +41,7 @@ from lightning_paci.engine.messages import (
     unflatten,
 )
 from lightning_paci.engine.split_wire import frame_split, read_split_header, unpack_split
-from lightning_paci.engine.wire import HEADER, HeaderReader, HeaderWriter, frame, place_floats
+from lightning_paci.engine.wire import HEADER, HeaderReader, HeaderWriter, frame, header_bytes, place_floats
 from lightning_paci.schedules.actions import RECV_B, RECV_F, Action
 from lightning_paci.schedules.deadlock import Communicator, communicator
 
@@ -135,8 +135,8 @@ class DistComm:
         skeleton, tensors, metas, floats, form = frame(payload)
         blob, header_id = self._writer.header((channel, stage), skeleton, form, self._stage)  # [Note: header reuse]
         data_bytes = metas[-1].offset + metas[-1].nbytes if metas else 0
-        head = HEADER.size + len(blob) + 8 * len(floats)
-        start = -(-head // ALIGN) * ALIGN  # tensor bytes start aligned after the header
+        header = header_bytes(HEADER, len(blob), data_bytes, header_id, len(floats), blob=blob, floats=floats)
+        start = -(-len(header) // ALIGN) * ALIGN  # tensor bytes start aligned after the header
         total = start + data_bytes
         self.sent_messages += 1
         self.sent_bytes += total
@@ -146,18 +146,12 @@ class DistComm:
             else:  # raw: an ndarray, a buffer (numpy declares `__buffer__` for Python >= 3.12 only)
                 buffer = torch.empty(FIRST_BYTES, dtype=torch.uint8)
                 raw = buffer.numpy()
-            HEADER.pack_into(raw, 0, len(blob), data_bytes, header_id, len(floats))
-            if blob:
-                raw[HEADER.size:HEADER.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-            if floats:
-                struct.pack_into(f"<{len(floats)}d", raw, HEADER.size + len(blob), *floats)
+            raw[:len(header)] = np.frombuffer(header, dtype=np.uint8)
             for meta, tensor in zip(metas, tensors):
                 if meta.nbytes:
                     raw[start + meta.offset: start + meta.offset + meta.nbytes] = _host_bytes(tensor)
             self._pending.append((group.send([buffer], peer, 0), buffer, raw))
         else:
-            header = HEADER.pack(len(blob), data_bytes, header_id, len(floats)) + blob + struct.pack(
-                f"<{len(floats)}d", *floats)
             for part in self._device_wire(header, start, total, metas, tensors):
                 self._pending.append((group.send([part], peer, 0), part, None))
         self._reap()
@@ -177,8 +171,7 @@ class DistComm:
     def _send_split(self, payload: Any, stage: int, channel: int, group: dist.ProcessGroup, peer: int) -> None:
         """[Note: headers on a host side channel]: the header to the link's gloo group, the payload (if any) to its
         device group; neither waits for the device."""
-        frame = frame_split(payload, self._device, what="", writer=self._writer, link=(channel, stage),
-                            sender=self._stage)
+        frame = frame_split(payload, self._device, writer=self._writer, link=(channel, stage), sender=self._stage)
         header_group, header_peer, tag = self._route(channel, self._stage, stage, header=True)
         for part in frame.header:
             self._pending.append((header_group.send([part], header_peer, tag), part, None))

@@ -40,7 +40,7 @@ from lightning_paci.engine.messages import (
     unflatten,
 )
 from lightning_paci.engine.pickle_guard import guarded_dumps
-from lightning_paci.engine.wire import HeaderReader, HeaderWriter, frame, place_floats
+from lightning_paci.engine.wire import HeaderReader, HeaderWriter, frame, header_bytes, place_floats
 
 __all__ = ["SPLIT_HEADER", "SplitFrame", "SplitHeader", "frame_split", "read_split_header", "unpack_split"]
 
@@ -56,7 +56,7 @@ class SplitFrame:
         self.header, self.payload, self.nbytes = header, payload, nbytes  # nbytes: header + payload, unpadded
 
 
-def frame_split(payload: Any, device: torch.device, *, what: str, writer: HeaderWriter | None = None,
+def frame_split(payload: Any, device: torch.device, *, what: str = "a message", writer: HeaderWriter | None = None,
                 link: tuple[int, int] = (0, 0), sender: int = 0) -> SplitFrame:
     """Frame ``payload``: tensors on ``device`` (every tensor when ``device`` is the CPU: tests of this path) go to
     the device buffer, CPU tensors of a device transport stay in the host header. With ``writer``, the structure
@@ -70,16 +70,13 @@ def frame_split(payload: Any, device: torch.device, *, what: str, writer: Header
     moved = [(m, t) for m, t in zip(metas, tensors) if not m.host]
     host_bytes = _end(host)
     device_bytes = _end(moved)
-    head = SPLIT_HEADER.size + len(blob) + 8 * len(floats)
-    start = -(-head // ALIGN) * ALIGN
+    fields = (len(blob), host_bytes, device_bytes, header_id, len(floats))
+    head = header_bytes(SPLIT_HEADER, *fields, blob=blob, floats=floats)
+    start = -(-len(head) // ALIGN) * ALIGN
     total = start + host_bytes
     header = torch.zeros(max(total, FIRST_BYTES), dtype=torch.uint8)
     raw: Any = header.numpy()  # an ndarray: a buffer (numpy declares `__buffer__` for Python >= 3.12 only)
-    SPLIT_HEADER.pack_into(raw, 0, len(blob), host_bytes, device_bytes, header_id, len(floats))
-    if blob:
-        raw[SPLIT_HEADER.size:SPLIT_HEADER.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-    if floats:
-        struct.pack_into(f"<{len(floats)}d", raw, SPLIT_HEADER.size + len(blob), *floats)
+    raw[:len(head)] = np.frombuffer(head, dtype=np.uint8)
     for meta, tensor in host:
         if meta.nbytes:
             raw[start + meta.offset: start + meta.offset + meta.nbytes] = as_bytes(tensor).numpy()

@@ -37,7 +37,7 @@ import torch
 from lightning_paci.engine.messages import ALIGN, TensorMeta, map_leaves, metas_of, rebuild_mapping
 from lightning_paci.engine.pickle_guard import guarded_dumps
 
-__all__ = ["HEADER", "FloatSlot", "HeaderReader", "HeaderWriter", "frame", "place_floats"]
+__all__ = ["HEADER", "FloatSlot", "HeaderReader", "HeaderWriter", "frame", "header_bytes", "place_floats"]
 
 HEADER = struct.Struct("<QQQQ")  # blob bytes, tensor data bytes, header id, float count
 
@@ -153,6 +153,12 @@ class HeaderReader:
                                  f"but the last header received on that link is {held} (both ends of a link must "
                                  f"use one DistComm each)")
         return last[1], last[2]
+
+
+def header_bytes(layout: struct.Struct, *fields: int, blob: bytes, floats: list[float]) -> bytes:
+    """A message's bytes before its tensors': ``layout`` packed with ``fields`` (comm.py's ``HEADER``, split_wire.py's
+    ``SPLIT_HEADER``), the blob (empty for a repeated header), the floats as little-endian float64."""
+    return layout.pack(*fields) + blob + struct.pack(f"<{len(floats)}d", *floats)
 
 
 def place_floats(skeleton: Any, tensors: list[torch.Tensor], floats: tuple[float, ...]) -> Any:
