@@ -38,7 +38,6 @@ from lightning_paci.engine.messages import (
     TensorMeta,
     as_bytes,
     from_bytes,
-    unflatten,
 )
 from lightning_paci.engine.split_wire import frame_split, read_split_header, unpack_split
 from lightning_paci.engine.wire import HEADER, HeaderReader, HeaderWriter, frame, header_bytes, place_floats
@@ -284,7 +283,7 @@ class DistComm:
                 tensor.requires_grad_(True)
             tensors.append(tensor)
         self._reap()
-        return place_floats(skeleton, tensors, floats) if count else unflatten(skeleton, tensors)
+        return place_floats(skeleton, tensors, floats)
 
     def ready(self, stage: int, channel: int = 0) -> bool:
         return True  # a blocking receive simply waits

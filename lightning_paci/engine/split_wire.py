@@ -37,7 +37,6 @@ from lightning_paci.engine.messages import (
     as_bytes,
     from_bytes,
     metas_of,
-    unflatten,
 )
 from lightning_paci.engine.pickle_guard import guarded_dumps
 from lightning_paci.engine.wire import HeaderReader, HeaderWriter, frame, header_bytes, place_floats
@@ -145,5 +144,4 @@ def unpack_split(header: SplitHeader, payload: torch.Tensor | None) -> Any:
                 raise AssertionError("a device tensor in a header without a payload")
             tensor = from_bytes(payload[meta.offset: meta.offset + meta.nbytes], meta)
         tensors.append(tensor.requires_grad_(True) if meta.requires_grad else tensor)
-    return place_floats(header.skeleton, tensors, header.floats) if header.floats else unflatten(header.skeleton,
-                                                                                                  tensors)
+    return place_floats(header.skeleton, tensors, header.floats)

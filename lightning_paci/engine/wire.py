@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from lightning_paci.engine.messages import ALIGN, TensorMeta, map_leaves, metas_of, rebuild_mapping
+from lightning_paci.engine.messages import ALIGN, TensorMeta, map_leaves, metas_of, rebuild_mapping, unflatten
 from lightning_paci.engine.pickle_guard import guarded_dumps
 
 __all__ = ["HEADER", "FloatSlot", "HeaderReader", "HeaderWriter", "frame", "header_bytes", "place_floats"]
@@ -162,7 +162,10 @@ def header_bytes(layout: struct.Struct, *fields: int, blob: bytes, floats: list[
 
 
 def place_floats(skeleton: Any, tensors: list[torch.Tensor], floats: tuple[float, ...]) -> Any:
-    """The received structure: every ``TensorMeta`` replaced by its tensor, every ``FloatSlot`` by its value."""
+    """The received structure: every ``TensorMeta`` replaced by its tensor, every ``FloatSlot`` by its value (no
+    floats: ``unflatten``'s walk)."""
+    if not floats:
+        return unflatten(skeleton, tensors)
     it = iter(tensors)
     leaves = (TensorMeta, FloatSlot)
 
