@@ -185,3 +185,55 @@ def test_a_deferred_update_hides_a_reduction_as_long_as_the_forward_before_the_n
                 assert report.drift == static_drift(schedule.actions[report.stage], deferred=True)
             assert [r.max_drift for r in result.stages] == [1, 1]  # the last stage: 0 -> 1
     assert periods == {False: pytest.approx(m * 3.0 + 1.0), True: pytest.approx(m * 3.0)}
+
+
+@pytest.mark.parametrize("buckets", [0, 1, 2, 4])
+def test_the_link_is_a_lane_of_reductions_each_step_waits_for(buckets):
+    # the paci case above: every update's reduction is on the stage's link as one job (blocking) or k jobs of 3 / k,
+    # one after the other, bucket i not before (i + 1) / k of the closing backward; the OPT follows the last job
+    m, k = 4, 6
+    result = simulate_schedule(build_schedule("paci", 2, m, m, k), forward_cost=1.0, backward_cost=2.0,
+                               reduce_cost=3.0, reduce_buckets=buckets)
+    jobs_per_update = max(buckets, 1)
+    for stage in range(2):
+        links = [iv for iv in result.link_intervals if iv.stage == stage]
+        work = [iv for iv in result.intervals if iv.stage == stage]
+        updates = [index for index, iv in enumerate(work) if iv.kind == "OPT"]
+        assert len(updates) == k  # one update per mini-batch (a = m)
+        assert {iv.kind for iv in links} == {"REDUCE"} and len(links) == jobs_per_update * k
+        assert all(iv.end - iv.start == pytest.approx(3.0 / jobs_per_update) for iv in links)
+        assert all(a.end <= b.start + 1e-9 for a, b in zip(links, links[1:]))  # one link: one job at a time
+        for number, index in enumerate(updates):
+            closing = work[index - 1]  # the backward that closes the window
+            assert closing.kind == "B"
+            jobs = links[number * jobs_per_update:(number + 1) * jobs_per_update]
+            for i, job in enumerate(jobs):
+                released = closing.end if buckets == 0 else closing.start + 2.0 * (i + 1) / buckets
+                assert job.start >= released - 1e-9
+            assert work[index].start == pytest.approx(max(closing.end, jobs[-1].end))
+
+
+@pytest.mark.parametrize("buckets,wait", [(0, 3.0), (1, 3.0), (2, 1.5), (4, 0.75)])
+def test_under_layered_a_bucket_leaves_as_the_layer_major_pass_finishes_its_blocks(buckets, wait):
+    # "layered", m = a = 4, B = 2: a stage's backward is one pass of 8 over the mini-batch; bucket i leaves after
+    # (i + 1) / k of the pass and takes 3 / k (shorter than the 8 / k between two buckets), so only the last
+    # bucket is exposed: 3 / k (k >= 1), and the whole 3 when blocking; the closing backward alone (gpipe: 2)
+    # would hide less
+    result = simulate_schedule(build_schedule("layered", 2, 4, 4, 3), forward_cost=1.0, backward_cost=2.0,
+                               reduce_cost=3.0, reduce_buckets=buckets)
+    for stage in range(2):
+        work = [iv for iv in result.intervals if iv.stage == stage]
+        waits = [iv.start - work[index - 1].end for index, iv in enumerate(work) if iv.kind == "OPT"]
+        assert waits == pytest.approx([wait] * 3)
+    gpipe = simulate_schedule(build_schedule("gpipe", 2, 4, 4, 3), forward_cost=1.0, backward_cost=2.0,
+                              reduce_cost=3.0, reduce_buckets=buckets)
+    gpipe_work = [iv for iv in gpipe.intervals if iv.stage == 0]
+    gpipe_waits = [iv.start - gpipe_work[i - 1].end for i, iv in enumerate(gpipe_work) if iv.kind == "OPT"]
+    assert min(gpipe_waits) >= wait - 1e-9 and (buckets < 2 or min(gpipe_waits) > wait)
+
+
+def test_the_command_line_draws_the_link_under_each_stage(tmp_path):
+    path = tmp_path / "link.png"
+    assert main(["--stages", "2", "--microbatches", "4", "--minibatches", "3", "--reduce-cost", "3",
+                 "--reduce-buckets", "2", "--timeline", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

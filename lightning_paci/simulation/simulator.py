@@ -59,6 +59,15 @@ class SimulationResult:
     throughput: float  # micro-batches per unit time
     _starts: list[list[float]] = field(repr=False)
     _costs: tuple[list[float], list[float], float] = field(repr=False)
+    _link: list[list[tuple[float, float]]] = field(default_factory=list, repr=False)
+
+    @property
+    def link_intervals(self) -> list[Interval]:
+        """Every data-parallel reduction on a device's replicas' link, as ``REDUCE`` intervals (one per bucket,
+        or one per update when blocking): the link is its own resource, so these overlap the device's compute where
+        the reduction is hidden and precede an ``OPT`` (or, deferred, a ``B``) where it is not. Empty without
+        ``reduce_cost``; ``draw_timeline`` gives them a lane under their device's row."""
+        return [Interval(s, "REDUCE", None, start, end) for s, jobs in enumerate(self._link) for start, end in jobs]
 
     @property
     def intervals(self) -> list[Interval]:
@@ -131,9 +140,12 @@ def simulate_schedule(
     ``reduce_cost``: the time a stage's whole gradient takes on its replicas' link, each ``OPT`` waits for its
     reduction. With ``reduce_buckets = 0`` the reduction starts at the ``OPT`` (the blocking average); with ``k``
     buckets ([Note: overlapped reduction]) the backward before the ``OPT`` releases bucket ``i`` after ``(i + 1) / k``
-    of its cost, and the link carries the buckets one after the other, ``reduce_cost / k`` each. With ``deferred``
-    ([Note: deferred update]) the ``OPT`` does not wait: the stage's next ``B``, ``OPT`` or tied-weight message
-    does, and the drift is counted with each update there."""
+    of its cost, and the link carries the buckets one after the other, ``reduce_cost / k`` each. Under
+    ``"layered"`` ([Note: layered backward]) that backward is the whole run of the window's last mini-batch's ``B``
+    (a block's gradient is final once the layer-major pass has left it for every micro-batch), so bucket ``i``
+    leaves after ``(i + 1) / k`` of the run. With ``deferred`` ([Note: deferred update]) the ``OPT`` does not wait:
+    the stage's next ``B``, ``OPT`` or tied-weight message does, and the drift is counted with each update there.
+    Each reduction's time on the link is kept (``SimulationResult.link_intervals``)."""
     n = schedule.num_devices
     num_stages, v = schedule.num_stages, schedule.virtual_stages
     fwd = _per_stage("forward_cost", forward_cost, num_stages, v)
@@ -144,6 +156,9 @@ def simulate_schedule(
         raise ValueError(f"`reduce_cost` and `reduce_buckets` must be >= 0, got {reduce_cost} and {reduce_buckets}.")
     lists = schedule.actions
     last_backward = [0.0] * n  # when each stage's latest backward started (its reduction's buckets follow it)
+    # "layered": the start of the stage's current run of consecutive B (its layer-major pass); -1 outside a run
+    layered, run_start = schedule.name == "layered", [-1.0] * n
+    link: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # each device's reductions (start, end)
     deferred_until = [-1.0] * n  # deferred: when the reduction of the update not yet made completes (-1: none pending)
     clock = [0.0] * n
     # Hot loop: one persistent iterator per stage (a blocked RECV is kept in `pending`), and only the start time
@@ -171,11 +186,14 @@ def simulate_schedule(
             if kind is k_f:
                 record(now)
                 now += fwd[action[0]]
+                run_start[s] = -1.0
             elif kind is k_b:
                 if deferred_until[s] >= 0:
                     now, deferred_until[s] = max(now, deferred_until[s]), -1.0
                 record(now)
                 last_backward[s] = now
+                if run_start[s] < 0:
+                    run_start[s] = now
                 now += bwd[action[0]]
             elif kind is k_send_f:
                 key = (action[2] * num_stages + action[0] + 1) * 2  # type: ignore[operator]
@@ -190,11 +208,15 @@ def simulate_schedule(
             elif kind is k_opt:
                 if deferred_until[s] >= 0:
                     now, deferred_until[s] = max(now, deferred_until[s]), -1.0
-                if deferred:
-                    deferred_until[s] = _reduced(now, last_backward[s], bwd[action[0]], reduce_cost / v,
-                                                 reduce_buckets)
-                elif reduce_cost:
-                    now = _reduced(now, last_backward[s], bwd[action[0]], reduce_cost / v, reduce_buckets)
+                if reduce_cost:
+                    # the backward whose end makes the gradient final: the closing B, or the layered pass
+                    start, cost = (run_start[s], now - run_start[s]) if layered else (last_backward[s], bwd[action[0]])
+                    done = _reduced(now, start, cost, reduce_cost / v, reduce_buckets, link[s])
+                    if deferred:
+                        deferred_until[s] = done
+                    else:
+                        now = done
+                run_start[s] = -1.0
                 record(now)
                 now += optimizer_cost
             elif kind is k_recv_f or kind is k_recv_b:
@@ -243,16 +265,21 @@ def simulate_schedule(
             report.drift_bound = report.max_drift
     return SimulationResult(schedule=schedule, stages=reports, makespan=makespan,
                             throughput=schedule.total_microbatches / makespan if makespan else 0.0,
-                            _starts=starts, _costs=(fwd, bwd, optimizer_cost))
+                            _starts=starts, _costs=(fwd, bwd, optimizer_cost), _link=link)
 
 
-def _reduced(now: float, backward_start: float, backward_cost: float, cost: float, buckets: int) -> float:
-    """When an ``OPT`` reached at ``now`` may run: after its gradient's reduction (see ``simulate_schedule``)."""
+def _reduced(now: float, backward_start: float, backward_cost: float, cost: float, buckets: int,
+             jobs: list[tuple[float, float]]) -> float:
+    """When an ``OPT`` reached at ``now`` may run: after its gradient's reduction (see ``simulate_schedule``);
+    each job's (start, end) on the link is appended to ``jobs``."""
     if not buckets:
+        jobs.append((now, now + cost))
         return now + cost
     done = backward_start
     for i in range(buckets):
-        done = max(done, backward_start + backward_cost * (i + 1) / buckets) + cost / buckets
+        start = max(done, backward_start + backward_cost * (i + 1) / buckets)
+        done = start + cost / buckets
+        jobs.append((start, done))
     return max(now, done)
 
 
@@ -325,7 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(result.to_json()) if args.json else format_table(result))
     if args.timeline:
         chunks = result.interval_chunks if schedule.virtual_stages > 1 else None
-        save_timeline_png(result.intervals, schedule.num_devices, args.timeline, time_unit="simulated time",
+        links = result.link_intervals  # the replicas' link in a lane under each stage (with --reduce-cost)
+        if chunks is not None:
+            chunks = chunks + [0] * len(links)
+        save_timeline_png(result.intervals + links, schedule.num_devices, args.timeline, time_unit="simulated time",
                           chunks=chunks,
                           title=f"{schedule.name}: N={schedule.num_devices}"
                                 + (f" x {schedule.virtual_stages} chunks" if chunks else "")

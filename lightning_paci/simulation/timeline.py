@@ -23,7 +23,9 @@ COLORS: dict[str, str] = {
     "WAIT_F": "#D9D9D9",  # waiting for an activation: light grey
     "WAIT_B": "#BDBDBD",  # waiting for a gradient: grey
     "SEND": "#B279A2",  # posting a message: purple
+    "REDUCE": "#F58518",  # a data-parallel reduction on the replicas' link (its own lane): orange
 }
+_LINK = "REDUCE"  # the kind drawn in a lane of its own under its stage's row
 _IDLE_COLOR = "#F2F2F2"
 
 
@@ -38,6 +40,8 @@ def draw_timeline(
 ) -> Any:
     """Return a matplotlib ``Figure``: one row per stage (stage 0 on top), forward / backward / optimizer step /
     waits in distinct colours, idle as the pale background, micro-batch numbers written inside wide-enough boxes.
+    ``REDUCE`` intervals (the simulator's ``link_intervals``) get a lane of their own under their stage's row, so a
+    reduction that overlaps the backward shows beside it rather than hiding it.
 
     ``chunks`` (with virtual stages, [Note: virtual stages]: rows are devices): each interval's chunk index in the
     device's order (0 for its first chunk, 1 for its second, ...); a device's later chunks are drawn in lighter
@@ -52,11 +56,13 @@ def draw_timeline(
     start = min((iv.start for iv in intervals), default=0.0)
     span = max(end - start, 1e-12)
     width = figure_width or min(40.0, max(8.0, 0.09 * len(intervals) / max(num_stages, 1) + 6))
-    fig, ax = plt.subplots(figsize=(width, 0.6 * num_stages + 1.6))
-    ax.barh(range(num_stages), [span] * num_stages, left=start, height=0.8, color=_IDLE_COLOR, edgecolor="none")
+    lanes = 2 if any(iv.kind == _LINK for iv in intervals) else 1  # per stage: its work, then its link
+    rows = lanes * num_stages
+    fig, ax = plt.subplots(figsize=(width, 0.6 * rows + 1.6))
+    ax.barh(range(rows), [span] * rows, left=start, height=0.8, color=_IDLE_COLOR, edgecolor="none")
     min_label_width = span / (width * 9.0)  # about one character at the figure's scale
     for index, iv in enumerate(intervals):
-        row = iv.stage
+        row = lanes * iv.stage + (iv.kind == _LINK)
         alpha = 1.0 if chunks is None else 1.0 / (1.0 + 0.8 * chunks[index])  # later chunks: lighter
         if iv.end - iv.start <= 0.0:  # an instantaneous event (a zero-cost optimizer step): a marker line
             ax.plot([iv.start, iv.start], [row - 0.4, row + 0.4], color=COLORS.get(iv.kind, "#999999"), linewidth=2.5,
@@ -68,7 +74,9 @@ def draw_timeline(
         if iv.microbatch is not None and iv.kind in ("F", "B") and iv.end - iv.start >= min_label_width * len(label):
             ax.text((iv.start + iv.end) / 2, row, label, ha="center", va="center", fontsize=7, color="white")
     row_name = "stage" if chunks is None else "device"
-    ax.set_yticks(range(num_stages), [f"{row_name} {s}" for s in range(num_stages)])
+    labels = [f"{row_name} {s}" if lane == 0 else f"{row_name} {s} link" for s in range(num_stages)
+              for lane in range(lanes)]
+    ax.set_yticks(range(rows), labels)
     ax.invert_yaxis()
     ax.set_xlim(start, end)
     ax.set_xlabel(time_unit)
@@ -76,9 +84,9 @@ def draw_timeline(
         ax.set_title(title)
     present = [kind for kind in COLORS if any(iv.kind == kind for iv in intervals)]
     names = {"F": "forward", "B": "backward", "OPT": "optimizer step", "WAIT_F": "wait: activation",
-             "WAIT_B": "wait: gradient", "SEND": "send"}
+             "WAIT_B": "wait: gradient", "SEND": "send", _LINK: "reduction on the link"}
     handles = [Patch(color=COLORS[k], label=names[k]) for k in present] + [Patch(color=_IDLE_COLOR, label="idle")]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if num_stages < 4 else -0.18),
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if rows < 4 else -0.18),
               ncol=len(handles), frameon=False, fontsize=8)
     fig.tight_layout()
     return fig
@@ -95,17 +103,19 @@ def save_timeline_png(intervals: Sequence[Interval], num_stages: int, path: str 
 
 
 def to_chrome_trace(intervals: Sequence[Interval], *, time_scale: float = 1e6) -> dict[str, Any]:
-    """Chrome/Perfetto trace events (``chrome://tracing``, ui.perfetto.dev): one thread row per stage.
+    """Chrome/Perfetto trace events (``chrome://tracing``, ui.perfetto.dev): one thread row per stage (process 0),
+    and one per stage's link for ``REDUCE`` intervals (process 1).
 
     ``time_scale`` converts interval times to microseconds (1e6 for seconds).
     """
     events: list[dict[str, Any]] = []
-    for stage in sorted({iv.stage for iv in intervals}):
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": stage, "args": {"name": f"stage {stage}"}})
+    for stage, link in sorted({(iv.stage, iv.kind == _LINK) for iv in intervals}):  # a link: process 1's thread
+        events.append({"name": "thread_name", "ph": "M", "pid": int(link), "tid": stage,
+                       "args": {"name": f"stage {stage}" + " link" * link}})
     for iv in intervals:
         name = iv.kind if iv.microbatch is None else f"{iv.kind}{iv.microbatch}"
         events.append({
-            "name": name, "cat": iv.kind, "ph": "X", "pid": 0, "tid": iv.stage,
+            "name": name, "cat": iv.kind, "ph": "X", "pid": int(iv.kind == _LINK), "tid": iv.stage,
             "ts": iv.start * time_scale, "dur": max(0.0, (iv.end - iv.start) * time_scale),
             "args": {"microbatch": iv.microbatch},
         })
