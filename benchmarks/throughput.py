@@ -49,6 +49,7 @@ from benchmarks.harness import (
     steady_seconds,
     torch_step,
 )
+from benchmarks.host_cost import host_table
 from lightning_paci import BubbleMonitor, DriftMonitor, TimelineMonitor, build_schedule, simulate_schedule
 from lightning_paci.schedules import Interval
 from lightning_paci.simulation import measured_phases
@@ -66,7 +67,7 @@ def _torch_worker(rank: int, shape: tuple[str, int, int, int, float, float, int]
     from benchmarks import harness
 
     if host:
-        harness.SPIN_S = 0.0  # see HostCost
+        harness.SPIN_S = 0.0  # see benchmarks.host_cost.HostCost
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n)
@@ -237,57 +238,6 @@ def run_bare(n: int, m: int, k: int, fwd_ms: float, bwd_ms: float, per_stage: in
         return [[Interval(*iv) for iv in ivs] for ivs in json.loads(Path(out).read_text())]
 
 
-class HostCost(L.Callback):
-    """The main thread's CPU time (``time.thread_time``: sleeps and blocking waits are not counted) per action kind
-    and per micro-batch between the actions (Lightning's loop, the strategy's per-batch work), over Lightning
-    batches ``[first, last)``; each stage writes ``host<stage>.json`` into ``directory``. The emulated kernels' spin
-    is off in such a run (``harness.SPIN_S = 0``), so a block's figure is its real host work."""
-
-    def __init__(self, directory: Path, first: int, last: int) -> None:
-        self.directory, self.first, self.last = directory, first, last
-        self.spent: dict[str, list[float]] = {}  # kind -> [seconds, calls]
-        self.start = 0.0
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        runtime: Any = trainer.strategy.runtime  # type: ignore[attr-defined]
-        if batch_idx == self.first:
-            plain = runtime.execute
-
-            def execute(action: Any) -> None:
-                start = time.thread_time()
-                plain(action)
-                entry = self.spent.setdefault(str(action.kind), [0.0, 0])
-                entry[0] += time.thread_time() - start
-                entry[1] += 1
-
-            runtime.execute = execute
-            self.start = time.thread_time()
-        elif batch_idx == self.last:
-            total = time.thread_time() - self.start
-            del runtime.execute
-            strategy: Any = trainer.strategy
-            microbatches = (self.last - self.first) * strategy.num_microbatches
-            per_call = {kind: seconds / calls * 1e6 for kind, (seconds, calls) in self.spent.items()}
-            per_call["between"] = (total - sum(v[0] for v in self.spent.values())) / microbatches * 1e6
-            per_call["total per micro-batch"] = total / microbatches * 1e6
-            (self.directory / f"host{strategy.stage_index}.json").write_text(json.dumps(per_call))
-
-
-def host_costs(n: int, m: int, k: int, fwd: float, bwd: float, per_stage: int, schedule: str) -> list[dict[str, float]]:
-    """Per stage, microseconds of host time per call of each action kind (see ``HostCost``), ours."""
-    from benchmarks import harness
-
-    spin, harness.SPIN_S = harness.SPIN_S, 0.0
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            run_emulated(num_stages=n, schedule=schedule, num_microbatches=m, num_minibatches=k, forward_ms=fwd,
-                         backward_ms=bwd, blocks_per_stage=per_stage, callbacks=[HostCost(Path(tmp), 1, k - 1)])
-            return [json.loads((Path(tmp) / f"host{s}.json").read_text()) for s in range(n)]
-    finally:
-        harness.SPIN_S = spin
-
-
 def _monitored(tmp: Path, interval: int, timeline: bool, **shape: Any) -> Stages:
     logger = L.pytorch.loggers.TensorBoardLogger(tmp, name="tb", version=0)
     callbacks: list[L.Callback] = [DriftMonitor(logging_interval=interval), BubbleMonitor(logging_interval=interval)]
@@ -385,38 +335,11 @@ def _overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
                          ("vs_paci_time", ".3f")])
             result: dict[str, Any] = {"N": n, "m": m, "rows": rows}
             if args.host:
-                result["host_us"] = _host_table(args, n, m)
+                result["host_us"] = host_table(args, n, m, torch_host_costs if args.torch else None)
             if args.monitors:
                 result["bubble_monitor"] = _bubble_monitor(args, shape)
             results.append(result)
     return results
-
-
-def _host_table(args: argparse.Namespace, n: int, m: int) -> dict[str, Any]:
-    """Host microseconds per call of each action kind (median over the stages that run it), ours and torch's."""
-    k, fwd, bwd, per_stage = args.minibatches, args.forward_ms, args.backward_ms, args.blocks_per_stage
-    ours = host_costs(n, m, k, fwd, bwd, per_stage, "paci")
-    out: dict[str, Any] = {"paci": ours}
-    rows = []
-    for kind in sorted({key for stage in ours for key in stage}, key=_KIND_ORDER.index):
-        values = sorted(stage[kind] for stage in ours if kind in stage)
-        rows.append({"action": kind, "paci_us": median(values), "range": f"{values[0]:.0f}-{values[-1]:.0f}"})
-    if args.torch:
-        theirs = torch_host_costs(n, m, k, fwd, bwd, per_stage)
-        out["torch_1f1b"] = theirs
-        for row in rows:
-            name = "other per micro-batch" if row["action"] == "between" else str(row["action"])
-            values = [stage[name] for stage in theirs if name in stage]
-            if values:
-                row["torch_us"] = median(values)
-    print_table(f"host time per call, microseconds (thread CPU time, median over stages); N = {n}, m = {m}, "
-                f"{per_stage} block(s) of F/B {fwd:g}/{bwd:g} ms; torch: F, B and the rest of its step per "
-                f"micro-batch", rows, [("action", "s"), ("paci_us", ".0f"), ("range", "s"), ("torch_us", ".0f")])
-    return out
-
-
-_KIND_ORDER = ["F", "B", "OPT", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_T", "RECV_T", "between",
-               "total per micro-batch"]
 
 
 def _bubble_monitor(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]:
