@@ -1,11 +1,29 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_in_the_sessions_directory(tmp_path_factory):
+    """The tests' temporary files, and those of the ranks and scripts they start, go under the session's pytest
+    directory (which pytest prunes to the last three sessions), not loose into the system's: among them torch's
+    error file of every rank that fails on purpose (``torch.multiprocessing`` writes the traceback there and never
+    removes it) and multiprocessing's ``pymp-*`` directories."""
+    directory = str(tmp_path_factory.mktemp("tmp"))
+    previous, previous_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = directory
+    yield
+    tempfile.tempdir = previous
+    if previous_env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = previous_env
 
 
 @pytest.fixture(autouse=True)
