@@ -16,6 +16,12 @@ bookkeeping per micro-batch, each row measured around the functions that do it:
 
 With ``--torch``, torch's ``Schedule1F1B`` stage on the same blocks: ``forward_one_chunk``, ``backward_one_chunk``
 and the rest of its ``step()`` per micro-batch (``benchmarks.throughput.torch_host_costs``).
+
+``F`` and ``B`` hold the blocks' own host work as well as the framework's, ours and torch's alike. ``blocks_alone``
+measures that part by itself: the same blocks called in one process with no pipeline, once with their emulated
+kernel times (``blocks_us``) and once with none (``hot_us``). On a machine whose caches are cold after an idle wait
+(a shared VM) the first is several times the second: work run right after a wait as long as an emulated kernel is
+slower than the same work run back to back, and every action of a stage runs right after such a wait.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import lightning as L
 
 from benchmarks.harness import median, print_table, run_emulated
 
-__all__ = ["BOOKKEEPING", "HostCost", "host_costs", "host_table"]
+__all__ = ["BOOKKEEPING", "HostCost", "blocks_alone", "host_costs", "host_table"]
 
 # (row, module, class or "" for a module-level function, attribute); the functions are wrapped in the stage's
 # process for the measured batches only
@@ -185,13 +191,43 @@ def host_costs(n: int, m: int, k: int, fwd: float, bwd: float, per_stage: int, s
         harness.SPIN_S = spin
 
 
+def blocks_alone(per_stage: int, fwd_ms: float, bwd_ms: float, calls: int = 20) -> dict[str, dict[str, float]]:
+    """Thread CPU microseconds per ``F`` and per ``B`` of one stage's ``per_stage`` emulated blocks (2 samples, as
+    in ``run_emulated``), called in this process with no pipeline and the kernels' spin off (as ``HostCost``):
+    ``{"blocks_us": {"F": .., "B": ..}, "hot_us": {...}}``, with the emulated times and with none (medians)."""
+    import torch
+
+    from benchmarks import harness
+
+    spin, harness.SPIN_S = harness.SPIN_S, 0.0
+    try:
+        out: dict[str, dict[str, float]] = {}
+        for name, fwd, bwd in (("blocks_us", fwd_ms, bwd_ms), ("hot_us", 0.0, 0.0)):
+            blocks = torch.nn.Sequential(*[harness.SleepBlock(32, fwd / 1e3, bwd / 1e3) for _ in range(per_stage)])
+            x = torch.randn(2, 32, requires_grad=True)
+            forward: list[float] = []
+            backward: list[float] = []
+            for _ in range(calls + 2):  # the first two warm up
+                start = time.thread_time()
+                y = blocks(x)
+                middle = time.thread_time()
+                y.backward(torch.ones_like(y))
+                forward.append(middle - start)
+                backward.append(time.thread_time() - middle)
+            out[name] = {"F": median(forward[2:]) * 1e6, "B": median(backward[2:]) * 1e6}
+        return out
+    finally:
+        harness.SPIN_S = spin
+
+
 def host_table(args: argparse.Namespace, n: int, m: int,
                theirs: Callable[..., list[dict[str, float]]] | None = None) -> dict[str, Any]:
     """Print and return host microseconds per call of each action kind and per micro-batch of each bookkeeping
     row (median over the stages that run it), ours and, given ``theirs`` (torch's stage), torch's."""
     k, fwd, bwd, per_stage = args.minibatches, args.forward_ms, args.backward_ms, args.blocks_per_stage
     ours = host_costs(n, m, k, fwd, bwd, per_stage, "paci")
-    out: dict[str, Any] = {"paci": ours}
+    alone = blocks_alone(per_stage, fwd, bwd)
+    out: dict[str, Any] = {"paci": ours, "blocks_alone": alone}
     rows = []
     for kind in sorted({key for stage in ours for key in stage}, key=_KIND_ORDER.index):
         values = sorted(stage[kind] for stage in ours if kind in stage and (stage[kind] or "bookkeeping" not in kind))
@@ -200,6 +236,9 @@ def host_table(args: argparse.Namespace, n: int, m: int,
         row = {"action": kind, "paci_us": median(values), "range": f"{values[0]:.0f}-{values[-1]:.0f}"}
         if kind.startswith("bookkeeping: "):
             row["inside"] = _INSIDE[kind.removeprefix("bookkeeping: ")]
+        for column, figures in alone.items():
+            if kind in figures:
+                row[column] = figures[kind]
         rows.append(row)
     if theirs is not None:
         torch_stages = theirs(n, m, k, fwd, bwd, per_stage)
@@ -211,6 +250,8 @@ def host_table(args: argparse.Namespace, n: int, m: int,
                 row["torch_us"] = median(found)
     print_table(f"host time per call, microseconds (thread CPU time, median over stages); N = {n}, m = {m}, "
                 f"{per_stage} block(s) of F/B {fwd:g}/{bwd:g} ms; torch: F, B and the rest of its step per "
-                f"micro-batch; bookkeeping: per micro-batch, already inside the row named", rows,
-                [("action", "s"), ("paci_us", ".0f"), ("range", "s"), ("torch_us", ".0f"), ("inside", "s")])
+                f"micro-batch; bookkeeping: per micro-batch, already inside the row named; blocks_us / hot_us: the "
+                f"stage's blocks alone, with their emulated times / with none (inside F and B, ours and torch's)",
+                rows, [("action", "s"), ("paci_us", ".0f"), ("range", "s"), ("torch_us", ".0f"),
+                       ("blocks_us", ".0f"), ("hot_us", ".0f"), ("inside", "s")])
     return out
