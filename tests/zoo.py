@@ -159,6 +159,14 @@ _FAMILY_FIXES: dict[str, _Fix] = {
     "gpt_neo": _Fix("the layer pattern is given as attention_types ([[kinds], repeats]), not a per-layer list",
                     lambda layers: {"attention_types": [[["global", "local"], layers // 2]]
                                     + ([[["global"], 1]] if layers % 2 else [])}),
+    "kolibri1_1": _Fix("its sparse indexed attention needs a head width that is a multiple of 16 (NVFP4 rounding), "
+                       "scoring heads within one key head's queries, and a pool and window a short sequence exceeds; "
+                       "its default layout names layers of a 50-layer model",
+                       lambda layers: {"head_dim": 16, "index_num_heads": HEADS // KV_HEADS, "index_topk": 2,
+                                       "index_pool_size": 4, "index_compression": 2, "index_num_local_tokens": 2,
+                                       "index_num_sink_tokens": 1, "sliding_window": 4, "mlp_only_layers": [0],
+                                       "layer_types": _cycle(["sliding_attention", "indexed_attention"], layers),
+                                       "index_layers": [1], "kv_source_layers": list(range(layers))}),
     "lfm2_moe": _Fix("its default leaves layer_types unset (None), which the decoder layers index",
                      lambda layers: {"layer_types": _cycle(["conv", "full_attention"], layers)}),
     "mamba2": _Fix("the SSM heads tile the expanded width: num_heads * head_dim must equal expand * hidden_size",
