@@ -13,7 +13,7 @@ from lightning_paci.engine.topology import Topology, check_size_option, check_to
 from lightning_paci.optim.weight_prediction import COMPENSATIONS
 from lightning_paci.partition import PartitionSpec
 from lightning_paci.schedules import PLACEMENTS, SCHEDULE_NAMES, VIRTUAL_SCHEDULE_NAMES, ScheduleName
-from lightning_paci.schedules.virtual import Placement
+from lightning_paci.schedules.virtual import Placement, stage_devices
 
 __all__ = ["PACIConfig"]
 
@@ -222,7 +222,11 @@ class PACIConfig:
         """Stages x replicas over ``devices x num_nodes`` processes, checked ([Note: rank layout])."""
         sizes = resolve_sizes(self.pipeline_parallel_size, self.data_parallel_size, devices * num_nodes,
                               devices=devices, num_nodes=num_nodes)
-        return check_topology(Topology(*sizes, mirrored=self.virtual_stages > 1 and self.placement == "v"),
+        held = None
+        if self.virtual_stages > 1:
+            devices_of = stage_devices(sizes[0], self.virtual_stages, self.placement)
+            held = tuple(tuple(s for s, d in enumerate(devices_of) if d == p) for p in range(sizes[0]))
+        return check_topology(Topology(*sizes, mirrored=self.virtual_stages > 1 and self.placement == "v", held=held),
                               nonfinite=self.nonfinite, local_sgd_steps=self.local_sgd_steps)
 
     def _check_virtual_stages(self) -> None:

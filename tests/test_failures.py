@@ -182,6 +182,31 @@ def test_a_stage_hung_inside_an_action_is_named_though_its_heartbeat_goes_on(cap
                      r"(0 waits for it at 0RECV_B|2 waits for it at 2RECV_F)\d+", err), err[-2000:]
 
 
+def test_errors_name_a_process_of_virtual_stages_by_the_stages_it_runs():
+    from lightning_paci.config import PACIConfig
+
+    v = PACIConfig(virtual_stages=2, placement="v").topology(2, 1)
+    assert [v.watch_name(i) for i in range(2)] == ["process 0 (stages 0 and 3)", "process 1 (stages 1 and 2)"]
+    loop = PACIConfig(virtual_stages=3, placement="loop", data_parallel_size=2).topology(4, 1)
+    assert [loop.watch_name(r) for r in (0, 3)] == ["process 1 (stages 1, 3 and 5, replica 0)",
+                                                     "process 0 (stages 0, 2 and 4, replica 1)"]
+    plain = PACIConfig(data_parallel_size=2).topology(4, 1)
+    assert [plain.watch_name(r) for r in (0, 3)] == ["stage 1 (replica 0)", "stage 0 (replica 1)"]
+
+
+def test_a_process_of_virtual_stages_hung_inside_an_action_is_named_by_its_stages(capfd):
+    # under virtual stages a process runs several stages: the actions in the message carry stage indices, so the
+    # processes are named by the stages they run, not by an index that reads like a stage's
+    from torch.multiprocessing import ProcessExitedException
+
+    with pytest.raises((ProcessExitedException, ProcessRaisedException)):
+        fit(_HangsOnStage1(depth=8), regression_loader(num_batches=20), devices=2, max_steps=20,
+            partition="parameters", failure_timeout=3.0, virtual_stages=2, placement="v")
+    err = capfd.readouterr().err
+    assert re.search(r"lightning_paci: process 1 \(stages 1 and 2\) failed: made no progress for \d+ s: inside "
+                     r"[12]F\d+ while process 0 \(stages 0 and 3\) waits for it", err), err[-2000:]
+
+
 class _HoldRank1InSetup(L.Callback):
     def setup(self, trainer, pl_module, stage):
         if trainer.global_rank == 1:

@@ -71,6 +71,8 @@ class Topology:
     # the pipeline's last stage on its first process (virtual stages placed in a V): process ``p`` on the ranks of
     # ``P-1-p``, so that global rank 0 still holds the last stage ([Note: the logging rank])
     mirrored: bool = False
+    # with virtual stages, the pipeline stages process ``p`` runs (``held[p]``): what errors name it by
+    held: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def world(self) -> int:
@@ -91,10 +93,15 @@ class Topology:
         return rank if self.data > 1 else self.stage_of(rank)
 
     def watch_name(self, watch_id: int) -> str:
-        """How errors name the process with ``watch_id``."""
-        if self.data == 1:
-            return f"stage {watch_id}"
-        return f"stage {self.stage_of(watch_id)} (replica {self.replica_of(watch_id)})"
+        """How errors name the process with ``watch_id``: ``stage 2``, ``stage 2 (replica 1)``; with virtual stages
+        by the stages it runs, ``process 1 (stages 1 and 2)``, as the actions in the same messages are named."""
+        process = watch_id if self.data == 1 else self.stage_of(watch_id)
+        replica = [] if self.data == 1 else [f"replica {self.replica_of(watch_id)}"]
+        if self.held is None:
+            return f"stage {process}" + "".join(f" ({r})" for r in replica)
+        *first, last = self.held[process]
+        stages = f"stages {', '.join(map(str, first))} and {last}" if first else f"stage {last}"
+        return f"process {process} ({', '.join([stages, *replica])})"
 
     def mesh_ranks(self) -> list[list[int]]:
         """``mesh[stage][replica]`` = global rank: the ``DeviceMesh``'s layout, dimension names ``("pp", "dp")``."""
