@@ -21,7 +21,9 @@ and the rest of its ``step()`` per micro-batch (``benchmarks.throughput.torch_ho
 measures that part by itself: the same blocks called in one process with no pipeline, once with their emulated
 kernel times (``blocks_us``) and once with none (``hot_us``). On a machine whose caches are cold after an idle wait
 (a shared VM) the first is several times the second: work run right after a wait as long as an emulated kernel is
-slower than the same work run back to back, and every action of a stage runs right after such a wait.
+slower than the same work run back to back, and every action of a stage runs right after such a wait. The row
+"outside F and B, per micro-batch" is the rest of the main thread's time, the framework's own host work, beside
+the rest of torch's stage's step.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ _ROWS = (_LOG_RECORDING, *dict.fromkeys(row for row, *_ in BOOKKEEPING))
 _INSIDE = {_LOG_RECORDING: "F (loss stage)", "log replay": "between", "fingerprint": "between",
            "records": "every action", "look-ahead": "RECV_F / RECV_B", "cursor": "between",
            "micro-batches": "between"}
+_OUTSIDE = "outside F and B, per micro-batch"  # the framework's host work, the blocks' own left out (torch: "other")
 _KIND_ORDER = ["F", "B", "OPT", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_T", "RECV_T", "between",
-               "total per micro-batch", *(f"bookkeeping: {row}" for row in _ROWS)]
+               "total per micro-batch", _OUTSIDE, *(f"bookkeeping: {row}" for row in _ROWS)]
 
 
 class _Spent:
@@ -171,6 +174,8 @@ class HostCost(L.Callback):
             per_call = {kind: seconds / calls * 1e6 for kind, (seconds, calls) in self.spent.items()}
             per_call["between"] = (total - sum(v[0] for v in self.spent.values())) / microbatches * 1e6
             per_call["total per micro-batch"] = total / microbatches * 1e6
+            blocks = sum(self.spent.get(kind, [0.0])[0] for kind in ("F", "B"))
+            per_call[_OUTSIDE] = (total - blocks) / microbatches * 1e6
             for row, (seconds, _) in self.bookkeeping.rows.items():
                 per_call[f"bookkeeping: {row}"] = seconds / microbatches * 1e6
             (self.directory / f"host{strategy.stage_index}.json").write_text(json.dumps(per_call))
@@ -244,7 +249,7 @@ def host_table(args: argparse.Namespace, n: int, m: int,
         torch_stages = theirs(n, m, k, fwd, bwd, per_stage)
         out["torch_1f1b"] = torch_stages
         for row in rows:
-            name = "other per micro-batch" if row["action"] == "between" else str(row["action"])
+            name = "other per micro-batch" if row["action"] in ("between", _OUTSIDE) else str(row["action"])
             found = [stage[name] for stage in torch_stages if name in stage]
             if found:
                 row["torch_us"] = median(found)
