@@ -352,7 +352,7 @@ class PACIStrategy(ParallelStrategy):
             plan = self._builder.plan_stages(trainer, module)  # and logged
             # one device's optimizer layout, read off the whole module before carving
             layout = OptimizerLayout.of(module) if trainer.state.fn == TrainerFn.FITTING else None
-            carve = carve_chunks(module, plan, [s for s, d in enumerate(self.stage_devices) if d == self.stage_index])
+            carve = carve_chunks(module, plan, self.topology.stages_on(self.stage_index))
             self._builder.materialize(module, carve, has_checkpoint=trainer.ckpt_path is not None)
             self._stage = LocalStage(
                 module, plan, carve, config=self.config, num_microbatches=self.num_microbatches, layout=layout,

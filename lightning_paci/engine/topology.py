@@ -92,6 +92,10 @@ class Topology:
         """Global rank ``rank``'s id for the failure watchdog: its stage, or the rank itself with replicas."""
         return rank if self.data > 1 else self.stage_of(rank)
 
+    def stages_on(self, process: int) -> tuple[int, ...]:
+        """The pipeline stages process ``process`` runs: its own index, or with virtual stages ``held[process]``."""
+        return (process,) if self.held is None else self.held[process]
+
     def watch_name(self, watch_id: int) -> str:
         """How errors name the process with ``watch_id``: ``stage 2``, ``stage 2 (replica 1)``; with virtual stages
         by the stages it runs, ``process 1 (stages 1 and 2)``, as the actions in the same messages are named."""

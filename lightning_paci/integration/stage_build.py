@@ -107,7 +107,7 @@ class StageBuilder:
         restore_generators()  # the recording drew some numbers (tensors made real first); the replay draws all
         built = self.adopt(module, source="weights" if strategy.config.weights is not None else "replayed")
         if built.source == "replayed":
-            mine = [s for s, d in enumerate(strategy.stage_devices) if d == strategy.stage_index]  # (virtual stages)
+            mine = strategy.topology.stages_on(strategy.stage_index)  # (virtual stages)
             dropped = set.intersection(*(set(removed_modules(built.plan, s)) for s in mine))
             keep = owned_registrations(recording.params, module,
                                        lambda n: not any(n.startswith(r + ".") for r in dropped))
