@@ -350,6 +350,7 @@ def _floor_stage(rank: int, shape: tuple[int, int, int, float, float], path: str
     message = torch.zeros(_FLOOR_BYTES, dtype=torch.uint8)
     sends = []
     starts: dict[int, float] = {}
+    host = 0.0  # thread CPU seconds of the message actions (posting, waiting, sending) in the steady window
     for kind, count in left.items():
         if count:
             post(kind)
@@ -361,16 +362,21 @@ def _floor_stage(rank: int, shape: tuple[int, int, int, float, float], path: str
             sleep_until(starts[action.microbatch] + forward_s)
         elif kind is B:
             sleep_until(time.perf_counter() + backward_s)
-        elif kind is SEND_F or kind is SEND_B:
-            group = links[link_of[kind]]
-            sends.append(group.send([message], dist.get_group_rank(group, peer_of[kind]), 0))
-        elif kind is RECV_F or kind is RECV_B:
-            posted.pop(kind)[0].wait()
-            left[kind] -= 1
-            if left[kind]:
-                post(kind)
+        elif kind in peer_of:  # a message (OPT does nothing here)
+            begin = time.thread_time()
+            if kind is SEND_F or kind is SEND_B:
+                group = links[link_of[kind]]
+                sends.append(group.send([message], dist.get_group_rank(group, peer_of[kind]), 0))
+            elif kind is RECV_F or kind is RECV_B:
+                posted.pop(kind)[0].wait()
+                left[kind] -= 1
+                if left[kind]:
+                    post(kind)
+            if m <= action.microbatch < (k - 1) * m:
+                host += time.thread_time() - begin
     for work in sends:
         work.wait()
+    Path(f"{out}.host{rank}").write_text(json.dumps(host / ((k - 2) * m) * 1e6))
     if rank == 0:
         Path(out).write_text(json.dumps(starts[(k - 1) * m] - starts[m]))
     dist.barrier()
@@ -378,11 +384,12 @@ def _floor_stage(rank: int, shape: tuple[int, int, int, float, float], path: str
 
 
 def floor_efficiency(num_stages: int, num_microbatches: int, num_minibatches: int, forward_ms: float,
-                     backward_ms: float) -> float:
+                     backward_ms: float, host_us: list[float] | None = None) -> float:
     """The ceiling of this machine for a flush-free 1F1B on the emulated cluster: every stage's ``"paci"`` list
     executed with nothing but the emulated kernels and one raw 16 KiB gloo message per send (directed groups,
     receives posted ahead) -- no framing, no model, no Lightning. Steady efficiency as ``steady_seconds`` measures
-    it; whatever a real runtime adds comes on top of this."""
+    it; whatever a real runtime adds comes on top of this. ``host_us``, if given, gets each stage's thread CPU
+    microseconds per micro-batch in its message actions (the loop's only host work outside the kernels)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -391,4 +398,6 @@ def floor_efficiency(num_stages: int, num_microbatches: int, num_minibatches: in
         mp.start_processes(_floor_stage, args=(shape, str(Path(tmp) / "rdv"), out), nprocs=num_stages,
                            start_method="fork")
         steady = json.loads(Path(out).read_text())
+        if host_us is not None:
+            host_us.extend(json.loads(Path(f"{out}.host{rank}").read_text()) for rank in range(num_stages))
     return (num_minibatches - 2) * num_microbatches * (forward_ms + backward_ms) / 1e3 / steady

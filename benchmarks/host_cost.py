@@ -23,7 +23,7 @@ kernel times (``blocks_us``) and once with none (``hot_us``). On a machine whose
 (a shared VM) the first is several times the second: work run right after a wait as long as an emulated kernel is
 slower than the same work run back to back, and every action of a stage runs right after such a wait. The row
 "outside F and B, per micro-batch" is the rest of the main thread's time, the framework's own host work, beside
-the rest of torch's stage's step.
+the rest of torch's stage's step and, with ``--floor``, the bare message loop's messages (``floor_us``).
 """
 
 from __future__ import annotations
@@ -226,9 +226,12 @@ def blocks_alone(per_stage: int, fwd_ms: float, bwd_ms: float, calls: int = 20) 
 
 
 def host_table(args: argparse.Namespace, n: int, m: int,
-               theirs: Callable[..., list[dict[str, float]]] | None = None) -> dict[str, Any]:
+               theirs: Callable[..., list[dict[str, float]]] | None = None,
+               floor_us: float | None = None) -> dict[str, Any]:
     """Print and return host microseconds per call of each action kind and per micro-batch of each bookkeeping
-    row (median over the stages that run it), ours and, given ``theirs`` (torch's stage), torch's."""
+    row (median over the stages that run it), ours and, given ``theirs`` (torch's stage), torch's; ``floor_us``:
+    the bare message loop's host time per micro-batch (its messages: all it does outside the kernels), shown in the
+    row outside F and B."""
     k, fwd, bwd, per_stage = args.minibatches, args.forward_ms, args.backward_ms, args.blocks_per_stage
     ours = host_costs(n, m, k, fwd, bwd, per_stage, "paci")
     alone = blocks_alone(per_stage, fwd, bwd)
@@ -244,6 +247,8 @@ def host_table(args: argparse.Namespace, n: int, m: int,
         for column, figures in alone.items():
             if kind in figures:
                 row[column] = figures[kind]
+        if kind == _OUTSIDE and floor_us is not None:
+            row["floor_us"] = floor_us
         rows.append(row)
     if theirs is not None:
         torch_stages = theirs(n, m, k, fwd, bwd, per_stage)
@@ -256,7 +261,8 @@ def host_table(args: argparse.Namespace, n: int, m: int,
     print_table(f"host time per call, microseconds (thread CPU time, median over stages); N = {n}, m = {m}, "
                 f"{per_stage} block(s) of F/B {fwd:g}/{bwd:g} ms; torch: F, B and the rest of its step per "
                 f"micro-batch; bookkeeping: per micro-batch, already inside the row named; blocks_us / hot_us: the "
-                f"stage's blocks alone, with their emulated times / with none (inside F and B, ours and torch's)",
+                f"stage's blocks alone, with their emulated times / with none (inside F and B, ours and torch's); "
+                f"floor_us: the bare message loop's messages",
                 rows, [("action", "s"), ("paci_us", ".0f"), ("range", "s"), ("torch_us", ".0f"),
-                       ("blocks_us", ".0f"), ("hot_us", ".0f"), ("inside", "s")])
+                       ("floor_us", ".0f"), ("blocks_us", ".0f"), ("hot_us", ".0f"), ("inside", "s")])
     return out

@@ -284,9 +284,10 @@ def _overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
             names = ["paci", "1f1b"] + ["bare"] * args.bare + ["paci+monitors"] * args.monitors
             runs: dict[str, list[Stages]] = {name: [] for name in names}
             floors: list[float] = []
+            floor_host: list[float] = []  # the bare loop's message actions, us per micro-batch, every stage and run
             for _ in range(args.repeats):  # alternating, so drifting machine load hits every configuration alike
                 if args.floor:
-                    floors.append(floor_efficiency(n, m, k, per_stage * fwd, per_stage * bwd))
+                    floors.append(floor_efficiency(n, m, k, per_stage * fwd, per_stage * bwd, host_us=floor_host))
                 for name in names:
                     if name == "bare":
                         runs[name].append(run_bare(n, m, k, fwd, bwd, per_stage))
@@ -317,7 +318,7 @@ def _overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
                 rows.append(row)
             if args.floor:
                 rows.append({"N": n, "m": m, "run": "floor", "steady_efficiency": median(floors),
-                             "efficiencies": floors})
+                             "efficiencies": floors, "host_us": median(floor_host)})
             if args.torch:
                 _, steady = run_torch("torch_1f1b", n, m, k, fwd, bwd, per_stage)
                 rows.append({"N": n, "m": m, "run": "torch_1f1b", "steady_efficiency": (k - 2) * m * device_ms / 1e3
@@ -335,7 +336,8 @@ def _overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
                          ("vs_paci_time", ".3f")])
             result: dict[str, Any] = {"N": n, "m": m, "rows": rows}
             if args.host:
-                result["host_us"] = host_table(args, n, m, torch_host_costs if args.torch else None)
+                result["host_us"] = host_table(args, n, m, torch_host_costs if args.torch else None,
+                                               floor_us=median(floor_host) if floor_host else None)
             if args.monitors:
                 result["bubble_monitor"] = _bubble_monitor(args, shape)
             results.append(result)
