@@ -73,12 +73,14 @@ class PACIConfig:
             torch, Lightning and transformers holds ~470k objects, and each full collection over them paused a
             stage for 1-1.5 s; in a pipeline every stage's pause stalls all the others (measured: 1.6-2.9 s steps
             instead of 0.8 s, several times per 200 steps). Objects created during training are still collected.
-        compensation: staleness compensation by weight prediction (see [Note: exact weight prediction] in
+        compensation: staleness compensation by weight prediction (see [Note: weight prediction] in
             optim/weight_prediction.py). ``"auto"`` (default): a micro-batch that will cross ``k`` local updates
             between its forward and its backward is forwarded with the weights moved ``k`` predicted steps of the
             optimizer itself ahead (SGD with momentum, Adam, AdamW; the window's gradient so far plus the momentum's
-            rate for the rest), exactly undone after the forward: no weight copy, no parameter-sized buffer; other
-            optimizers train uncompensated with a warning. ``"predict"``: the same, but an unsupported optimizer is
+            rate for the rest), undone after the forward to within one unit in the last place: no weight copy,
+            temporaries of at most the stage's largest parameter tensor, a few multi-tensor passes; other
+            optimizers (and weights other than float32 or float64) train uncompensated with a warning.
+            ``"predict"``: the same, but an unsupported optimizer is
             an error (``"lookahead"``, its name up to 0.3, is accepted with a deprecation warning). ``"none"``: the
             paper's PACI, forwards with the weights as they are.
         pipeline_parallel_size, data_parallel_size: stages x replicas = ``devices x num_nodes`` (``"auto"``: what

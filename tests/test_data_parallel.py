@@ -103,15 +103,19 @@ def _mismatch_worker(rank: int, path: str, errors: Any) -> None:
         params[0].grad = torch.full((3,), float(rank + 1))
         if rank == 0:
             params[1].grad = torch.ones(2)  # only replica 0 used this parameter
+        check = average_gradients(params, 2, lambda flat: dist.all_reduce(flat), names=["a", "b", "c"])
+        assert not bool(check.agree)  # kept on the device for the update's one read
         try:
-            average_gradients(params, 2, lambda flat: dist.all_reduce(flat), names=["a", "b", "c"])
+            check.verify()
         except ReplicaMismatchError as err:
             assert "b has a gradient on 1 of 2 data-parallel replicas" in str(err), str(err)
         else:
             raise AssertionError("no ReplicaMismatchError")
         # without a mismatch: the mean, and a parameter without a gradient anywhere keeps None
         params[1].grad = torch.full((2,), 2.0 * rank)
-        average_gradients(params, 2, lambda flat: dist.all_reduce(flat))
+        check = average_gradients(params, 2, lambda flat: dist.all_reduce(flat))
+        assert bool(check.agree)
+        check.verify()
         assert torch.equal(params[0].grad, torch.full((3,), 1.5)) and torch.equal(params[1].grad, torch.ones(2))
         assert params[2].grad is None
         dist.destroy_process_group()

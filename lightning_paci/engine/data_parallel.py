@@ -30,7 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_paci.engine.grad_buckets import OverlappedGradientAverage, pack_gradients, plan_buckets, write_averages
+from lightning_paci.engine.grad_buckets import (
+    OverlappedGradientAverage,
+    ReplicaCheck,
+    pack_gradients,
+    plan_buckets,
+    write_averages,
+)
 from lightning_paci.engine.optimizer_shards import OptimizerShards
 from lightning_paci.errors import ReplicaMismatchError
 
@@ -47,14 +53,20 @@ def _buckets(params: Sequence[nn.Parameter]) -> list[list[int]]:
 
 
 def average_gradients(params: Sequence[nn.Parameter], replicas: int,
-                      all_reduce: Callable[[torch.Tensor], None], *, names: Sequence[str] | None = None) -> None:
+                      all_reduce: Callable[[torch.Tensor], None], *, names: Sequence[str] | None = None
+                      ) -> ReplicaCheck:
     """Average ``params``' gradients over ``replicas`` in place, through ``all_reduce`` (a sum over the replicas of
     a flat tensor, in place). Gradients are summed, then divided by ``replicas``, as one device's mean over the
-    replicas' samples is (each replica's gradient already is the mean over its own samples)."""
+    replicas' samples is (each replica's gradient already is the mean over its own samples). Nothing is read
+    from the device: the returned check's flag joins the update's one read ([Note: one host read per update])."""
+    buckets, agree = [], []
     for members in _buckets(params):
         flat = pack_gradients(params, members)
         all_reduce(flat)
-        write_averages(params, members, flat, flat[flat.numel() - len(members):].tolist(), replicas, names)
+        agree.append(write_averages(params, members, flat, replicas))
+        buckets.append((members, flat[flat.numel() - len(members):]))
+    flag = torch.stack(agree).all() if agree else torch.ones((), dtype=torch.bool)
+    return ReplicaCheck(flag, buckets, params, replicas, names)
 
 
 class GradientAverage:
@@ -68,10 +80,11 @@ class GradientAverage:
         self.names = names
         self.reductions = 0
 
-    def __call__(self) -> None:
-        average_gradients(self.params, self.replicas, lambda flat: dist.all_reduce(flat, group=self.group),
-                          names=self.names)
+    def __call__(self) -> ReplicaCheck:
+        check = average_gradients(self.params, self.replicas, lambda flat: dist.all_reduce(flat, group=self.group),
+                                  names=self.names)
         self.reductions += 1
+        return check
 
 
 def average_parameters(params: Sequence[nn.Parameter], replicas: int,

@@ -11,7 +11,7 @@ the replicas issue the same collectives in the same order whatever their timing,
 the input gradient's send and the next actions run. The ``OPT`` (``__call__``) starts what has not started (a
 parameter without a gradient in this backward, a skipped micro-batch, the tied weights whose last-stage gradient
 arrives just before the step), waits for everything, and writes the averages back as the blocking average does
-(data_parallel.py: the replicas' sum, divided by their number, presence flags checked in one host read) -- bitwise
+(data_parallel.py: the replicas' sum, divided by their number, presence flags checked on the device) -- bitwise
 equal to it for two replicas, whose sum has one order. Only the ``OPT`` waits; a bucket's launch reads nothing from
 the device.
 """
@@ -27,44 +27,70 @@ from torch import nn
 
 from lightning_paci.errors import ReplicaMismatchError
 
-__all__ = ["OverlappedGradientAverage", "backward_order", "pack_gradients", "plan_buckets", "write_averages"]
+__all__ = ["OverlappedGradientAverage", "ReplicaCheck", "backward_order", "pack_gradients", "plan_buckets",
+           "write_averages"]
 
 
 def pack_gradients(params: Sequence[nn.Parameter], members: Sequence[int]) -> torch.Tensor:
     """One flat buffer of ``params[members]``' gradients (zeros where there is none), then one presence flag each:
-    ``(sum of numels + len(members),)`` in the first member's dtype, on its device."""
+    ``(sum of numels + len(members),)`` in the first member's dtype, on its device. A few launches whatever the
+    number of tensors: one multi-tensor copy, the flags copied from the host (nothing read from the device)."""
     sizes = [params[i].numel() for i in members]
+    total = sum(sizes)
     first = params[members[0]]
-    flat = torch.zeros(sum(sizes) + len(members), dtype=first.dtype, device=first.device)
-    flags = flat[sum(sizes):]
-    for k, (i, view) in enumerate(zip(members, flat[:sum(sizes)].split(sizes))):
-        grad = params[i].grad
-        if grad is not None:
-            view.copy_(grad.reshape(-1))
-            flags[k] = 1
+    flat = torch.zeros(total + len(members), dtype=first.dtype, device=first.device)
+    views = flat[:total].split(sizes)
+    present = [k for k, i in enumerate(members) if params[i].grad is not None]
+    if present:
+        torch._foreach_copy_([views[k] for k in present],
+                             [params[members[k]].grad.reshape(-1) for k in present])  # type: ignore[union-attr]
+    flags = torch.tensor([float(params[i].grad is not None) for i in members], dtype=flat.dtype)
+    flat[total:].copy_(flags, non_blocking=True)
     return flat
 
 
-def write_averages(params: Sequence[nn.Parameter], members: Sequence[int], flat: torch.Tensor, counts: Sequence[float],
-                   replicas: int, names: Sequence[str] | None) -> None:
-    """Write a reduced bucket back: ``flat`` holds the replicas' summed gradients of ``params[members]`` then their
-    presence flags, already read as ``counts``; each gradient becomes the sum divided by ``replicas``. A parameter
-    with a gradient on some replicas only is an error naming it; one with none anywhere keeps ``grad = None``."""
+class ReplicaCheck:
+    """Whether every gradient of a reduction was present on all replicas or on none, kept on the device
+    (``agree``, a 0-dim bool) for the one host read before the update ([Note: one host read per update]);
+    :meth:`verify` reads the summed presence flags to name a parameter that was not (a failure's path)."""
+
+    def __init__(self, agree: torch.Tensor, buckets: Sequence[tuple[Sequence[int], torch.Tensor]],
+                 params: Sequence[nn.Parameter], replicas: int, names: Sequence[str] | None) -> None:
+        self.agree, self.buckets = agree, buckets
+        self.params, self.replicas, self.names = params, replicas, names
+
+    def verify(self) -> None:
+        """Raise ``ReplicaMismatchError`` naming the first parameter with a gradient on some replicas only."""
+        for members, counts in self.buckets:
+            for i, count in zip(members, counts.tolist()):
+                present = round(count)
+                if present not in (0, self.replicas):
+                    name = self.names[i] if self.names is not None else f"parameter {i}"
+                    raise ReplicaMismatchError(
+                        f"{name} has a gradient on {present} of {self.replicas} data-parallel replicas of this stage: "
+                        f"the replicas must use the same parameters in every window (no data-dependent branches "
+                        f"that skip a parameter on some samples), as under DDP without find_unused_parameters.")
+
+
+def write_averages(params: Sequence[nn.Parameter], members: Sequence[int], flat: torch.Tensor,
+                   replicas: int) -> torch.Tensor:
+    """Write a reduced bucket back without reading it: ``flat`` holds the replicas' summed gradients of
+    ``params[members]`` then their presence flags; each gradient present here becomes the sum divided by
+    ``replicas``, one absent here stays ``None`` (the optimizer skips it, as one device would). Returns ``(counts
+    agree)``, a 0-dim bool on the device: each flag sums to ``replicas`` where this replica has the gradient and
+    to 0 where it has not (anything else: a parameter used by some replicas only, see :class:`ReplicaCheck`)."""
     sizes = [params[i].numel() for i in members]
-    for k, (i, view) in enumerate(zip(members, flat[:sum(sizes)].split(sizes))):
-        present = round(counts[k])
-        if present == 0:
-            continue
-        if present != replicas:
-            name = names[i] if names is not None else f"parameter {i}"
-            raise ReplicaMismatchError(
-                f"{name} has a gradient on {present} of {replicas} data-parallel replicas of this stage: the "
-                f"replicas must use the same parameters in every window (no data-dependent branches that skip "
-                f"a parameter on some samples), as under DDP without find_unused_parameters.")
-        p = params[i]
-        if p.grad is None:
-            p.grad = torch.empty_like(p)
-        p.grad.copy_(view.view_as(p)).div_(replicas)
+    total = sum(sizes)
+    local = [params[i].grad is not None for i in members]
+    expected = torch.tensor([float(replicas) if here else 0.0 for here in local], dtype=flat.dtype)
+    agree = torch.eq(flat[total:], expected.to(flat.device, non_blocking=True)).all()
+    summed = flat[:total].div_(replicas)
+    views = summed.split(sizes)
+    present = [k for k, here in enumerate(local) if here]
+    if present:
+        torch._foreach_copy_([params[members[k]].grad.view(-1) for k in present],  # type: ignore[union-attr]
+                             [views[k] for k in present])
+    return agree
 
 
 def backward_order(name: str, *, container: str, blocks: range, after: Sequence[str]) -> int:
@@ -173,10 +199,10 @@ class OverlappedGradientAverage:
         self._started.append((members, flat, self._all_reduce(flat)))
         self._next = b + 1
 
-    def __call__(self) -> None:
+    def __call__(self) -> ReplicaCheck:
         """At the window's ``OPT``: start the rest, wait for every bucket, write the averages back."""
         self.start()
-        self.finish()
+        return self.finish()
 
     def start(self) -> None:
         """Start every bucket not started yet (the window's gradients are final)."""
@@ -186,7 +212,7 @@ class OverlappedGradientAverage:
         for b in range(self._next, len(self.buckets)):
             self._start(b)
 
-    def finish(self) -> None:
+    def finish(self) -> ReplicaCheck:
         """Wait for every started bucket and write the averages back (see [Note: overlapped reduction])."""
         started, self._started, self._next = self._started, [], 0
         late, self._late_gradient = self._late_gradient, None
@@ -199,9 +225,7 @@ class OverlappedGradientAverage:
                 f"reduce every gradient at the step.")
         for _, _, work in started:
             work.wait()
-        counts = torch.cat([flat[flat.numel() - len(m):] for m, flat, _ in started]).tolist()  # one host read
-        at = 0
-        for members, flat, _ in started:
-            write_averages(self.params, members, flat, counts[at:at + len(members)], self.replicas, self.names)
-            at += len(members)
+        agree = [write_averages(self.params, members, flat, self.replicas) for members, flat, _ in started]
         self.reductions += 1
+        return ReplicaCheck(torch.stack(agree).all(), [(m, flat[flat.numel() - len(m):]) for m, flat, _ in started],
+                            self.params, self.replicas, self.names)

@@ -35,6 +35,7 @@ from lightning_paci.engine.program import (
 )
 from lightning_paci.engine.records import BackwardRecord, StageRecords
 from lightning_paci.engine.runtime_state import RuntimeState
+from lightning_paci.engine.grad_buckets import ReplicaCheck
 from lightning_paci.engine.updates import checked_update
 from lightning_paci.errors import StageFailure
 from lightning_paci.optim.stage_optimizer import StageOptimizer
@@ -90,7 +91,7 @@ class StageRuntime(RuntimeState):
             (:class:`~lightning_paci.engine.records.StageRecords`). hooks: called
             around each local backward (:class:`BackwardHooks`).
         seed: base of every forward's random stream (``torch.initial_seed()``; [Note: randomness per micro-batch]).
-        prediction: the staleness compensation's weight prediction ([Note: exact weight prediction]), or None.
+        prediction: the staleness compensation's weight prediction ([Note: weight prediction]), or None.
 
     Its counters (runtime_state.py) change through their methods only, never by another module writing its fields
     (tests/test_layout.py checks).
@@ -132,7 +133,7 @@ class StageRuntime(RuntimeState):
         self._skipping: set[int] = set()  # dropped micro-batches whose "skip" still has to travel upstream
         self.tied = list(tied)
         self.tied_version = 0  # updates of the tied weights applied here (stage 0: made, last stage: installed)
-        # [Note: exact weight prediction]: a forward crossing ``crossings(mb)`` updates runs with the weights ahead
+        # [Note: weight prediction]: a forward crossing ``crossings(mb)`` updates runs with the weights ahead
         self.prediction = prediction
         self.current: tuple[Action, float] | None = None  # the action running and when it began
         # [Note: no host sync per micro-batch]: losses kept on the device (None: where the loss is) until the update
@@ -281,21 +282,21 @@ class StageRuntime(RuntimeState):
             self.deferred.start()
             self._update_pending = True
             return
+        check = None
         if self.reduce_gradients is not None:  # before the check: every replica then sees (and names) a bad value
-            self.reduce_gradients()
-        self._apply_update()
+            check = self.reduce_gradients()
+        self._apply_update(check)
 
     def apply_pending_update(self) -> None:
         """Make the update an ``OPT`` deferred, if any ([Note: deferred update]; the stream driver after drains)."""
         if self._update_pending:
             self._update_pending, start = False, self.clock()
-            self.deferred.finish()
-            self._apply_update()
+            self._apply_update(self.deferred.finish())
             self.records.account("optimizer", Interval(self.stage, "OPT", None, start, self.clock()))
 
-    def _apply_update(self) -> None:
+    def _apply_update(self, replicas: ReplicaCheck | None = None) -> None:
         assert self.optimizer is not None
-        step = checked_update(self, self.optimizer)
+        step = checked_update(self, self.optimizer, replicas)
         self.version += 1
         self.window_backwards = 0
         if self.records.weight_drift:

@@ -30,7 +30,8 @@ class RuntimeState:
         self.crossings: Callable[[int], int] = _no_crossings  # updates micro-batch ``mb``'s forward will cross
         self.window_backwards = 0  # backwards accumulated since the last update (the weight prediction's known share)
         self.replica, self.replica_tag = 0, ""  # data-parallel replica (own random streams), " (replica r)" in errors
-        self.reduce_gradients: Callable[[], None] | None = None  # data parallel: average over the stage's replicas
+        # data parallel: average over the stage's replicas (returns its `grad_buckets.ReplicaCheck`, or None)
+        self.reduce_gradients: Callable[[], Any] | None = None
         # data parallel, overlapped ([Note: overlapped reduction]): called before the backward that closes a window
         self.arm_reduction: Callable[[int], None] | None = None
         # [Note: deferred update]: the reduction whose update waits for the next backward (``start``/``finish``)
@@ -65,7 +66,7 @@ class RuntimeState:
         """Resume a checkpoint's counters: backwards run, optimizer steps taken, where the open window began."""
         self.microbatch_base, self.version, self.window_base = backwards, steps, window_start
 
-    def join_replicas(self, replica: int, reduce_gradients: Callable[[], None] | None, *,
+    def join_replicas(self, replica: int, reduce_gradients: Callable[[], Any] | None, *,
                       arm: Callable[[int], None] | None = None, deferred: Any = None) -> None:
         """Become data-parallel replica ``replica``: its own random streams, errors naming it, and
         ``reduce_gradients`` (an average over the stage's replicas) before every local step, if given; ``arm``

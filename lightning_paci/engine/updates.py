@@ -9,6 +9,14 @@ The forwards in between (in PACI's steady state, the one that follows the ``OPT`
 so the reduction has that forward and its messages to complete in, and those micro-batches cross one more update:
 the drift bound read off the list with the update at that point (``schedules.static_drift(deferred=True)``) is at
 most one more than PACI's. Where the update is made is fixed by the list, never by timing.
+
+[Note: one host read per update]
+On an accelerator a host read waits for the device, so the host cannot queue the next forward while it waits. A
+stage reads the device once per update, in ``StageOptimizer.step``: one stack of 0-dim flags -- the losses kept on
+the device are finite, every gradient is finite (one multi-tensor max-norm over the gradients), and with replicas
+the reduction's presence flags agree (``grad_buckets.ReplicaCheck``: a gradient on all replicas or on none). The
+gradients' reduction itself reads nothing; the weight prediction keeps Adam's step counts on the host. Only a
+failed check reads more, to name what failed (tests/test_host_reads.py counts them).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import Any
 
 import torch
 
+from lightning_paci.engine.grad_buckets import ReplicaCheck
 from lightning_paci.engine.program import check_losses
 from lightning_paci.errors import StageFailure
 from lightning_paci.optim.stage_optimizer import StageOptimizer, Step
@@ -24,28 +33,21 @@ from lightning_paci.optim.stage_optimizer import StageOptimizer, Step
 __all__ = ["checked_update"]
 
 
-def checked_update(runtime: Any, optimizer: StageOptimizer) -> Step:
-    """One optimizer call that checks everything that must hold before an update, in one host read: the losses
-    kept on the device are finite ([Note: no host sync per micro-batch]), the weight prediction kept every element
-    it moved ([Note: weight prediction without host reads]), every gradient is finite. Only a failure reads more,
-    to name what failed; an inexact prediction is reported and the update made without it."""
+def checked_update(runtime: Any, optimizer: StageOptimizer, replicas: ReplicaCheck | None = None) -> Step:
+    """One optimizer call that checks everything that must hold before an update, in one host read ([Note: one
+    host read per update]): the losses kept on the device are finite ([Note: no host sync per micro-batch]), the
+    replicas' reduction found every gradient on all replicas or on none (``replicas``), every gradient is
+    finite. Only a failure reads more, to name what failed."""
     losses, runtime.unchecked_losses[:] = list(runtime.unchecked_losses), []
-    overflow = runtime.prediction.take_overflow() if runtime.prediction is not None else None
-    flags = [] if overflow is None else [~overflow]
-    if losses:
-        flags.append(torch.isfinite(torch.stack([loss for _, loss in losses])).all())
+    flags = [torch.isfinite(torch.stack([loss for _, loss in losses])).all()] if losses else []
+    if replicas is not None:
+        flags.append(replicas.agree)
     tied = [p.grad for p in runtime.tied if p.grad is not None]
-    measure = runtime.records.weight_drift
-    if (step := optimizer.step(measure=measure, extra=tied, flags=flags)).done:
+    if (step := optimizer.step(measure=runtime.records.weight_drift, extra=tied, flags=flags)).done:
         return step
+    if replicas is not None:
+        replicas.verify()
     check_losses(losses, runtime.stage, runtime.step_label)
-    if overflow is not None and bool(overflow):
-        if runtime.prediction is None:
-            raise AssertionError("an overflow flag without a weight prediction")
-        runtime.prediction.inexact(f"stage {runtime.stage}", f"optimizer step {runtime.version + 1} at "
-                                                             f"{runtime.step_label}")
-        if (step := optimizer.step(measure=measure, extra=tied)).done:
-            return step
     bad = optimizer.nonfinite_parameters()
     names = [n for n, p in runtime.program.module.named_parameters() if any(p is q for q in bad)]
     raise StageFailure(f"stage {runtime.stage}: non-finite gradient in {names[:3]} before optimizer step "

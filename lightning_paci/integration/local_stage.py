@@ -280,7 +280,7 @@ class LocalStage:
             if isinstance(chunk.reduce_gradients, (GradientAverage, OverlappedGradientAverage)):
                 # data parallel: an open window's gradients differ per replica until the step averages them; average
                 # them now (the step's average is linear: the same update), so the one copy saved is every replica's
-                chunk.reduce_gradients()
+                chunk.reduce_gradients().verify()
         merge = None
         if self._shards:  # the stage's whole state, from its replicas' shares
             mine = set().union(*(shards.owned for shards in self._shards.values()))

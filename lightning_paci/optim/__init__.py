@@ -3,7 +3,8 @@
 * ``stage_optimizer.py``: ``StageOptimizer``, the user's optimizer stepped through alias parameters after every
   ``a`` local backwards ([Note: alias optimizer]), with its schedulers and the non-finite policy;
 * ``weight_prediction.py``: staleness compensation, a forward that will cross ``k`` updates runs with the weights moved
-  ``k`` predicted steps of the user's optimizer ahead, undone bit for bit ([Note: exact weight prediction]).
+  ``k`` predicted steps of the user's optimizer ahead, in a few multi-tensor passes, and back to within one unit in
+  the last place ([Note: weight prediction]).
 
 Lightning-free (the engine imports both); one device's optimizer layout for checkpoints lives with the
 checkpoints (:mod:`lightning_paci.integration.optimizer_layout`).

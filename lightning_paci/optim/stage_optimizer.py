@@ -141,7 +141,10 @@ class StageOptimizer:
     def nonfinite(self, extra: Sequence[torch.Tensor] = (), flags: Sequence[torch.Tensor] = ()) -> bool:
         """Whether a gradient (the parameters' or ``extra``) holds a NaN or inf or a 0-dim bool in ``flags`` is
         false: one host read for all of them."""
-        checks = [torch.isfinite(g).all() for g in self.gradients() + list(extra)] + list(flags)
+        grads = [g for g in self.gradients() + list(extra) if g.numel()]
+        checks = list(flags)
+        if grads:  # a max-norm is finite iff every element is (NaN propagates); one multi-tensor pass, no overflow
+            checks.append(torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).all())
         return bool(checks) and not bool(torch.stack(checks).all())
 
     def nonfinite_parameters(self) -> list[nn.Parameter]:
@@ -200,22 +203,51 @@ class StageOptimizer:
         return Step(done=True, squares=squares)
 
     def _step_measuring(self) -> torch.Tensor | None:
-        squares: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # (update's, weight's) per tensor
+        """The update in bins of at most half the largest tensor's bytes: per bin one multi-tensor copy of the
+        weights, the optimizer's step on the bin's tensors alone, one multi-tensor difference, norms and squares
+        (a handful of launches per bin, whatever its number of tensors; the copy is the only transient). Norms in
+        the weights' dtype (float32 accumulation inside), as float32."""
+        if not self.pairs:
+            return None
         for alias, _ in self.pairs:
             alias.grad = None
-        for alias, p in self.pairs:
-            if p.grad is None or not self._steps(p):  # skipped without a gradient; another replica's to update
-                squares.append((None, p.detach().float().pow(2).sum()))
+        zero = torch.zeros((), device=self.pairs[0][1].device)
+        updates: list[torch.Tensor] = [zero] * len(self.pairs)  # squared norms per tensor, (update's, weight's)
+        weights: list[torch.Tensor] = [zero] * len(self.pairs)
+        largest = max(p.numel() * p.element_size() for _, p in self.pairs)
+        bins: list[list[int]] = [[]]
+        skipped: list[int] = []  # without a gradient; or another replica's to update
+        room = largest // 2
+        for i, (_, p) in enumerate(self.pairs):
+            if p.grad is None or not self._steps(p):
+                skipped.append(i)
                 continue
-            before = p.detach().clone()  # the one transient copy
-            alias.grad = p.grad
-            self.optimizer.step()
-            alias.grad = None
-            squares.append(((p.detach() - before).float().pow(2).sum(), p.detach().float().pow(2).sum()))
-            del before
-        if not squares:
-            return None
-        return torch.stack([torch.stack([u if u is not None else torch.zeros_like(w), w]) for u, w in squares])
+            size = p.numel() * p.element_size()
+            if bins[-1] and size > room:
+                bins.append([])
+                room = largest // 2
+            bins[-1].append(i)
+            room -= size
+        for members in [skipped, *bins]:
+            if not members:
+                continue
+            tensors = [self.pairs[i][1].detach() for i in members]
+            if members is not skipped:
+                before = torch._foreach_mul(tensors, 1.0)  # the bin's transient copy
+                for i in members:
+                    self.pairs[i][0].grad = self.pairs[i][1].grad
+                self.optimizer.step()
+                for i in members:
+                    self.pairs[i][0].grad = None
+                torch._foreach_sub_(before, tensors)  # old - new
+                moved = torch._foreach_norm(before)
+                del before
+                for i, norm in zip(members, torch._foreach_mul(moved, moved)):
+                    updates[i] = norm
+            norms = torch._foreach_norm(tensors)
+            for i, norm in zip(members, torch._foreach_mul(norms, norms)):
+                weights[i] = norm
+        return torch.stack([torch.stack(updates), torch.stack(weights)], dim=1).float()
 
     def weight_norm(self) -> float:
         """||theta|| over the stage's parameters."""
