@@ -20,6 +20,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
+from lightning_paci.engine.device_clock import DeviceClock, Resolved
 from lightning_paci.engine.messages import flatten
 from lightning_paci.schedules import Interval
 
@@ -133,7 +134,8 @@ class StageRecords:
         self._pending: dict[int, torch.Tensor] = {}
         self._unresolved: deque[tuple[int, int]] = deque()  # (backward's number, its forward's version)
         self._latest = 0  # the last version whose update was recorded
-        self.intervals: deque[Interval] = deque(maxlen=keep_intervals)
+        self._intervals: deque[Interval] = deque(maxlen=keep_intervals)
+        self.device_clock: DeviceClock | None = None  # on CUDA: compute timed on the device ([Note: device clocks])
         self.peak_inflight = 0
         self.activation_bytes: dict[int, int] = {}  # micro-batch in flight -> bytes (only while measured)
         self.peak_activation_bytes = 0
@@ -264,13 +266,38 @@ class StageRecords:
         return sum(updates) / norm, len(updates) == 1  # type: ignore[arg-type]
 
     # -- time --------------------------------------------------------------------------------------------------
+    @property
+    def intervals(self) -> deque[Interval]:
+        """The latest actions' spans (at most ``keep_intervals``), device-timed ones resolved first."""
+        self.resolve_device()
+        return self._intervals
+
     def account(self, category: str, interval: Interval) -> None:
         """Add one action's span to the current phase (``category``: compute, optimizer, wait or comm)."""
         self.phase_time[self.phase][category] += interval.end - interval.start
-        self.intervals.append(interval)
+        self._intervals.append(interval)
+
+    def account_device(self, category: str, start: Any, fields: tuple[int, str, int | None]) -> None:
+        """Add an action timed on the device from ``start`` (``DeviceClock.begin``) to now, once resolved."""
+        assert self.device_clock is not None
+        self._add_resolved(self.device_clock.end(start, category, self.phase, fields))
+
+    def resolve_device(self) -> None:
+        """Read the device-timed spans pending, if any: one host wait ([Note: device clocks])."""
+        if self.device_clock is not None and self.device_clock.pending:
+            self._add_resolved(self.device_clock.resolve())
+
+    def _add_resolved(self, spans: list[Resolved]) -> None:
+        for category, phase, fields, start, end in spans:
+            self.phase_time[phase][category] += end - start
+            stage, kind, microbatch = fields
+            self._intervals.append(Interval(stage, kind, microbatch, start, end))
 
     def add_time(self, category: str, seconds: float) -> None:
-        """Add time spent outside any action (a backward's deferred hooks) to the current phase's ``category``."""
+        """Add time spent outside any action (a backward's deferred hooks) to the current phase's ``category``;
+        host time, so not with a device clock ([Note: device clocks])."""
+        if self.device_clock is not None:
+            return
         self.phase_time[self.phase][category] += seconds
 
     def set_phase(self, phase: str) -> None:
@@ -280,7 +307,14 @@ class StageRecords:
         self.phase, self._phase_since = phase, now
 
     def time_snapshot(self) -> dict[str, dict[str, float]]:
-        """Cumulative seconds per phase (wall, compute, wait, comm, optimizer), the open span included."""
+        """Cumulative seconds per phase (wall, compute, wait, comm, optimizer), the open span included. With a
+        device clock, compute and optimizer are the device's and wait is the device's idle time ([Note: device
+        clocks])."""
+        self.resolve_device()
         snap = {p: dict(v) for p, v in self.phase_time.items()}
         snap[self.phase]["wall"] += self.clock() - self._phase_since
+        if self.device_clock is not None:  # idle: what the device did not spend on F, B, OPT or message posting
+            for accounts in snap.values():
+                busy = accounts["compute"] + accounts["optimizer"] + accounts["comm"]
+                accounts["wait"] = max(0.0, accounts["wall"] - busy)
         return snap

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_paci.engine.comm import Comm, ReceivesAhead
+from lightning_paci.engine.grad_buckets import ReplicaCheck
 from lightning_paci.engine.messages import flatten
 from lightning_paci.engine.microbatch import microbatch_rng, microbatch_size
 from lightning_paci.engine.program import (
@@ -35,7 +36,6 @@ from lightning_paci.engine.program import (
 )
 from lightning_paci.engine.records import BackwardRecord, StageRecords
 from lightning_paci.engine.runtime_state import RuntimeState
-from lightning_paci.engine.grad_buckets import ReplicaCheck
 from lightning_paci.engine.updates import checked_update
 from lightning_paci.errors import StageFailure
 from lightning_paci.optim.stage_optimizer import StageOptimizer
@@ -67,6 +67,7 @@ _INTERVAL_KIND = {F: "F", B: "B", OPT: "OPT", RECV_F: "WAIT_F", RECV_B: "WAIT_B"
                   SEND_F: "SEND", SEND_B: "SEND", SEND_T: "SEND"}
 
 
+_DEVICE_TIMED = (F, B, OPT)  # timed with device events when the stage has a device clock ([Note: device clocks])
 _NO_CONTEXT = contextlib.nullcontext()
 
 
@@ -178,6 +179,8 @@ class StageRuntime(RuntimeState):
             self.apply_pending_update()
         start = self.clock()
         self.current = (action, start)  # read by the watchdog's thread (supervision.runtime_activity)
+        device = self.records.device_clock if kind in _DEVICE_TIMED else None
+        began = device.begin() if device is not None else None  # [Note: device clocks]
         try:
             self._handlers[kind](mb)
         except (RuntimeError, ConnectionError) as err:
@@ -185,8 +188,11 @@ class StageRuntime(RuntimeState):
                 raise
             raise _message_failure(self, action, err) from err
         self.current = None
-        index = None if mb is None else mb + self.microbatch_base
-        self.records.account(_CATEGORY[kind], Interval(self.stage, _INTERVAL_KIND[kind], index, start, self.clock()))
+        index, what = None if mb is None else mb + self.microbatch_base, _INTERVAL_KIND[kind]
+        if began is None:
+            self.records.account(_CATEGORY[kind], Interval(self.stage, what, index, start, self.clock()))
+        else:
+            self.records.account_device(_CATEGORY[kind], began, (self.stage, what, index))
         if kind is B and self.records.phase == "startup":
             self.records.set_phase("steady")
 

@@ -26,6 +26,7 @@ from lightning_paci.engine.comm import Comm, DistComm
 from lightning_paci.engine.communicators import transport_device
 from lightning_paci.engine.data_parallel import GradientAverage, join_replicas
 from lightning_paci.engine.device import ChunkComm, DeviceRuntime, local_network
+from lightning_paci.engine.device_clock import DeviceClock
 from lightning_paci.engine.driver import StreamDriver
 from lightning_paci.engine.grad_buckets import OverlappedGradientAverage, backward_order
 from lightning_paci.engine.layered import LayerCuts, LayeredBackward
@@ -202,6 +203,8 @@ class LocalStage:
                                    loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
                                    skip_nonfinite=self.config.nonfinite == "skip", hooks=chunk_hook,
                                    prediction=prediction)
+            if self.links.deliver is not None and self.links.deliver.type == "cuda":  # [Note: device clocks]
+                runtime.records.device_clock = DeviceClock(runtime.clock)
             if self.config.schedule == "layered":  # [Note: layered backward]
                 container = self.module.get_submodule(self.plan.container) if self.plan.container else self.module
                 blocks = [container[i] for i in self.plan.blocks(stage)]  # type: ignore[index]
