@@ -12,9 +12,11 @@ import time
 
 import lightning as L
 import pytest
+import torch
 
 from lightning_paci import ReferencePipeline, build_schedule, plan_partition
 from lightning_paci.engine.device_clock import DeviceClock
+from lightning_paci.schedules import static_drift
 
 from models import SequentialMLP, regression_loader
 
@@ -81,3 +83,35 @@ def test_pending_events_are_bounded_without_a_reader():
     reference.run(build_schedule("paci", 2, 4, 4, num_minibatches=3), list(regression_loader(num_batches=3)))
     for clock in clocks:
         assert len(clock.pending) < 5 and clock.reads == 27 // 5  # 27 timed actions: read every 5th
+
+
+class _AdamMLP(SequentialMLP):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("share", [0.0, 1e9])
+def test_the_prediction_is_switched_off_once_where_it_costs_more_than_its_share(share):
+    """[Note: the prediction's budget]: the first compensated forward's move and way back are timed, compared at
+    the next update with the stage's mean F+B, and the prediction stays on only within ``share`` of it."""
+    from lightning_paci.engine.prediction_cost import PredictionTiming
+
+    L.seed_everything(0, verbose=False)
+    model = _AdamMLP(depth=4)
+    reference = ReferencePipeline(model, plan_partition(model, num_stages=2, partition="parameters"),
+                                  compensation="predict")
+    prediction = reference.runtimes[0].prediction
+    prediction.timer = PredictionTiming(share, event=HostEvent)
+    schedule = build_schedule("paci", 2, 4, 4, num_minibatches=4)
+    crossing = sum(1 for k in static_drift(schedule.actions[0]).values() if k > 0)  # stage 0's forwards run ahead
+    if share == 0.0:
+        with pytest.warns(UserWarning, match=r"stage 0: the weight prediction costs [\d.]+ ms per compensated forward, "
+                                             r"\d+% of the stage's forward\+backward .* compensation is off on this "
+                                             r"stage after optimizer step 2\."):
+            reference.run(schedule, list(regression_loader(num_batches=4)))
+        # the first crossing forward with optimizer state is timed; off after the next update
+        assert reference.runtimes[0].prediction is None and 1 <= prediction.moves < crossing
+    else:
+        reference.run(schedule, list(regression_loader(num_batches=4)))
+        assert reference.runtimes[0].prediction is prediction and prediction.moves == crossing
+    assert prediction.timer.decided and len(prediction.timer.events) == 4

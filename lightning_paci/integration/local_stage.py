@@ -32,6 +32,7 @@ from lightning_paci.engine.grad_buckets import OverlappedGradientAverage, backwa
 from lightning_paci.engine.layered import LayerCuts, LayeredBackward
 from lightning_paci.engine.microbatch import loss_scale_for
 from lightning_paci.engine.optimizer_shards import OptimizerShards, merge_replica_states
+from lightning_paci.engine.prediction_cost import PredictionTiming
 from lightning_paci.engine.recompute import BlockRecompute, recomputes
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.integration.checkpoint import PipelineCheckpoints, cpu_state, gather_everywhere
@@ -205,6 +206,8 @@ class LocalStage:
                                    prediction=prediction)
             if self.links.deliver is not None and self.links.deliver.type == "cuda":  # [Note: device clocks]
                 runtime.records.device_clock = DeviceClock(runtime.clock)
+                if prediction is not None and self.config.compensation == "auto":  # [Note: the prediction's budget]
+                    prediction.timer = PredictionTiming()
             if self.config.schedule == "layered":  # [Note: layered backward]
                 container = self.module.get_submodule(self.plan.container) if self.plan.container else self.module
                 blocks = [container[i] for i in self.plan.blocks(stage)]  # type: ignore[index]

@@ -59,6 +59,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -150,6 +151,9 @@ class WeightPrediction:
         # called before each prediction: a stage's view of a process's optimizer puts its own update count's
         # hyperparameters in the groups (StageOptimizer.own_hyperparameters)
         self.before: Callable[[], None] | None = None
+        # on CUDA under compensation="auto": times the first move and way back (engine/prediction_cost.py,
+        # [Note: the prediction's budget])
+        self.timer: Any = None
 
     def moved(self, k: int, rest: float = 1.0) -> contextlib.AbstractContextManager[None]:
         """A context in which the weights are ``k`` predicted updates ahead (nothing happens for ``k == 0``);
@@ -160,12 +164,21 @@ class WeightPrediction:
     def _ahead(self, k: int, rest: float) -> Iterator[None]:
         if self.before is not None:
             self.before()
+        timer = self.timer if self.timer is not None and self.timer.timing and self.optimizer.state else None
+        if timer is not None:
+            timer.mark()
         bins = self.apply(k, rest)
+        if timer is not None:
+            timer.mark()
         self.moves += 1
         try:
             yield
         finally:
+            if timer is not None:
+                timer.mark()
             self.revert(bins)
+            if timer is not None:
+                timer.mark()
 
     @torch.no_grad()
     def apply(self, k: int, rest: float = 1.0) -> list[_Bin]:
