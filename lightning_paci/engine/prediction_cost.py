@@ -3,8 +3,8 @@
 [Note: the prediction's budget]
 The weight prediction reads and writes ~120 bytes per parameter per compensated forward (AdamW with a known
 gradient, float32 weights: tests/test_device_costs.py), while a transformer stage's forward and backward cost ~6
-FLOPs per parameter and token. On an H200 (~200 FLOPs per byte of memory bandwidth) that is 25-50% of a
-GPT-2-small stage's forward+backward at 8 x 1024 tokens per micro-batch, and a few percent at 64k tokens: whether
+FLOPs per parameter and token. By arithmetic on an H200 (~200 FLOPs per byte of memory bandwidth; not measured
+here) that is 25-50% of a stage's forward+backward at 8 x 1024 tokens per micro-batch, a few percent at 64k: whether
 the compensation pays depends on the shape, so ``"auto"`` measures instead of assuming. On CUDA the stage times its
 first compensated forward's move and way back with CUDA events, and at its next update -- after that update's one
 host read ([Note: one host read per update]) the events are complete, so reading them waits for nothing -- compares
