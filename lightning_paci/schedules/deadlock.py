@@ -28,7 +28,7 @@ What the model assumes, and what it leaves out: communicators progress independe
 kernels of two communicators may not run concurrently when a GPU's resources are exhausted, e.g. under MPS or with
 many communicators; NCCL then asks for one issue order across ranks, which the directed layout does not give:
 batching each step's send and receive with ``batch_isend_irecv`` on one communicator per neighbour pair would
-remove that assumption -- not done, see the issue notes); the collectives outside the lists (``sync_dist``
+remove that assumption; the runtime does not do that); the collectives outside the lists (``sync_dist``
 reductions, LocalSGD's and the drains' averages and broadcasts) are issued by every replica of a stage at the same
 points of identical lists, so they pair up as long as the replicas stay in lockstep (``nonfinite="skip"`` would
 break that and is refused with replicas).
