@@ -41,6 +41,8 @@ from typing_extensions import override
 
 from lightning_paci.config import PACIConfig
 from lightning_paci.engine.activity import activity
+from lightning_paci.engine.communicators import broadcast_objects
+from lightning_paci.engine.pickle_guard import check_no_tensors
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.engine.supervision import mark_setup_error
 from lightning_paci.engine.topology import Topology
@@ -444,10 +446,15 @@ class PACIStrategy(ParallelStrategy):
 
     # -- collectives (never per training batch) ----------------------------------------------------------------------
     def pipeline_broadcast(self, obj: Any, stage: int) -> Any:
-        """Broadcast from ``stage`` of this process's replica to the other stages of that replica."""
-        group = None if self.data_parallel_size == 1 else self.process_groups.pipeline
-        return broadcast_object(obj, self.rank_of(stage), group, what=f"a broadcast from stage {stage}",
-                                waits=collective_waits(self.topology, group))
+        """Broadcast from ``stage`` of this process's replica to the other stages of that replica, over the host
+        group under NCCL ([Note: host groups on a bound world]: no object goes through an NCCL group)."""
+        what, host = f"a broadcast from stage {stage}", self.process_groups.host
+        if self.data_parallel_size == 1:  # the pipeline is every rank: the host group's own broadcast
+            return broadcast_object(obj, self.rank_of(stage), host, what=what)
+        check_no_tensors(obj, what=what)
+        ranks = [self.rank_of(p) for p in range(self.topology.pipeline)]
+        with activity.collective(what, collective_waits(self.topology, self.process_groups.pipeline)):
+            return broadcast_objects(obj, self.rank_of(stage), ranks, host, what=what)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -457,7 +464,8 @@ class PACIStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return broadcast_object(obj, src, None, what="`strategy.broadcast(obj)`", host_tensors=True)
+        host = None if self._groups is None else self._groups.host  # [Note: host groups on a bound world]
+        return broadcast_object(obj, src, host, what="`strategy.broadcast(obj)`", host_tensors=True)
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:

@@ -1,10 +1,12 @@
 """DistComm over real gloo process groups (forked ranks): messages arrive whole and in order, with their structure,
-dtypes and flags, for payloads below and above the single-operation size."""
+dtypes and flags, for payloads below and above the single-operation size and for messages whose tensors are all
+empty; a flush waits for each send once."""
 
 from __future__ import annotations
 
 import os
 import struct
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -65,10 +67,14 @@ def _messages() -> list[Any]:
         {"a": torch.randn(2, generator=g), "b": 1}, {"b": 1, "a": torch.randn(2, generator=g)},
         {"b": 1, "a": torch.randn(2, generator=g)},  # the third repeats the second
         (Opaque(1), torch.randn(2, generator=g)), (Opaque(2), torch.randn(2, generator=g)),
+        # every tensor empty: no payload on the host-header wire, the receiver makes them; the second repeats
+        {"x": torch.zeros(0, 4).requires_grad_(True), "ids": torch.zeros(2, 0, dtype=torch.int64)},
+        {"x": torch.zeros(0, 4).requires_grad_(True), "ids": torch.zeros(2, 0, dtype=torch.int64)},
+        [torch.zeros(0), torch.randn(3, generator=g), torch.zeros(0, 2)],  # empty ones beside bytes
     ]
 
 
-REPEATED = 6  # the messages above whose header repeats the previous one's
+REPEATED = 7  # the messages above whose header repeats the previous one's
 
 
 def _strictly_equal(a: Any, b: Any) -> bool:
@@ -218,3 +224,55 @@ def test_a_repeated_header_the_receiver_does_not_hold_fails_naming_both_ends() -
     with pytest.raises(AssertionError, match=r"stage 1: the message from stage 0 repeats header .* the last header "
                                              r"received on that link is none"):
         HeaderReader().read((0, 0), same, repeat, 1)
+
+
+class _DeviceSend:
+    """A send as NCCL's ``Work`` behaves for the host: ``wait()`` returns at once (it only makes the current stream
+    wait), and the send completes ``lag`` seconds after it was posted, once gloo's real send has."""
+
+    def __init__(self, work: Any, lag: float) -> None:
+        self.work, self.done_at, self.waits = work, time.monotonic() + lag, 0
+
+    def wait(self) -> bool:
+        self.waits += 1
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed() and time.monotonic() >= self.done_at
+
+
+def _flush_worker(rank: int, path: str, errors: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=30))
+        groups = {key: dist.new_group(list(members)) for key, members in layout_communicators("directed", 2).items()}
+        comm = DistComm([0, 1], groups=groups)
+        if rank == 0:  # this forked rank's sends behave as NCCL's (the test process is not patched)
+            sends: list[_DeviceSend] = []
+            send = dist.ProcessGroup.send
+
+            def device_send(group: Any, tensors: list[torch.Tensor], peer: int, tag: int = 0) -> _DeviceSend:
+                sends.append(_DeviceSend(send(group, tensors, peer, tag), lag=0.2))
+                return sends[-1]
+
+            dist.ProcessGroup.send = device_send  # type: ignore[method-assign]
+            for message in _messages()[:3]:
+                comm.send(message, 1)
+            comm.flush()
+            assert [s.waits for s in sends] == [1] * len(sends), [s.waits for s in sends]  # no loop re-waiting
+        else:
+            for message in _messages()[:3]:
+                _assert_same(comm.recv(0), message)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+@pytest.mark.timeout(60)
+def test_flush_waits_for_each_send_once_where_wait_returns_before_the_send_completes(tmp_path: Path) -> None:
+    # NCCL's wait() returns at once: a flush that looped on is_completed() called it again thousands of times while
+    # the device sent (a busy host, and one more stream wait queued per turn)
+    run_forked_ranks(_flush_worker, 2, tmp_path / "rdv")

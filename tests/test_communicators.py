@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_paci.engine import nccl_emulation
 from lightning_paci.engine.comm import DistComm
-from lightning_paci.engine.communicators import create_communicators, warm_communicators
+from lightning_paci.engine.communicators import create_communicators, header_tag, warm_communicators
 from lightning_paci.schedules import layout_communicators
 
 from helpers import fit, run_forked_ranks
@@ -98,3 +98,21 @@ def test_one_cuda_hardware_queue_is_warned_about_under_nccl():
     assert connections_warning("nccl", cuda, {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) is None
     assert connections_warning("nccl", cuda, {}) is None
     assert connections_warning("gloo", torch.device("cpu"), {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) is None
+
+
+def test_header_tags_differ_for_every_link_and_kind_and_stay_in_gloos_range():
+    # [Note: one tag per link]: the loop placement's 0 -> 1 and 2 -> 3 (2 processes), the V's 0 -> 1 and 4 -> 5 (3
+    # virtual stages) join the same two processes in the same direction, so a tag per kind let headers cross
+    for num_stages in (2, 4, 6, 12):
+        keys = [(kind, src, dst) for kind in ("F", "B", "T") for src in range(num_stages) for dst in range(num_stages)
+                if src != dst]
+        tags = [header_tag(kind, src, dst, num_stages) for kind, src, dst in keys]
+        assert len(set(tags)) == len(keys) and min(tags) >= 1 and max(tags) <= 3 * num_stages**2  # 0: objects
+    assert header_tag("F", 0, 1, 4) != header_tag("F", 2, 3, 4) != header_tag("B", 3, 2, 4)
+    assert header_tag("T", 0, 1, 2) != header_tag("F", 0, 1, 2)  # two stages: the tied pair is also F's link
+    with pytest.raises(ValueError, match=r"`kind` must be one of 'F', 'B', 'T', got 'X'"):
+        header_tag("X", 0, 1, 2)
+    with pytest.raises(ValueError, match=r"two different stages of the 2, got `src=1`, `dst=1`"):
+        header_tag("F", 1, 1, 2)
+    with pytest.raises(ValueError, match=r"past gloo's 2147483647: use at most 26754 stages"):
+        header_tag("F", 30000, 30001, 30002)

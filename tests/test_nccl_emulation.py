@@ -41,8 +41,15 @@ def _rank_main(target: Callable[[int], None], rank: int, world: int, directory: 
         outcome.update(rule=err.rule, error=str(err))
     except Exception as err:  # recorded for the assertion's message; the test names what it expects
         outcome.update(error=f"{type(err).__name__}: {err}")
-    Path(directory, f"outcome{rank}.json").write_text(json.dumps(outcome))
+    _write_atomically(Path(directory, f"outcome{rank}.json"), json.dumps(outcome))
     os._exit(0)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``path`` appears whole or not at all: the test polls for it and reads it as soon as it exists."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def _run(target: Callable[[int], None], world: int, directory: Path, *, wait_for: list[int] | None = None,
@@ -165,6 +172,40 @@ def _non_contiguous(rank: int) -> None:
 def test_rule_4_a_non_contiguous_tensor_is_named(tmp_path):
     outcomes = _run(_non_contiguous, 2, tmp_path)
     assert outcomes[0]["rule"] == 4 and "non-contiguous" in outcomes[0]["error"], outcomes
+
+
+def _objects_on_the_nccl_world(rank: int) -> None:
+    parts: list[Any] = [None, None]
+    dist.all_gather_object(parts, {"rank": rank})  # torch would run it, through device memory
+
+
+def test_rule_4_an_object_collective_on_an_nccl_group_is_named(tmp_path):
+    outcomes = _run(_objects_on_the_nccl_world, 2, tmp_path)
+    assert outcomes[0]["rule"] == outcomes[1]["rule"] == 4, outcomes
+    assert "all_gather_object on NCCL group" in outcomes[0]["error"] and "host group" in outcomes[0]["error"]
+
+
+def _objects_over_the_host_group(rank: int) -> None:
+    from lightning_paci.engine.communicators import broadcast_objects, gather_objects
+    from lightning_paci.engine.optimizer_shards import merge_replica_states
+
+    host = dist.new_group([0, 1, 2, 3], backend="gloo", timeout=_TIMEOUT)  # every rank: nobody splits (rule 1)
+    replicas = [dist.new_group(pair, backend="nccl", timeout=_TIMEOUT) for pair in ([0, 1], [2, 3])]
+    pair = [0, 1] if rank < 2 else [2, 3]
+    # two subsets exchange at once on the one host group, each on its own
+    assert gather_objects({"rank": rank}, pair, host, what="a test") == [{"rank": r} for r in pair]
+    assert broadcast_objects(f"from {pair[1]}" if rank == pair[1] else None, pair[1], pair, host,
+                             what="a test") == f"from {pair[1]}"
+    # a stage's replicas merge their optimizer-state shards over the host group, not their NCCL group: each owns
+    # one name, both end with the owners' entries
+    local = {"a": {"state": {"step": torch.tensor(float(rank))}}, "b": {"state": {"step": torch.tensor(-1.0)}}}
+    merged = merge_replica_states(local, ["a"] if rank == pair[0] else ["b"], replicas[rank // 2], host=host)
+    assert float(merged["a"]["state"]["step"]) == pair[0] and float(merged["b"]["state"]["step"]) == -1.0
+
+
+def test_object_exchanges_of_a_subset_of_the_ranks_pass_over_the_host_group(tmp_path):
+    outcomes = _run(_objects_over_the_host_group, 4, tmp_path)
+    assert all(outcomes[r]["error"] is None for r in range(4)), outcomes
 
 
 def test_the_switch_reads_the_environment():

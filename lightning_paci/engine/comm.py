@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_paci.engine.communicators import HEADER_TAGS
+from lightning_paci.engine.communicators import header_tag
 from lightning_paci.engine.messages import (
     ALIGN,
     FIRST_BYTES,
@@ -86,7 +86,7 @@ class DistComm:
         self._stage = stage if stage is not None else ranks.index(dist.get_rank()) if groups is not None else -1
         self._layout, self._replica = layout, replica
         # [Note: headers on a host side channel]: the gloo group of every rank for the headers, a tag per link
-        # (NCCL runs; [Note: host groups on a bound world])
+        # (NCCL runs; [Note: host groups on a bound world], [Note: one tag per link])
         self._headers = headers
         # (channel, src, dst, header?) -> (group, the peer's rank in it, tag)
         self._routes: dict[tuple[int, int, int, bool], tuple[dist.ProcessGroup, int, int]] = {}
@@ -112,9 +112,10 @@ class DistComm:
         if route is None:
             kind = "T" if channel == 1 else ("F" if src < dst else "B")
             peer = self._ranks[dst if src == self._stage else src]
-            if header:  # one host group of every rank: the peer's global rank, the link's tag
-                assert self._headers is not None
-                route = (self._headers, dist.get_group_rank(self._headers, peer), HEADER_TAGS[kind])
+            if header:  # one host group of every rank: the peer's global rank, the link's tag ([Note: one tag
+                assert self._headers is not None  # per link]: two links may join the same two processes)
+                route = (self._headers, dist.get_group_rank(self._headers, peer),
+                         header_tag(kind, src, dst, len(self._ranks)))
             else:
                 table = self._groups
                 group = dist.group.WORLD if table is None else table[communicator(self._layout, kind, src, dst,
@@ -198,7 +199,7 @@ class DistComm:
             payload = torch.empty(header.device_bytes, dtype=torch.uint8, device=self._device)
             group.recv([payload], peer, 0).wait()  # under NCCL the stream waits, not the host
         self._reap()
-        return unpack_split(header, payload)
+        return unpack_split(header, payload, device=self._device)
 
     def _reap(self) -> None:
         while self._pending and self._pending[0][0].is_completed():
@@ -289,10 +290,20 @@ class DistComm:
         return True  # a blocking receive simply waits
 
     def flush(self) -> None:
-        """Wait until every posted send has completed (before a drain ends, a checkpoint, or teardown)."""
-        while self._pending:
-            self._pending[0][0].wait()
-            self._reap()
+        """Wait until every posted send has completed (before a drain ends, a checkpoint, or teardown).
+
+        Each send is waited for once. gloo's ``wait()`` returns when the send completed; NCCL's only makes the
+        current stream wait for it and returns at once, so a loop on ``is_completed()`` would spin the host and
+        queue one more stream wait per turn: where a send is still running after its ``wait()``, one
+        synchronisation of the stream (which now waits for all of them) blocks the host instead."""
+        pending, self._pending = self._pending, deque()
+        for work, _, _ in pending:
+            work.wait()
+        if self._device.type == "cuda" and any(not work.is_completed() for work, _, _ in pending):
+            torch.cuda.current_stream(self._device).synchronize()
+        for _, buffer, view in pending:
+            if view is not None and len(self._spare) < _SPARE:
+                self._spare.append((buffer, view))
 
 
 class ReceivesAhead:

@@ -17,13 +17,15 @@ no-color ``ncclCommSplit``, the members of a group with an NCCL part join that s
 members of a plain gloo group do not -- they connect over gloo (``distributed_c10d._new_process_group_helper``). A
 two-rank gloo group made after binding therefore leaves every other rank in a split its members never enter: at 3
 stages or more, setup hangs (pytorch/pytorch#145376). The host side channel ([Note: headers on a host side channel])
-is therefore **one gloo group of every rank** (:attr:`PipelineLinks.host`), with a tag per link: no rank is outside
-it, so nobody splits, and it costs one gloo context instead of one per link. The alternatives were weighed against
-torch's rules: a ``"cpu:gloo,cuda:nccl"`` group per link also satisfies the split, but builds an NCCL communicator per
-header link that is never used (GPU memory and a proxy thread each); creating the gloo groups before binding is not
-possible (a group needs the initialised world); clearing the bound device around their creation relies on torch's
-private state. Checkpoint gathers and the end-of-fit gather go through the same group, so a stage's state never
-passes through GPU memory. ``LIGHTNING_PACI_EMULATE_NCCL=1`` checks the rule on the CPU ([Note: NCCL emulation]).
+is therefore **one gloo group of every rank** (:attr:`PipelineLinks.host`), with a tag per link ([Note: one tag per
+link]): no rank is outside it, so nobody splits, and it costs one gloo context instead of one per link. The
+alternatives were weighed against torch's rules: a ``"cpu:gloo,cuda:nccl"`` group per link also satisfies the split,
+but builds an NCCL communicator per header link that is never used (GPU memory and a proxy thread each); creating the
+gloo groups before binding is not possible (a group needs the initialised world); clearing the bound device around
+their creation relies on torch's private state. Checkpoint gathers, the end-of-fit gather and the merge of sharded
+optimizer states go through the same group, so a stage's state never passes through GPU memory: no Python object
+is pickled into an NCCL group. ``LIGHTNING_PACI_EMULATE_NCCL=1`` checks these rules on the CPU ([Note: NCCL
+emulation]).
 """
 
 from __future__ import annotations
@@ -31,18 +33,43 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_paci.engine.activity import activity
+from lightning_paci.engine.pickle_guard import check_no_tensors
 from lightning_paci.schedules.deadlock import HOST_GROUP, Communicator, setup_groups
 
-__all__ = ["HEADER_TAGS", "PipelineLinks", "connections_warning", "create_communicators", "new_group",
-           "transport_device", "warm_communicators"]
+__all__ = ["HEADER_KINDS", "PipelineLinks", "broadcast_objects", "connections_warning", "create_communicators",
+           "gather_objects", "header_tag", "new_group", "transport_device", "warm_communicators"]
 
-# the host group's tag of each link's headers ([Note: host groups on a bound world]); 0 stays for object collectives
-HEADER_TAGS = {"F": 1, "B": 2, "T": 3}
+HEADER_KINDS = ("F", "B", "T")  # a link's message kinds: activations, gradients, tied weights
+_MAX_TAG = 2**31 - 1  # gloo takes a non-negative C int as a point-to-point tag
+
+
+def header_tag(kind: str, src: int, dst: int, num_stages: int) -> int:
+    """The host group's tag of the headers of ``kind`` from stage ``src`` to stage ``dst`` ([Note: one tag per
+    link]); the same on both ends, different for every link and kind of a pipeline of ``num_stages`` stages.
+
+    [Note: one tag per link]
+    gloo matches a receive to a send by (peer, tag), first posted first matched. With virtual stages two links join
+    the same two processes in the same direction -- stages 0 -> 1 and 2 -> 3 of the loop placement on 2 devices, or
+    the V's 0 -> 1 and 4 -> 5 at 3 virtual stages -- so a tag per message kind would let a header land in the
+    other chunk's posted receive while its payload waits on its own link's group (seen as "repeats header ...,
+    but the last header received on that link is none" at batch 0). The tag therefore names the link: ``1 +
+    kind + 3 * (src * num_stages + dst)``, kind 0, 1, 2 for F, B, T. Tag 0 stays for the object operations on the
+    host group (checkpoint gathers), which never share a tag with a header."""
+    if kind not in HEADER_KINDS:
+        raise ValueError(f"`kind` must be one of {', '.join(map(repr, HEADER_KINDS))}, got {kind!r}.")
+    if not (0 <= src < num_stages and 0 <= dst < num_stages) or src == dst:
+        raise ValueError(f"A link joins two different stages of the {num_stages}, got `src={src}`, `dst={dst}`.")
+    tag = 1 + HEADER_KINDS.index(kind) + 3 * (src * num_stages + dst)
+    if tag > _MAX_TAG:
+        raise ValueError(f"{num_stages} stages need header tags up to {tag}, past gloo's {_MAX_TAG}: use at most "
+                         f"{int((_MAX_TAG / 3) ** 0.5)} stages.")
+    return tag
 
 
 def create_communicators(num_stages: int, replicas: int, rank_of: Callable[[int, int], int], *, backend: str,
@@ -92,6 +119,37 @@ def warm_communicators(groups: Mapping[Communicator, dist.ProcessGroup], rank_of
             continue
         count += 1
     return count
+
+
+def broadcast_objects(obj: Any, src: int, ranks: Sequence[int], host: dist.ProcessGroup | None, *, what: str) -> Any:
+    """``obj`` from global rank ``src`` to the other global ``ranks`` (``src`` among them; every one of them calls
+    this), pickled over ``host``: the host group of every rank under NCCL, None for the world where it is a host
+    group itself (gloo) -- never through an NCCL group ([Note: host groups on a bound world]; the NCCL emulation
+    refuses it). Point to point from ``src`` to each of the others, so that a subset of the ranks (a stage's
+    replicas, a replica's pipeline) can exchange objects on the group of every rank while the others do not take
+    part. Host tensors may ride along (checkpoint state); a device tensor is refused, naming ``what``. The host
+    group's tag 0, which no header uses ([Note: one tag per link])."""
+    me = dist.get_rank()
+    if me not in ranks or src not in ranks:
+        raise AssertionError(f"rank {me}: {what} from rank {src} to ranks {list(ranks)}: the sender and every "
+                             f"caller must be among them")
+    if me == src:
+        check_no_tensors(obj, what=what, host_tensors=True)
+        for rank in ranks:
+            if rank != src:
+                dist.send_object_list([obj], dst=rank, group=host)
+        return obj
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=src, group=host)
+    return box[0]
+
+
+def gather_objects(obj: Any, ranks: Sequence[int], host: dist.ProcessGroup | None, *, what: str) -> list[Any]:
+    """Every one of the global ``ranks``' ``obj``, in their order, on each of them (an ``all_gather_object`` of a
+    subset of the ranks over ``host``, see :func:`broadcast_objects`): one broadcast per rank in turn, the same
+    order on every member, so each turn has its sender and all its receivers."""
+    me = dist.get_rank()
+    return [broadcast_objects(obj if rank == me else None, rank, ranks, host, what=what) for rank in ranks]
 
 
 def transport_device(backend: str | None, device: torch.device) -> torch.device:

@@ -17,7 +17,13 @@ checks, on every rank, the rules torch 2.13 and NCCL apply:
 3. *One collective order.* The members of a communicator issue its collectives in the same order, with the same
    operation and sizes.
 4. *Device tensors only.* An NCCL operation takes dense, contiguous tensors on the world's bound device; a gloo
-   group takes host tensors only.
+   group takes host tensors only. Host data goes over a gloo group, Python objects included: an object operation
+   (``all_gather_object``, ``broadcast_object_list``, ``gather_object``, ``scatter_object_list``,
+   ``send_object_list``, ``recv_object_list``) on an NCCL group is refused. torch would run it -- it pickles the
+   object into a host tensor, copies it to the device, exchanges sizes first and reads them back with a device
+   synchronisation -- but every call then drains the stream twice, the pickles take device memory, and a device
+   tensor inside the object is unpickled onto the device it left from on every rank (engine/pickle_guard.py).
+   This project carries objects over the host group of every rank ([Note: host groups on a bound world]).
 
 A broken rule raises :class:`NcclRuleError` naming the rule, the group, the ranks and the fix, within seconds: the
 ranks meet through the process group's store (each waiting rank polls it and sees the others' records), never
@@ -30,6 +36,7 @@ which obeys the same rule.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -42,7 +49,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from lightning_paci.errors import NcclRuleError
 
-__all__ = ["ENV", "NcclEmulation", "NcclRuleError", "emulation", "enabled", "install"]
+__all__ = ["ENV", "OBJECT_OPERATIONS", "NcclEmulation", "NcclRuleError", "emulation", "enabled", "install"]
 
 ENV = "LIGHTNING_PACI_EMULATE_NCCL"
 
@@ -50,6 +57,9 @@ _POLL = 0.005  # seconds between two looks at the store while waiting for other 
 _COLLECTIVES = ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
                 "allgather_into_tensor_coalesced", "reduce", "gather", "scatter", "reduce_scatter",
                 "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base", "barrier")
+# torch.distributed's operations on Python objects (rule 4: never on an NCCL group)
+OBJECT_OPERATIONS = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+                     "send_object_list", "recv_object_list")
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -115,6 +125,11 @@ class NcclEmulation:
         for name in _COLLECTIVES:
             if hasattr(dist.ProcessGroup, name):
                 patch(dist.ProcessGroup, name, functools.partial(self._collective, name=name))
+        for name in OBJECT_OPERATIONS:  # torch.distributed's namespace holds c10d's functions under the same names
+            wrapped = self._object_operation(getattr(c10d, name), name)
+            for owner in (c10d, dist):
+                self._originals.append((owner, name, getattr(owner, name)))
+                setattr(owner, name, wrapped)
 
     def uninstall(self) -> None:
         for owner, name, original in reversed(self._originals):
@@ -284,6 +299,27 @@ class NcclEmulation:
                 raise NcclRuleError(4, (
                     f"rank {dist.get_rank()}: {what} on gloo group {group.group_name} got a tensor on "
                     f"{tensor.device}; gloo takes host tensors only."))
+
+    # -- rule 4 on object operations ------------------------------------------------------------------------------
+    def _object_operation(self, op: Any, name: str) -> Any:
+        signature = inspect.signature(op)
+        emulation = self
+
+        @functools.wraps(op)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            group = signature.bind(*args, **kwargs).arguments.get("group")
+            group = dist.group.WORLD if group is None else group
+            known = None if group is None else emulation._groups.get(group.group_name)
+            if group is not None and known is not None and known.nccl:
+                raise NcclRuleError(4, (
+                    f"rank {dist.get_rank()}: {name} on NCCL group {group.group_name} (ranks {list(known.ranks)}): "
+                    f"a Python object would be pickled into device memory, its size read back with a device "
+                    f"synchronisation, and a device tensor in it unpickled onto the device it left from on every "
+                    f"rank. Carry host data over a gloo group: the host group of every rank "
+                    f"(`ProcessGroups.host`, [Note: host groups on a bound world]), or send device data as tensors."))
+            return op(*args, **kwargs)
+
+        return wrapped
 
     # -- rule 3 and rule 4 on collectives --------------------------------------------------------------------------
     def _collective(self, op: Any, name: str) -> Any:

@@ -14,7 +14,9 @@ that update each tensor on its own (SGD, Adam, AdamW, ...) the result is bit for
 optimizer that couples tensors (a global-norm LAMB) is not.
 
 A checkpoint holds the whole state keyed by parameter name, as without sharding (``merge_replica_states``): it
-resumes exactly, and into any number of replicas, each keeping the entries it owns.
+resumes exactly, and into any number of replicas, each keeping the entries it owns. The replicas' shards meet on the
+host: over the host group of every rank under NCCL, never pickled through the data-parallel NCCL group ([Note: host
+groups on a bound world]).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_paci.engine.communicators import gather_objects
 
 __all__ = ["OptimizerShards", "merge_replica_states", "optimizer_state_bytes", "partition_tensors"]
 
@@ -85,13 +89,15 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                if isinstance(v, torch.Tensor))
 
 
-def merge_replica_states(local: Mapping[str, Any], owned: Sequence[str], group: Any) -> dict[str, Any]:
-    """The stage's whole name-keyed optimizer state (checkpoint.stage_optimizer_state's entries) from its replicas'
-    shards: each name takes the entry of the replica that owns it (``owned``: this replica's names)."""
+def merge_replica_states(local: Mapping[str, Any], owned: Sequence[str], group: Any, *,
+                         host: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """The stage's whole name-keyed optimizer state (checkpoint.stage_optimizer_state's entries, host tensors) from
+    its replicas' shards: each name takes the entry of the replica that owns it (``owned``: this replica's names).
+    ``group`` is the stage's replicas' group and says who they are; the shards travel over ``host``, the host group
+    of every rank under NCCL (None: the world, a host group itself under gloo), one replica's at a time."""
     mine = {name: local[name] for name in owned}
-    parts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, mine, group=group)
     merged = dict(local)
-    for part in parts:
+    for part in gather_objects(mine, dist.get_process_group_ranks(group), host,
+                               what="a replica's optimizer-state shard"):
         merged.update(part)
     return merged

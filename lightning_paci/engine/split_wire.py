@@ -3,15 +3,16 @@
 [Note: headers on a host side channel]
 On a GPU, a message framed as one buffer (comm.py's wire) costs two full device synchronisations: the sender builds
 the header on the host and copies it to the device from pageable memory, the receiver copies the header back
-(``.cpu()``) before it knows the shapes, waiting for every kernel queued before the receive. So under NCCL each
-directed link also gets a gloo communicator of its own for headers (``DistComm(headers=...)``):
+(``.cpu()``) before it knows the shapes, waiting for every kernel queued before the receive. So under NCCL the
+headers go to the gloo group of every rank (``DistComm(headers=...)``), each link's with its own tag ([Note: one tag
+per link] in communicators.py), and the payloads to the link's own NCCL group:
 
     header (gloo, host)     uint8[FIRST_BYTES]: blob length, host bytes, device bytes, header id, float count (8
                             bytes each), the pickled structure (each tensor a TensorMeta with ``host`` set where it
                             stays on the host; nothing when the link's structure repeats, [Note: header reuse]), the
                             floats, then the host tensors' bytes; the rest in a second operation if it did not fit
     payload (NCCL, device)  uint8[device bytes]: the device tensors' bytes (64-byte aligned offsets), only when
-                            there are some
+                            there are some (a message whose device tensors are all empty has none)
 
 The sender packs the device tensors with device-to-device copies and posts both sends; the receiver's host waits
 for the header only (its sender's host posted it when it got there, ahead of its device), then allocates the payload
@@ -135,13 +136,19 @@ def read_split_header(first: torch.Tensor, rest: Any, *, reader: HeaderReader | 
     return SplitHeader(skeleton, metas, tensors, floats, device_bytes)
 
 
-def unpack_split(header: SplitHeader, payload: torch.Tensor | None) -> Any:
-    """The received structure: host tensors as parsed, device tensors as views of ``payload``."""
+def unpack_split(header: SplitHeader, payload: torch.Tensor | None, *, device: torch.device | None = None) -> Any:
+    """The received structure: host tensors as parsed, device tensors as views of ``payload``. A message whose
+    device tensors are all empty (no elements) has no payload: its empty tensors are made on ``device``, the
+    transport's."""
     tensors = []
     for meta, tensor in zip(header.metas, header.host):
         if tensor is None:
-            if payload is None:
-                raise AssertionError("a device tensor in a header without a payload")
-            tensor = from_bytes(payload[meta.offset: meta.offset + meta.nbytes], meta)
+            if payload is not None:
+                tensor = from_bytes(payload[meta.offset: meta.offset + meta.nbytes], meta)
+            elif not meta.nbytes and device is not None:
+                tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            else:
+                raise AssertionError(f"a device tensor of {meta.nbytes} bytes in a header without a payload "
+                                     f"(device {device})")
         tensors.append(tensor.requires_grad_(True) if meta.requires_grad else tensor)
     return place_floats(header.skeleton, tensors, header.floats)

@@ -5,7 +5,9 @@ every stage runs the list ``[RECV_F i] F i [SEND_F i]`` for each micro-batch, so
 ``i`` while stage ``s+1`` works on ``i-1``. Running it through
 :class:`~lightning_paci.engine.runtime.StageRuntime` means a lost neighbour fails with the same named error as in
 training (``stage 1: receiving from stage 0 failed at 1RECV_F2 (...)``). The last stage's ``self.log`` records
-reach every rank with one broadcast per batch; predictions stay on the last stage, which is global rank 0 (see
+reach every rank with one broadcast per batch, of host floats only (``host_records``), over the host group of every
+rank under NCCL, never through an NCCL group ([Note: host groups on a bound world]; the NCCL emulation refuses an
+object collective on one); predictions stay on the last stage, which is global rank 0 (see
 `PACIStrategy.stage_index`).
 """
 
@@ -48,8 +50,8 @@ class PipelineEvaluator:
             run one after the other, each over every micro-batch, which needs nothing of a later chunk).
         comms: each stage's messages (the training pipeline is drained while evaluation runs).
         num_microbatches: the most micro-batches a batch is split into (fewer for a smaller batch).
-        broadcast: ``broadcast(obj, src)`` over all processes of the pipeline (the strategy's), used once per batch
-            for the logs from ``log_source``, the process holding the last stage.
+        broadcast: ``broadcast(obj, src)`` over all processes of the pipeline (the strategy's, on the host group),
+            used once per batch for the logs from ``log_source``, the process holding the last stage.
         context: the precision plugin's evaluation context.
     """
 

@@ -292,7 +292,8 @@ class LocalStage:
             mine = set().union(*(shards.owned for shards in self._shards.values()))
             names = {id(p): n for n, p in self.module.named_parameters()}
             owned = [names[id(p)] for _, p in optimizer.pairs if id(p) in mine]
-            merge = partial(merge_replica_states, owned=owned, group=self.links.replica_group)
+            merge = partial(merge_replica_states, owned=owned, group=self.links.replica_group,
+                            host=self.links.headers)
         entry = checkpoints.optimizer_state(optimizer, self.module, backwards=runtime.microbatch_base,
                                             steps=runtime.version, replicas=self._replicas,
                                             window_start=runtime.window_base, merge=merge)
