@@ -128,8 +128,9 @@ class PACIConfig:
             the first and the last stage on one process, so a tied embedding and LM head share one weight and
             exchange nothing; global rank 0 then holds them).
 
-    Gradient clipping (``Trainer(gradient_clip_val=...)``) is applied per stage to the stage's own gradients; there
-    is no cross-stage global norm (that would need a per-step collective).
+    Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) uses the norm over every stage's gradients under
+    the flush schedules, as one device; under ``"paci"`` and with virtual stages each stage's own, said at setup
+    ([Note: global-norm clipping] in integration/clipping.py).
     """
 
     schedule: ScheduleName = "paci"

@@ -35,7 +35,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -53,6 +53,7 @@ from lightning_paci.integration.checkpoint import (
     cpu_state,
     receive_after_fit,
 )
+from lightning_paci.integration.clipping import clips_by_norm, global_norm_clipping, per_stage_clipping
 from lightning_paci.integration.fit_loop import (
     ends_epoch,
     must_drain,
@@ -368,7 +369,18 @@ class PACIStrategy(ParallelStrategy):
                                        hooks=lambda stage: LightningHooks(module, trainer, stage),
                                        train_context=self.precision_plugin.train_step_context)
             self.undo_at_teardown(patch_for_pipeline(trainer, module, owned))
+            self._clip_by_global_norm(trainer)
             activity.source = self._stage.activity()
+
+    def _clip_by_global_norm(self, trainer: Trainer) -> None:
+        """``Trainer(gradient_clip_val=...)`` by norm: the norm over every stage under the flush schedules, else
+        each stage's own, said once ([Note: global-norm clipping])."""
+        per_stage = per_stage_clipping(trainer, self.config.schedule, self.config.virtual_stages)
+        if per_stage is not None:
+            rank_zero_warn(per_stage)
+        elif clips_by_norm(trainer):
+            self.undo_at_teardown([global_norm_clipping(self.precision_plugin, self.replica_index,
+                                                        self.data_parallel_size)])
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

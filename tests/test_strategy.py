@@ -339,7 +339,8 @@ def test_a_gradient_accumulation_scheduler_trains_as_on_one_device(scheduling):
     _assert_state_close(model, single, rtol=1e-5)
 
 
-def test_gradient_clipping_is_applied_per_stage():
+def test_gradient_clipping_by_norm_under_1f1b_uses_the_norm_over_every_stage():
+    """[Note: global-norm clipping]: each stage scales by the norm over both stages' gradients, as one device."""
     torch.manual_seed(8)
     model = SequentialMLP(lr=0.5)
     reference = copy.deepcopy(model)
@@ -352,8 +353,9 @@ def test_gradient_clipping_is_applied_per_stage():
     for batch in list(loader)[:3]:
         for parts in zip(*(torch.tensor_split(t, 4) for t in batch)):
             (torch.nn.functional.mse_loss(reference(parts[0]), parts[1]) / 4).backward()
-        norms = [torch.nn.utils.clip_grad_norm_(params, 0.05) for params in stage_params]  # one norm per stage
-        assert all(n > 0.05 for n in norms)  # clipping is active, so the test can tell per-stage from global
+        stage_norms = [torch.nn.utils.get_total_norm([p.grad for p in params]) for params in stage_params]
+        assert all(n > 0.05 for n in stage_norms)  # clipping is active, so the test can tell per-stage from global
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)  # one norm over every parameter
         optimizer.step()
         optimizer.zero_grad()
     _assert_state_close(model, reference, rtol=1e-5)

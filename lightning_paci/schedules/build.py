@@ -170,16 +170,18 @@ def _collector_paused() -> Iterator[None]:
 
 def _add_tied_exchange(schedule: Schedule) -> Schedule:
     """[Note: tied weights]
-    A weight used on the first and the last stage (GPT-2's ``wte`` / ``lm_head``) is owned by stage 0, which
-    applies update ``k`` with the gradient of *both* uses: before its ``k``-th ``OPT`` it receives the last stage's
+    A weight used on the first and the last stage (GPT-2's ``wte`` / ``lm_head``) is owned by stage 0, which applies
+    update ``k`` with the gradient of *both* uses: before its ``k``-th ``OPT`` it receives the last stage's
     tied-weight gradient of that stage's ``k``-th window (``RECV_T``), after it sends the updated weights
-    (``SEND_T``). The last stage keeps a replica that its own optimizer never steps: after its ``k``-th ``OPT`` it
-    sends the replica's gradient, and it installs stage 0's weights ``k`` (``RECV_T``) right before its first
-    action of the call after the one in which stage 0 sent them -- so the receive never waits for a later call
-    and no flush or global collective is added. The replica therefore goes through exactly stage 0's sequence of
-    weights, some updates late: under a flush schedule it is up to date before the next mini-batch's first forward
-    (exact single-device semantics); under ``"paci"`` the last stage uses weights one or two updates old. The
-    drain at the end of a stream installs every outstanding update, so both copies are equal afterwards.
+    (``SEND_T``). The last stage keeps a replica that its own optimizer never steps: right before its ``k``-th
+    ``OPT`` it sends the replica's gradient (final then; its update never reads it, and nothing of the update -- a
+    collective such as gradient clipping's global norm -- can then hold stage 0's update back), and it installs
+    stage 0's weights ``k`` (``RECV_T``) right before its first action of the call after the one in which stage 0
+    sent them -- so the receive never waits for a later call and no flush or global collective is added. The replica
+    therefore goes through exactly stage 0's sequence of weights, some updates late: under a flush schedule it is up
+    to date before the next mini-batch's first forward (exact single-device semantics); under ``"paci"`` the last
+    stage uses weights one or two updates old. The drain at the end of a stream installs every outstanding update,
+    so both copies are equal afterwards.
     """
     n = schedule.num_stages
     last = n - 1
@@ -198,19 +200,19 @@ def _add_tied_exchange(schedule: Schedule) -> Schedule:
             sent_round.append(rnd)
         else:
             out0.append(action)
-    # last stage: SEND_T(k) after its k-th OPT; RECV_T(k) before the first action of a round > sent_round[k]
+    # last stage: SEND_T(k) before its k-th OPT; RECV_T(k) before the first action of a round > sent_round[k]
     out_last: list[Action] = []
     pending = 0  # next weights update to install (0-based into sent_round)
     k = 0
     for action, rnd in zip(tail, tail_rounds):
+        if action.kind is OPT:  # the window's tied gradient is final: out before the update's own work
+            k += 1
+            out_last.append(new(Action, (last, SEND_T, k)))
         out_last.append(action)
         # right after the activation receive that opens a later round, before that forward runs
         while pending < len(sent_round) and rnd > sent_round[pending] and action.kind is RECV_F:
             pending += 1
             out_last.append(new(Action, (last, RECV_T, pending)))
-        if action.kind is OPT:
-            k += 1
-            out_last.append(new(Action, (last, SEND_T, k)))
     while pending < len(sent_round):
         pending += 1
         out_last.append(new(Action, (last, RECV_T, pending)))

@@ -1,0 +1,81 @@
+"""Gradient clipping by the norm over every stage's parameters, as one device clips.
+
+[Note: global-norm clipping]
+``Trainer(gradient_clip_val=c)`` (algorithm ``"norm"``, Lightning's default) clips on one device by the norm over
+every parameter of the model; a stage holds only its own, and clipping each stage by its own norm scales every
+stage differently (a transformers GPT-2 under ``"1f1b"`` ended 0.6 (2 stages) to 1.4 (4 stages) away from one
+device's weights, relative). Under the flush schedules (``"1f1b"``, ``"gpipe"``, ``"layered"``) every stage makes
+its k-th update at the same point of the same stream, after the batch's last backward, which the flush waits for
+anyway: there each stage's squared norm (one multi-tensor norm, on the device) is summed over every process with
+one all-reduce of ``replicas`` numbers on the default process group -- a process writes its own replica's slot, so
+the sum is each replica's pipeline's, and the replicas' gradients, averaged before, give the same total -- and
+the stage scales its gradients by ``min(1, c / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does,
+without a host read. Lightning's precision plugin clips through ``clip_grad_by_norm``, so a module's own
+``configure_gradient_clipping`` calling ``self.clip_gradients(..., "norm")`` is global too; a direct call of
+``clip_grad_norm_`` in a hook stays the stage's own.
+
+Under ``"paci"`` the stages update at different times, and a collective at every update would be the global
+synchronisation PACI removes; with virtual stages a process updates each of its stages at its own point of the
+list. There clipping by norm stays per stage, said at setup (``per_stage_clipping``).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["FLUSH_SCHEDULES", "clips_by_norm", "global_norm_clipping", "per_stage_clipping"]
+
+FLUSH_SCHEDULES = ("1f1b", "gpipe", "layered")  # every stage's k-th update at the same point of the stream
+
+
+def clips_by_norm(trainer: Any) -> bool:
+    """Whether the Trainer clips gradients by their norm (``gradient_clip_val`` set, algorithm ``"norm"``)."""
+    algorithm = trainer.gradient_clip_algorithm
+    return bool(trainer.gradient_clip_val) and (algorithm is None or str(getattr(algorithm, "value", algorithm)) ==
+                                                "norm")
+
+
+def per_stage_clipping(trainer: Any, schedule: str, virtual_stages: int) -> str | None:
+    """The setup warning where clipping by norm stays per stage ([Note: global-norm clipping]), else None."""
+    if not clips_by_norm(trainer) or (schedule in FLUSH_SCHEDULES and virtual_stages == 1):
+        return None
+    why = (f"virtual_stages={virtual_stages}: a process updates each of its stages at its own point of the list"
+           if virtual_stages > 1 else
+           f"schedule={schedule!r}: the stages update at different times, and a collective at every update would "
+           f"be the global synchronisation it removes")
+    return (f"lightning_paci: `Trainer(gradient_clip_val={trainer.gradient_clip_val})` clips by norm, and under "
+            f"{why}, so each stage clips by the norm of its own gradients (one device clips by the norm over "
+            f"every parameter). `schedule='1f1b'` or `'gpipe'` (with `virtual_stages=1`) clips by the global norm; "
+            f"`gradient_clip_algorithm='value'` is the same as on one device everywhere.")
+
+
+def global_norm_clipping(plugin: Any, replica: int, replicas: int) -> Callable[[], None]:
+    """Make ``plugin`` (the strategy's precision plugin) clip by the norm over every stage's gradients of this
+    process's replica; returns the undo."""
+
+    def clip_grad_by_norm(self: Any, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        dtype = grads[0].dtype if grads else torch.float32
+        squares = torch.zeros(replicas, dtype=dtype, device=device)  # (replicas,): this replica's slot only
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads)).to(dtype)  # (tensors,)
+            squares[replica] = norms.square().sum()
+        dist.all_reduce(squares)  # every stage of every replica: each replica's pipeline's sum in its slot
+        total = squares[replica].sqrt()
+        scale = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, scale)
+
+    original = plugin.clip_grad_by_norm
+    plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
+
+    def undo() -> None:
+        plugin.clip_grad_by_norm = original
+
+    return undo
