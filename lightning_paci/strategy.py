@@ -35,14 +35,12 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_paci.config import PACIConfig
 from lightning_paci.engine.activity import activity
-from lightning_paci.engine.communicators import broadcast_objects
-from lightning_paci.engine.pickle_guard import check_no_tensors
 from lightning_paci.engine.runtime import StageRuntime
 from lightning_paci.engine.supervision import mark_setup_error
 from lightning_paci.engine.topology import Topology
@@ -53,7 +51,7 @@ from lightning_paci.integration.checkpoint import (
     cpu_state,
     receive_after_fit,
 )
-from lightning_paci.integration.clipping import clips_by_norm, global_norm_clipping, per_stage_clipping
+from lightning_paci.integration.clipping import clipping_by_norm
 from lightning_paci.integration.fit_loop import (
     ends_epoch,
     must_drain,
@@ -368,19 +366,8 @@ class PACIStrategy(ParallelStrategy):
             self._stage.start_training(self.optimizers, schedulers=owned, accumulation=self.accumulation,
                                        hooks=lambda stage: LightningHooks(module, trainer, stage),
                                        train_context=self.precision_plugin.train_step_context)
-            self.undo_at_teardown(patch_for_pipeline(trainer, module, owned))
-            self._clip_by_global_norm(trainer)
+            self.undo_at_teardown(patch_for_pipeline(trainer, module, owned) + clipping_by_norm(trainer, self))
             activity.source = self._stage.activity()
-
-    def _clip_by_global_norm(self, trainer: Trainer) -> None:
-        """``Trainer(gradient_clip_val=...)`` by norm: the norm over every stage under the flush schedules, else
-        each stage's own, said once ([Note: global-norm clipping])."""
-        per_stage = per_stage_clipping(trainer, self.config.schedule, self.config.virtual_stages)
-        if per_stage is not None:
-            rank_zero_warn(per_stage)
-        elif clips_by_norm(trainer):
-            self.undo_at_teardown([global_norm_clipping(self.precision_plugin, self.replica_index,
-                                                        self.data_parallel_size)])
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -458,15 +445,11 @@ class PACIStrategy(ParallelStrategy):
 
     # -- collectives (never per training batch) ----------------------------------------------------------------------
     def pipeline_broadcast(self, obj: Any, stage: int) -> Any:
-        """Broadcast from ``stage`` of this process's replica to the other stages of that replica, over the host
-        group under NCCL ([Note: host groups on a bound world]: no object goes through an NCCL group)."""
-        what, host = f"a broadcast from stage {stage}", self.process_groups.host
-        if self.data_parallel_size == 1:  # the pipeline is every rank: the host group's own broadcast
-            return broadcast_object(obj, self.rank_of(stage), host, what=what)
-        check_no_tensors(obj, what=what)
-        ranks = [self.rank_of(p) for p in range(self.topology.pipeline)]
-        with activity.collective(what, collective_waits(self.topology, self.process_groups.pipeline)):
-            return broadcast_objects(obj, self.rank_of(stage), ranks, host, what=what)
+        """From ``stage`` to this replica's other stages, over the host group ([Note: host groups on a bound world])."""
+        ranks = None if self.data_parallel_size == 1 else [self.rank_of(p) for p in range(self.topology.pipeline)]
+        groups = self.process_groups  # without replicas the pipeline is every rank: the host group's own broadcast
+        return broadcast_object(obj, self.rank_of(stage), groups.host, what=f"a broadcast from stage {stage}",
+                                ranks=ranks, waits=collective_waits(self.topology, ranks and groups.pipeline))
 
     @override
     def barrier(self, name: str | None = None) -> None:

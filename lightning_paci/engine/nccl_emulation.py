@@ -126,10 +126,8 @@ class NcclEmulation:
             if hasattr(dist.ProcessGroup, name):
                 patch(dist.ProcessGroup, name, functools.partial(self._collective, name=name))
         for name in OBJECT_OPERATIONS:  # torch.distributed's namespace holds c10d's functions under the same names
-            wrapped = self._object_operation(getattr(c10d, name), name)
             for owner in (c10d, dist):
-                self._originals.append((owner, name, getattr(owner, name)))
-                setattr(owner, name, wrapped)
+                patch(owner, name, functools.partial(_object_operation, self._groups, name=name))
 
     def uninstall(self) -> None:
         for owner, name, original in reversed(self._originals):
@@ -300,27 +298,6 @@ class NcclEmulation:
                     f"rank {dist.get_rank()}: {what} on gloo group {group.group_name} got a tensor on "
                     f"{tensor.device}; gloo takes host tensors only."))
 
-    # -- rule 4 on object operations ------------------------------------------------------------------------------
-    def _object_operation(self, op: Any, name: str) -> Any:
-        signature = inspect.signature(op)
-        emulation = self
-
-        @functools.wraps(op)
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            group = signature.bind(*args, **kwargs).arguments.get("group")
-            group = dist.group.WORLD if group is None else group
-            known = None if group is None else emulation._groups.get(group.group_name)
-            if group is not None and known is not None and known.nccl:
-                raise NcclRuleError(4, (
-                    f"rank {dist.get_rank()}: {name} on NCCL group {group.group_name} (ranks {list(known.ranks)}): "
-                    f"a Python object would be pickled into device memory, its size read back with a device "
-                    f"synchronisation, and a device tensor in it unpickled onto the device it left from on every "
-                    f"rank. Carry host data over a gloo group: the host group of every rank "
-                    f"(`ProcessGroups.host`, [Note: host groups on a bound world]), or send device data as tensors."))
-            return op(*args, **kwargs)
-
-        return wrapped
-
     # -- rule 3 and rule 4 on collectives --------------------------------------------------------------------------
     def _collective(self, op: Any, name: str) -> Any:
         emulation = self
@@ -386,3 +363,25 @@ def install() -> NcclEmulation:
 def emulation() -> NcclEmulation | None:
     """The installed emulation of this process, or None."""
     return _INSTANCE[0] if _INSTANCE else None
+
+
+def _object_operation(groups: Mapping[str, Any], op: Any, *, name: str) -> Any:
+    """``op`` (one of ``OBJECT_OPERATIONS``) refusing an NCCL group (rule 4); ``groups``: the emulation's groups by
+    name."""
+    signature = inspect.signature(op)
+
+    @functools.wraps(op)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        group = signature.bind(*args, **kwargs).arguments.get("group")
+        group = dist.group.WORLD if group is None else group
+        known = None if group is None else groups.get(group.group_name)
+        if group is not None and known is not None and known.nccl:
+            raise NcclRuleError(4, (
+                f"rank {dist.get_rank()}: {name} on NCCL group {group.group_name} (ranks {list(known.ranks)}): "
+                f"a Python object would be pickled into device memory, its size read back with a device "
+                f"synchronisation, and a device tensor in it unpickled onto the device it left from on every "
+                f"rank. Carry host data over a gloo group: the host group of every rank "
+                f"(`ProcessGroups.host`, [Note: host groups on a bound world]), or send device data as tensors."))
+        return op(*args, **kwargs)
+
+    return wrapped

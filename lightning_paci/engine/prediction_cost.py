@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PREDICTION_SHARE", "PredictionTiming", "keep_prediction"]
+__all__ = ["PREDICTION_SHARE", "PredictionTiming", "prediction_pays"]
 
 PREDICTION_SHARE = 0.10  # the most of a forward+backward a compensated forward's move and way back may cost
 
@@ -56,26 +56,26 @@ class PredictionTiming:
         return (start.elapsed_time(moved) + back.elapsed_time(done)) / 1e3
 
 
-def keep_prediction(runtime: Any) -> None:
-    """After an update's check (``updates.checked_update``): decide once, when the first compensated forward has
-    been timed, whether the stage's weight prediction stays on ([Note: the prediction's budget])."""
+def prediction_pays(runtime: Any) -> bool:
+    """After an update's check: whether the stage's weight prediction stays on -- decided once, when the first
+    compensated forward has been timed ([Note: the prediction's budget]), and said where it does not."""
     timer: PredictionTiming | None = runtime.prediction.timer
     if timer is None or timer.decided or len(timer.events) < 4:
-        return
+        return True
     timer.decided = True
     spans: dict[str, list[float]] = {"F": [], "B": []}
     for interval in runtime.records.intervals:
         if interval.kind in spans:
             spans[interval.kind].append(interval.end - interval.start)
     if not spans["F"] or not spans["B"]:
-        return
+        return True
     compute = sum(spans["F"]) / len(spans["F"]) + sum(spans["B"]) / len(spans["B"])
     cost = timer.seconds()
     if cost <= timer.share * compute:
-        return
-    runtime.prediction = None
+        return True
     warnings.warn(f"lightning_paci: stage {runtime.stage}: the weight prediction costs {cost * 1e3:.2f} ms per "
                   f"compensated forward, {cost / compute:.0%} of the stage's forward+backward ({compute * 1e3:.2f} "
                   f"ms), more than {timer.share:.0%}: compensation is off on this stage after optimizer step "
                   f"{runtime.version + 1}. Longer micro-batches make it relatively cheaper; "
-                  f"`PACIStrategy(compensation='predict')` keeps it on.", stacklevel=2)
+                  f"`PACIStrategy(compensation='predict')` keeps it on.", stacklevel=3)
+    return False

@@ -277,10 +277,18 @@ class StageRecords:
         self.phase_time[self.phase][category] += interval.end - interval.start
         self._intervals.append(interval)
 
-    def account_device(self, category: str, start: Any, fields: tuple[int, str, int | None]) -> None:
-        """Add an action timed on the device from ``start`` (``DeviceClock.begin``) to now, once resolved."""
-        assert self.device_clock is not None
-        self._add_resolved(self.device_clock.end(start, category, self.phase, fields))
+    def begin_on_device(self, timed: bool) -> Any:
+        """An action's start event on the device where it is ``timed`` there ([Note: device clocks]), else None."""
+        return self.device_clock.begin() if timed and self.device_clock is not None else None
+
+    def account_action(self, category: str, fields: tuple[int, str, int | None], start: float, began: Any) -> None:
+        """Add an action's span: from ``start`` to now on the host clock, or, with the device event ``began``
+        (``begin_on_device``), from it to now on the device, once resolved."""
+        if began is None:
+            self.account(category, Interval(*fields, start, self.clock()))
+        else:
+            assert self.device_clock is not None
+            self._add_resolved(self.device_clock.end(began, category, self.phase, fields))
 
     def resolve_device(self) -> None:
         """Read the device-timed spans pending, if any: one host wait ([Note: device clocks])."""

@@ -24,6 +24,7 @@ from lightning_paci.engine.comm import Comm, ReceivesAhead
 from lightning_paci.engine.grad_buckets import ReplicaCheck
 from lightning_paci.engine.messages import flatten
 from lightning_paci.engine.microbatch import microbatch_rng, microbatch_size
+from lightning_paci.engine.prediction_cost import prediction_pays
 from lightning_paci.engine.program import (
     LOSS_KEY,
     BackwardHooks,
@@ -179,8 +180,7 @@ class StageRuntime(RuntimeState):
             self.apply_pending_update()
         start = self.clock()
         self.current = (action, start)  # read by the watchdog's thread (supervision.runtime_activity)
-        device = self.records.device_clock if kind in _DEVICE_TIMED else None
-        began = device.begin() if device is not None else None  # [Note: device clocks]
+        began = self.records.begin_on_device(kind in _DEVICE_TIMED)  # [Note: device clocks]
         try:
             self._handlers[kind](mb)
         except (RuntimeError, ConnectionError) as err:
@@ -188,11 +188,8 @@ class StageRuntime(RuntimeState):
                 raise
             raise _message_failure(self, action, err) from err
         self.current = None
-        index, what = None if mb is None else mb + self.microbatch_base, _INTERVAL_KIND[kind]
-        if began is None:
-            self.records.account(_CATEGORY[kind], Interval(self.stage, what, index, start, self.clock()))
-        else:
-            self.records.account_device(_CATEGORY[kind], began, (self.stage, what, index))
+        index = None if mb is None else mb + self.microbatch_base
+        self.records.account_action(_CATEGORY[kind], (self.stage, _INTERVAL_KIND[kind], index), start, began)
         if kind is B and self.records.phase == "startup":
             self.records.set_phase("steady")
 
@@ -288,10 +285,8 @@ class StageRuntime(RuntimeState):
             self.deferred.start()
             self._update_pending = True
             return
-        check = None
-        if self.reduce_gradients is not None:  # before the check: every replica then sees (and names) a bad value
-            check = self.reduce_gradients()
-        self._apply_update(check)
+        # before the check: every replica then sees (and names) a bad value
+        self._apply_update(self.reduce_gradients() if self.reduce_gradients is not None else None)
 
     def apply_pending_update(self) -> None:
         """Make the update an ``OPT`` deferred, if any ([Note: deferred update]; the stream driver after drains)."""
@@ -303,6 +298,8 @@ class StageRuntime(RuntimeState):
     def _apply_update(self, replicas: ReplicaCheck | None = None) -> None:
         assert self.optimizer is not None
         step = checked_update(self, self.optimizer, replicas)
+        if self.prediction is not None and not prediction_pays(self):  # [Note: the prediction's budget]
+            self.prediction = None
         self.version += 1
         self.window_backwards = 0
         if self.records.weight_drift:

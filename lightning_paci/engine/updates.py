@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from lightning_paci.engine.grad_buckets import ReplicaCheck
-from lightning_paci.engine.prediction_cost import keep_prediction
 from lightning_paci.engine.program import check_losses
 from lightning_paci.errors import StageFailure
 from lightning_paci.optim.stage_optimizer import StageOptimizer, Step
@@ -45,8 +44,6 @@ def checked_update(runtime: Any, optimizer: StageOptimizer, replicas: ReplicaChe
         flags.append(replicas.agree)
     tied = [p.grad for p in runtime.tied if p.grad is not None]
     if (step := optimizer.step(measure=runtime.records.weight_drift, extra=tied, flags=flags)).done:
-        if runtime.prediction is not None:  # its first move's events are complete after the read
-            keep_prediction(runtime)
         return step
     if replicas is not None:
         replicas.verify()

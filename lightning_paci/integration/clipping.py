@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-__all__ = ["FLUSH_SCHEDULES", "clips_by_norm", "global_norm_clipping", "per_stage_clipping"]
+__all__ = ["FLUSH_SCHEDULES", "clipping_by_norm", "clips_by_norm", "global_norm_clipping", "per_stage_clipping"]
 
 FLUSH_SCHEDULES = ("1f1b", "gpipe", "layered")  # every stage's k-th update at the same point of the stream
 
@@ -79,3 +80,14 @@ def global_norm_clipping(plugin: Any, replica: int, replicas: int) -> Callable[[
         plugin.clip_grad_by_norm = original
 
     return undo
+
+
+def clipping_by_norm(trainer: Any, strategy: Any) -> list[Callable[[], None]]:
+    """At setup: the Trainer's clipping by norm over every stage under the flush schedules, else said to be per
+    stage; returns the undos for teardown."""
+    per_stage = per_stage_clipping(trainer, strategy.config.schedule, strategy.config.virtual_stages)
+    if per_stage is not None:
+        rank_zero_warn(per_stage)
+    elif clips_by_norm(trainer):
+        return [global_norm_clipping(strategy.precision_plugin, strategy.replica_index, strategy.data_parallel_size)]
+    return []

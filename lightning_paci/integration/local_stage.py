@@ -204,10 +204,7 @@ class LocalStage:
                                    loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
                                    skip_nonfinite=self.config.nonfinite == "skip", hooks=chunk_hook,
                                    prediction=prediction)
-            if self.links.deliver is not None and self.links.deliver.type == "cuda":  # [Note: device clocks]
-                runtime.records.device_clock = DeviceClock(runtime.clock)
-                if prediction is not None and self.config.compensation == "auto":  # [Note: the prediction's budget]
-                    prediction.timer = PredictionTiming()
+            _time_on_device(runtime, self.links.deliver, self.config.compensation)
             if self.config.schedule == "layered":  # [Note: layered backward]
                 container = self.module.get_submodule(self.plan.container) if self.plan.container else self.module
                 blocks = [container[i] for i in self.plan.blocks(stage)]  # type: ignore[index]
@@ -387,3 +384,13 @@ def _refuse_or_warn_prediction(compensation: str, warn: Callable[[str], None] | 
     if warn is not None:
         warn(f"lightning_paci: no staleness compensation for this run: {rule}. Pass `compensation='none'` to "
              f"silence this warning.")
+
+
+def _time_on_device(runtime: StageRuntime, device: torch.device | None, compensation: str) -> None:
+    """On CUDA: the monitors read device clocks ([Note: device clocks]), and ``compensation="auto"`` times its
+    weight prediction against the stage's compute ([Note: the prediction's budget])."""
+    if device is None or device.type != "cuda":
+        return
+    runtime.records.device_clock = DeviceClock(runtime.clock)
+    if runtime.prediction is not None and compensation == "auto":
+        runtime.prediction.timer = PredictionTiming()

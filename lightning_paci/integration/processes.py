@@ -22,7 +22,7 @@ from torch import Tensor
 from lightning_paci.config import PACIConfig
 from lightning_paci.engine import nccl_emulation
 from lightning_paci.engine.activity import ALL, activity
-from lightning_paci.engine.communicators import PipelineLinks, connections_warning
+from lightning_paci.engine.communicators import PipelineLinks, broadcast_objects, connections_warning
 from lightning_paci.engine.pickle_guard import check_no_tensors
 from lightning_paci.engine.supervision import (
     StageWatchdog,
@@ -162,15 +162,17 @@ def collective_waits(topology: Topology, group: Any) -> Any:
 
 
 def broadcast_object(obj: Any, src: int, group: Any, *, what: str, waits: Any = ALL,
-                     host_tensors: bool = False) -> Any:
-    """``obj`` from global rank ``src`` to every rank of ``group`` (None: the world), pickled (a device tensor
-    would come back on the device it left from, on every rank: refused, and host tensors too unless
-    ``host_tensors``); ``obj`` itself without a process group."""
+                     host_tensors: bool = False, ranks: list[int] | None = None) -> Any:
+    """``obj`` from global rank ``src`` to every rank of ``group`` (None: the world), or to ``ranks`` of it only
+    (point to point), pickled (a device tensor would come back on the device it left from, on every rank: refused,
+    and host tensors too unless ``host_tensors``); ``obj`` itself without a process group."""
     if not api.distributed_is_initialized():
         return obj
     check_no_tensors(obj, what=what, host_tensors=host_tensors)
     holder = [obj]
     with activity.collective(what, waits):
+        if ranks is not None:
+            return broadcast_objects(obj, src, ranks, group, what=what)
         dist.broadcast_object_list(holder, src=src, group=group)
     return holder[0]
 
