@@ -129,8 +129,9 @@ class PACIConfig:
             exchange nothing; global rank 0 then holds them).
 
     Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) uses the norm over every stage's gradients under
-    the flush schedules, as one device; under ``"paci"`` and with virtual stages each stage's own, said at setup
-    ([Note: global-norm clipping] in integration/clipping.py).
+    the flush schedules, as one device; under ``"paci"`` every stage's latest norm as the pipeline's messages carry
+    it ([Note: norm table] in engine/norm_table.py); with virtual stages each stage's own, said at setup ([Note:
+    global-norm clipping] in integration/clipping.py).
     """
 
     schedule: ScheduleName = "paci"

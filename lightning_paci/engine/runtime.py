@@ -24,6 +24,7 @@ from lightning_paci.engine.comm import Comm, ReceivesAhead
 from lightning_paci.engine.grad_buckets import ReplicaCheck
 from lightning_paci.engine.messages import flatten
 from lightning_paci.engine.microbatch import microbatch_rng, microbatch_size
+from lightning_paci.engine.norm_table import carried, merged
 from lightning_paci.engine.prediction_cost import prediction_pays
 from lightning_paci.engine.program import (
     LOSS_KEY,
@@ -314,22 +315,22 @@ class StageRuntime(RuntimeState):
         logs: list[LogRecord] = []
         if self.hooks is not None:
             logs, self.hooks.logs[:] = list(self.hooks.logs), []
-        self.comm.send((self.held[mb].output.outgoing, logs), self.stage + 1)
+        self.comm.send(carried(self.norms, (self.held[mb].output.outgoing, logs)), self.stage + 1)
 
     def _send_gradient(self, mb: int) -> None:
-        grads = self.input_grads.pop(mb)
         key = mb + self.microbatch_base
-        self.comm.send({"grads": grads, "logs": self.logs.get(key, []), "skip": key in self._skipping}, self.stage - 1)
+        message = {"grads": self.input_grads.pop(mb), "logs": self.logs.get(key, []), "skip": key in self._skipping}
+        self.comm.send(carried(self.norms, message), self.stage - 1)
         self._skipping.discard(key)
 
     def _receive_activation(self, mb: int) -> None:
-        outgoing, logs = self.comm.recv(self.stage - 1)
+        outgoing, logs = merged(self.norms, self.comm.recv(self.stage - 1))
         self.inbox[(RECV_F, mb)] = outgoing
         if self.hooks is not None:
             self.hooks.logs.extend(own_values(logs))
 
     def _receive_gradient(self, mb: int) -> None:
-        self.inbox[(RECV_B, mb)] = self.comm.recv(self.stage + 1)
+        self.inbox[(RECV_B, mb)] = merged(self.norms, self.comm.recv(self.stage + 1))
 
 
 # [Note: after the send]

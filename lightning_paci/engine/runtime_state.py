@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lightning_paci.engine.norm_table import NormTable
+
 __all__ = ["RuntimeState"]
 
 
@@ -42,6 +44,7 @@ class RuntimeState:
         # called with the new version right after every local update: the weights are then exactly that version
         # on this stage, with no other stage involved (e.g. to keep version-k weights without draining)
         self.update_hooks: list[Callable[[int], None]] = []
+        self.norms: NormTable | None = None  # [Note: norm table]: carried on the messages when clipping by it
 
     def begin_stream(self, crossings: Callable[[int], int], window_backwards: int,
                      loss_scale: float | None = None, *, window_size: int | None = None) -> None:
@@ -79,6 +82,10 @@ class RuntimeState:
     def on_update(self, hook: Callable[[int], None]) -> None:
         """Call ``hook(version)`` right after every local update (the weights are then exactly that version here)."""
         self.update_hooks.append(hook)
+
+    def carry_norms(self, table: NormTable | None) -> None:
+        """Keep ``table`` ([Note: norm table]) and carry it on every activation and gradient message; None: none."""
+        self.norms = table
 
     def label(self, step_label: str) -> None:
         """Where the run is, for error messages (``"Lightning batch 7 (global step 7)"``)."""

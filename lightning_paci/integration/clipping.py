@@ -15,8 +15,16 @@ without a host read. Lightning's precision plugin clips through ``clip_grad_by_n
 ``clip_grad_norm_`` in a hook stays the stage's own.
 
 Under ``"paci"`` the stages update at different times, and a collective at every update would be the global
-synchronisation PACI removes; with virtual stages a process updates each of its stages at its own point of the
-list. There clipping by norm stays per stage, said at setup (``per_stage_clipping``).
+synchronisation PACI removes. There (with ``virtual_stages=1``) each stage clips by the norm over every stage's
+*latest* squared norms, which travel on the pipeline's own messages ([Note: norm table] in engine/norm_table.py):
+its own at this update, the others' as the last messages brought them (0 before the first), a function of the
+action lists alone, so ``ReferencePipeline(gradient_clip_val=...)`` computes the same bits. It is not one device's
+clipping: another stage's norm may be a few updates old, as its weights are. The patched ``clip_grad_by_norm``
+reaches the stage's table through its closure: a process runs one stage there. Replicas average their gradients
+before the clip, so every replica's pipeline carries the same norms (under LocalSGD each its own); a tied weight's
+norm is stage 0's (its gradient, the last stage's part added, is there at the update). A resumed run starts with an
+empty table (entries 0) and refills it with the first messages. With virtual stages a process updates each of its
+stages at its own point of the list, and clipping by norm stays per stage, said at setup (``per_stage_clipping``).
 """
 
 from __future__ import annotations
@@ -29,7 +37,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-__all__ = ["FLUSH_SCHEDULES", "clipping_by_norm", "clips_by_norm", "global_norm_clipping", "per_stage_clipping"]
+from lightning_paci.engine.norm_table import NormTable
+
+__all__ = ["FLUSH_SCHEDULES", "clipping_by_norm", "clips_by_norm", "global_norm_clipping", "per_stage_clipping",
+           "table_norm_clipping"]
 
 FLUSH_SCHEDULES = ("1f1b", "gpipe", "layered")  # every stage's k-th update at the same point of the stream
 
@@ -43,7 +54,7 @@ def clips_by_norm(trainer: Any) -> bool:
 
 def per_stage_clipping(trainer: Any, schedule: str, virtual_stages: int) -> str | None:
     """The setup warning where clipping by norm stays per stage ([Note: global-norm clipping]), else None."""
-    if not clips_by_norm(trainer) or (schedule in FLUSH_SCHEDULES and virtual_stages == 1):
+    if not clips_by_norm(trainer) or (schedule in (*FLUSH_SCHEDULES, "paci") and virtual_stages == 1):
         return None
     why = (f"virtual_stages={virtual_stages}: a process updates each of its stages at its own point of the list"
            if virtual_stages > 1 else
@@ -51,7 +62,8 @@ def per_stage_clipping(trainer: Any, schedule: str, virtual_stages: int) -> str 
            f"be the global synchronisation it removes")
     return (f"lightning_paci: `Trainer(gradient_clip_val={trainer.gradient_clip_val})` clips by norm, and under "
             f"{why}, so each stage clips by the norm of its own gradients (one device clips by the norm over "
-            f"every parameter). `schedule='1f1b'` or `'gpipe'` (with `virtual_stages=1`) clips by the global norm; "
+            f"every parameter). With `virtual_stages=1`, `schedule='1f1b'` or `'gpipe'` clips by the global norm "
+            f"and `schedule='paci'` by the latest norms of every stage its messages carry; "
             f"`gradient_clip_algorithm='value'` is the same as on one device everywhere.")
 
 
@@ -82,12 +94,35 @@ def global_norm_clipping(plugin: Any, replica: int, replicas: int) -> Callable[[
     return undo
 
 
+def table_norm_clipping(plugin: Any, table: NormTable) -> Callable[[], None]:
+    """Make ``plugin`` clip by the norm over every stage's latest squared norms, ``table`` (the stage's, [Note: norm
+    table]); returns the undo."""
+
+    def clip_grad_by_norm(self: Any, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        table.clip(self.main_params(optimizer), clip_val)
+
+    original = plugin.clip_grad_by_norm
+    plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
+
+    def undo() -> None:
+        plugin.clip_grad_by_norm = original
+
+    return undo
+
+
 def clipping_by_norm(trainer: Any, strategy: Any) -> list[Callable[[], None]]:
-    """At setup: the Trainer's clipping by norm over every stage under the flush schedules, else said to be per
-    stage; returns the undos for teardown."""
+    """At setup: the Trainer's clipping by norm over every stage -- by one all-reduce per update under the flush
+    schedules, by the stage's norm table under ``"paci"`` -- else said to be per stage; returns the undos for
+    teardown."""
     per_stage = per_stage_clipping(trainer, strategy.config.schedule, strategy.config.virtual_stages)
     if per_stage is not None:
         rank_zero_warn(per_stage)
-    elif clips_by_norm(trainer):
+        return []
+    if not clips_by_norm(trainer):
+        return []
+    if strategy.config.schedule in FLUSH_SCHEDULES:
         return [global_norm_clipping(strategy.precision_plugin, strategy.replica_index, strategy.data_parallel_size)]
-    return []
+    runtime = strategy.runtime  # the process's one stage (virtual_stages=1)
+    table = NormTable.for_parameters(runtime.stage, runtime.num_stages, [p for _, p in runtime.optimizer.pairs])
+    runtime.carry_norms(table)
+    return [table_norm_clipping(strategy.precision_plugin, table), lambda: runtime.carry_norms(None)]

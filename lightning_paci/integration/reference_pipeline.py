@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lightning_paci.engine.microbatch import loss_scale_for, split_weighted
+from lightning_paci.engine.norm_table import NormTable
 from lightning_paci.engine.recompute import RECOMPUTE_MODES, BlockRecompute, recomputes
 from lightning_paci.engine.reference import (
     LocalComm,
@@ -42,7 +43,11 @@ class ReferencePipeline:
     ``optimizer_factory(module)`` returns ``(optimizer, schedulers)`` for a carved copy; by default it calls the
     module's own ``configure_optimizers`` (a single optimizer, optionally with step-interval schedulers).
     ``compensation`` is ``PACIStrategy``'s option of that name (see optim/weight_prediction.py), with the same default;
-    ``recompute`` and ``recompute_stages`` too (recompute.py).
+    ``recompute`` and ``recompute_stages`` too (recompute.py). ``gradient_clip_val``: clip by norm at every update as
+    ``Trainer(gradient_clip_val=...)`` does under ``"paci"``, by the norm over every stage's latest squared norms
+    that the messages carry ([Note: norm table] in engine/norm_table.py), whatever the lists (under the flush
+    schedules the Trainer clips by the exact global norm instead: compare those with one device); None: no clipping
+    (the reference runs no Lightning hooks).
     """
 
     def __init__(
@@ -56,11 +61,13 @@ class ReferencePipeline:
         local_sgd_steps: int | None = None,
         recompute: str = "off",
         recompute_stages: int | None = None,
+        gradient_clip_val: float | None = None,
     ) -> None:
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"`recompute` must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}.")
         self.plan = plan
         self.replicas = replicas
+        self.gradient_clip_val = gradient_clip_val
         # replica_modules[r][s], replica_runtimes[r][s]; ``modules``/``runtimes``: replica 0's
         self.replica_modules: list[list[LightningModule]] = []
         self.replica_runtimes: list[list[StageRuntime]] = []
@@ -79,12 +86,15 @@ class ReferencePipeline:
                     BlockRecompute(copy_.get_submodule(plan.container), plan.blocks(stage))
                 optimizer, schedulers = factory(copy_)
                 tied_replica = carve.tied_params if stage == plan.num_stages - 1 else []
+                table = None if gradient_clip_val is None else NormTable.for_parameters(stage, plan.num_stages,
+                                                                                        copy_.parameters())
                 stage_optimizer = StageOptimizer(optimizer, list(copy_.parameters()), schedulers=schedulers,
-                                                 exclude=tied_replica)
+                                                 exclude=tied_replica, before_step=_clipping(table, gradient_clip_val))
                 runtime = StageRuntime(stage, plan.num_stages, LightningStageProgram(copy_, carve), comms[stage],
                                        stage_optimizer, loss_scale=1.0, tied=carve.tied_params,
                                        prediction=weight_prediction_for(compensation, optimizer, stage_optimizer.pairs,
                                                                warn=None))
+                runtime.carry_norms(table)
                 if replicas > 1:
                     runtime.join_replicas(replica, None)
                 modules.append(copy_)
@@ -120,6 +130,10 @@ class ReferencePipeline:
         if len(lists) != self.plan.num_stages:
             raise ValueError(f"the schedule has {len(lists)} stages, the plan {self.plan.num_stages}: plan the "
                              f"partition with one stage per chunk (devices x virtual_stages)")
+        if self.gradient_clip_val is not None and schedule.virtual_stages > 1:
+            raise ValueError(f"`gradient_clip_val` clips by the norms every stage's messages carry, one stage per "
+                             f"device, and the schedule has `virtual_stages={schedule.virtual_stages}`, where the "
+                             f"Trainer clips each stage by its own norm: run it with `gradient_clip_val=None`.")
         has_tied_messages = any(a.kind in (ActionKind.SEND_T, ActionKind.RECV_T) for a in lists[0])
         devices = schedule.devices
         # the V placement of virtual stages: the first and last stage on one device use one tied Parameter
@@ -176,6 +190,14 @@ class ReferencePipeline:
         for module in reversed(self.modules):
             full.update(module.state_dict())
         return full
+
+
+def _clipping(table: NormTable | None, clip_val: float | None) -> Callable[[torch.optim.Optimizer], None] | None:
+    """A stage optimizer's ``before_step`` clipping by ``table`` as the Trainer's precision plugin does
+    (integration/clipping.py: the parameters in the optimizer's group order), or None."""
+    if table is None or clip_val is None:
+        return None
+    return lambda optimizer: table.clip((p for group in optimizer.param_groups for p in group["params"]), clip_val)
 
 
 def _configured_optimizer(module: LightningModule) -> tuple[torch.optim.Optimizer, list[Any]]:
