@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["NormTable", "carried", "merged"]
+__all__ = ["NormTable", "carried", "clip_scale", "merged", "squared_norm"]
 
 Entries = tuple[torch.Tensor, list[float]]  # (num_stages,) squared norms on the device, update numbers on the host
 
@@ -92,15 +92,20 @@ class NormTable:
         """Clip ``params``' gradients (the stage's, at its update) by the norm over every stage's latest: record this
         stage's squared norm, then scale by ``min(1, clip_val / (norm + 1e-6))``; no host read."""
         grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            norms = torch.stack(torch._foreach_norm(grads)).to(self.squares.dtype)  # (tensors,)
-            self.record(norms.square().sum())
-        else:
-            self.record(self.squares.new_zeros(()))
-        total = self.squares.sum().sqrt()
-        scale = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+        self.record(squared_norm(grads, self.squares.dtype) if grads else self.squares.new_zeros(()))
+        scale = clip_scale(self.squares.sum().sqrt(), clip_val)
         if grads:
             torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+
+
+def squared_norm(grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The squared norm over ``grads`` (non-empty) in ``dtype``, 0-dim, on their device: one multi-tensor norm."""
+    return torch.stack(torch._foreach_norm(grads)).to(dtype).square().sum()  # (tensors,) -> ()
+
+
+def clip_scale(total: torch.Tensor, clip_val: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s factor for a total norm: ``min(1, clip_val / (total + 1e-6))``."""
+    return torch.clamp(clip_val / (total + 1e-6), max=1.0)
 
 
 def _pick(mine: torch.Tensor, theirs: torch.Tensor, take: list[bool]) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_paci.engine.norm_table import NormTable
+from lightning_paci.engine.norm_table import NormTable, clip_scale, squared_norm
 
 __all__ = ["FLUSH_SCHEDULES", "clipping_by_norm", "clips_by_norm", "global_norm_clipping", "per_stage_clipping",
            "table_norm_clipping"]
@@ -77,21 +77,13 @@ def global_norm_clipping(plugin: Any, replica: int, replicas: int) -> Callable[[
         dtype = grads[0].dtype if grads else torch.float32
         squares = torch.zeros(replicas, dtype=dtype, device=device)  # (replicas,): this replica's slot only
         if grads:
-            norms = torch.stack(torch._foreach_norm(grads)).to(dtype)  # (tensors,)
-            squares[replica] = norms.square().sum()
+            squares[replica] = squared_norm(grads, dtype)
         dist.all_reduce(squares)  # every stage of every replica: each replica's pipeline's sum in its slot
-        total = squares[replica].sqrt()
-        scale = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+        scale = clip_scale(squares[replica].sqrt(), clip_val)
         if grads:
             torch._foreach_mul_(grads, scale)
 
-    original = plugin.clip_grad_by_norm
-    plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
-
-    def undo() -> None:
-        plugin.clip_grad_by_norm = original
-
-    return undo
+    return _clip_with(plugin, clip_grad_by_norm)
 
 
 def table_norm_clipping(plugin: Any, table: NormTable) -> Callable[[], None]:
@@ -101,6 +93,11 @@ def table_norm_clipping(plugin: Any, table: NormTable) -> Callable[[], None]:
     def clip_grad_by_norm(self: Any, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         table.clip(self.main_params(optimizer), clip_val)
 
+    return _clip_with(plugin, clip_grad_by_norm)
+
+
+def _clip_with(plugin: Any, clip_grad_by_norm: Callable[..., None]) -> Callable[[], None]:
+    """``plugin.clip_grad_by_norm`` replaced by ``clip_grad_by_norm`` (bound to it); returns the undo."""
     original = plugin.clip_grad_by_norm
     plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
 

@@ -198,7 +198,6 @@ class WeightPrediction:
 
     def _pass(self, one: _Bin, sign: float) -> None:
         """Add ``sign * d`` to the bin's weights: the same operations both ways, so ``d`` has the same bits."""
-        scales = [sign * s for s in one.scales]
         if not self.adam:
             if not one.known:  # -lr * buf: no temporary
                 torch._foreach_add_(one.weights, one.first, alpha=sign * one.scales[0])
@@ -207,6 +206,7 @@ class WeightPrediction:
             self._held(step)
             torch._foreach_add_(one.weights, step, alpha=sign * one.scales[0])
             return
+        scales = [sign * s for s in one.scales]
         if not one.known:  # -lr / bc1 * m / (sqrt(v) + eps * sqrt(bc2)), sqrt(bc2) folded into the scale
             denom = torch._foreach_sqrt(one.peak or one.second)
             torch._foreach_add_(denom, one.eps)
@@ -238,7 +238,7 @@ class WeightPrediction:
         steps = self._step_counts()
         open_bins: dict[tuple, _Bin] = {}
         bins: list[_Bin] = []
-        known_share = not (rest >= 1.0 or not self.gradient)
+        known_share = rest < 1.0 and self.gradient
         for i, (alias, real, group) in enumerate(self.entries):
             state = self.optimizer.state.get(alias)
             if not state:
