@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -51,8 +52,9 @@ class PACIConfig:
             split is logged at setup; pin it with explicit indices to reproduce a run exactly. ``"balanced"`` draws
             one sample batch from the training dataloader at setup (RNG state restored): a dataloader or
             ``collate_fn`` with side effects sees one extra batch; use ``"parameters"`` to avoid that.
-        block_container: dotted path of the ``nn.Sequential``/``nn.ModuleList`` holding the repeated blocks
-            (default: found automatically).
+        block_container: dotted path of the ``nn.Sequential``/``nn.ModuleList`` holding the repeated blocks, or
+            a tuple of such paths (an encoder's and a decoder's layers), cut as one row in the order the step runs
+            them (default: found automatically, every container that runs so; see [Note: several containers]).
         timeout: process-group timeout; a stage waiting longer for a neighbour fails instead of hanging.
         failure_timeout: seconds without a heartbeat after which a stage is declared dead; when a stage dies or
             raises, every other stage prints the failed stage and its reason and exits (see supervision.py).
@@ -138,7 +140,7 @@ class PACIConfig:
     microbatches: int | None = None  # None: one per stage
     accumulation: int | None = None  # None: = microbatches (one step per batch per stage)
     partition: PartitionSpec = "balanced"
-    block_container: str | None = None
+    block_container: str | Sequence[str] | None = None
     process_group_backend: str | None = None  # None: nccl on CUDA, gloo otherwise
     timeout: timedelta = timedelta(minutes=30)
     failure_timeout: float = 20.0
@@ -176,6 +178,8 @@ class PACIConfig:
             raise ValueError(f"`failure_timeout` must be > 0 seconds, got {self.failure_timeout!r}. The default 20.0 "
                              f"declares a stage dead after 20 s without a heartbeat.")
         _choice("start_method", self.start_method, ("popen", "spawn", "fork", "forkserver"))
+        if self.block_container is not None and not isinstance(self.block_container, str):
+            object.__setattr__(self, "block_container", tuple(self.block_container))
         if self.compensation == "lookahead":  # the name of 0.3 and before
             warnings.warn("`compensation='lookahead'` is `compensation='predict'` (weight prediction); the old name "
                           "will be removed.", DeprecationWarning, stacklevel=4)

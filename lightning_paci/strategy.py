@@ -21,7 +21,7 @@ import gc
 import logging
 import multiprocessing
 import os
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -118,7 +118,7 @@ class PACIStrategy(ParallelStrategy):
         microbatches: int | None = None,
         accumulation: int | None = None,
         partition: PartitionSpec = "balanced",
-        block_container: str | None = None,
+        block_container: str | Sequence[str] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

@@ -289,11 +289,21 @@ class LongSkip(SequentialMLP):
 
 
 class ReusedEmbedding(LongSkip):
-    """`head(blocks(embed(x)) + embed(x))`: one module called before the container and again after it. The second
-    call is on the last stage, the module's parameters on stage 0, which has ended by then: refused at setup."""
+    """`head(blocks(embed(x)) + embed(x))`: one module called before the container and again after it, on the
+    batch's own input. The second call's value is read on the last stage, the module's parameters are on stage 0:
+    stage 0 makes it after its egress and relays it (a late relay, as T5's shared embedding of the decoder's ids)."""
 
     def forward(self, x):
         return self.head(self.net(self.embed(x)) + self.embed(x))
+
+
+class ReusedOnBlocks(LongSkip):
+    """`head(embed2(blocks(embed(x))))` where ``embed2`` shares ``embed``: the second call reads the blocks' output,
+    which its owner (stage 0) never has -- refused at setup, naming the module."""
+
+    def forward(self, x):
+        h = self.net(self.embed(x))
+        return self.head(self.embed(h[..., :8]))
 
 
 class InPlaceSkip(LongSkip):
@@ -387,3 +397,63 @@ def sequence_loader(num_batches: int = 2, batch_size: int = 4) -> DataLoader:
     x = torch.randn(num_batches * batch_size, 5, 8, generator=g)
     return DataLoader(TensorDataset(x, torch.randn(num_batches * batch_size, 5, 4, generator=g)),
                       batch_size=batch_size)
+
+
+class _ResBlock(nn.Module):
+    """A diffusion UNet's residual block: two convolutions, the time embedding added in between; ``down``/``up``
+    resamples after (down path) or before (up path)."""
+
+    def __init__(self, channels_in: int, channels_out: int, time_dim: int, resample: str = "") -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels_out, 3, padding=1)
+        self.time = nn.Linear(time_dim, channels_out)
+        self.conv2 = nn.Conv2d(channels_out, channels_out, 3, padding=1)
+        self.skip = nn.Conv2d(channels_in, channels_out, 1)
+        self.resample = resample
+
+    def forward(self, h, temb):
+        if self.resample == "up":
+            h = nn.functional.interpolate(h, scale_factor=2.0, mode="nearest")
+        out = torch.tanh(self.conv1(h)) + self.time(temb)[:, :, None, None]
+        out = self.conv2(torch.tanh(out)) + self.skip(h)
+        return nn.functional.avg_pool2d(out, 2) if self.resample == "down" else out
+
+
+class DiffusionUNet(LightningModule):
+    """A diffusion-style U-shaped network on 8x8 images: a time-embedding MLP, down blocks whose outputs the up
+    blocks read as skips (``torch.cat([h, skips.pop()])``), a middle block, and a noise-prediction loss. Its down
+    and up blocks are two containers; the skips cross stages as relayed values."""
+
+    def __init__(self, channels: int = 8, lr: float = 0.05) -> None:
+        super().__init__()
+        self.lr = lr
+        c = channels
+        self.time_mlp = nn.Sequential(nn.Linear(1, 2 * c), nn.Tanh(), nn.Linear(2 * c, 2 * c))
+        self.conv_in = nn.Conv2d(3, c, 3, padding=1)
+        self.down = nn.ModuleList([_ResBlock(c, c, 2 * c), _ResBlock(c, 2 * c, 2 * c, "down"),
+                                   _ResBlock(2 * c, 2 * c, 2 * c, "down")])
+        self.mid = _ResBlock(2 * c, 2 * c, 2 * c)
+        self.up = nn.ModuleList([_ResBlock(4 * c, 2 * c, 2 * c, "up"), _ResBlock(4 * c, c, 2 * c, "up"),
+                                 _ResBlock(2 * c, c, 2 * c)])
+        self.conv_out = nn.Conv2d(c, 3, 3, padding=1)
+
+    def forward(self, noisy, t):  # noisy: (batch, 3, 8, 8); t: (batch, 1)
+        temb = self.time_mlp(t)
+        h = self.conv_in(noisy)
+        skips = []
+        for block in self.down:
+            h = block(h, temb)
+            skips.append(h)
+        h = self.mid(h, temb)
+        for block in self.up:
+            h = block(torch.cat([h, skips.pop()], dim=1), temb)
+        return self.conv_out(h)
+
+    def training_step(self, batch, batch_idx):
+        noisy, t, noise = batch
+        loss = nn.functional.mse_loss(self(noisy, t), noise)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)

@@ -342,7 +342,7 @@ def test_buckets_follow_the_backward_and_keep_blocks_whole():
 
     names = ["embed.weight", "blocks.2.a.weight", "blocks.2.a.bias", "blocks.3.weight", "blocks.4.weight",
              "head.weight", "blocks.10.weight"]
-    order = [backward_order(n, container="blocks", blocks=range(2, 5), after=["head"]) for n in names]
+    order = [backward_order(n, blocks=[f"blocks.{i}" for i in range(2, 5)], after=["head"]) for n in names]
     assert order == [4, 3, 3, 2, 1, 0, 4]  # head first, then blocks 4, 3, 2, then everything else
     params = [torch.nn.Parameter(torch.zeros(4)) for _ in names]
     params[3] = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))  # a dtype of its own: a bucket of its own

@@ -22,6 +22,7 @@ from models import (
     CrossingForms,
     LongSkip,
     ReusedEmbedding,
+    ReusedOnBlocks,
     SequentialMLP,
     reference_accumulation,
     regression_loader,
@@ -50,8 +51,22 @@ def test_a_long_skip_travels_through_every_stage_between_and_trains_as_on_one_de
     assert "embed (call 0, tensor 0, (4, 16) float32, 256 B) stage 0 -> 3" in pipeline.relays.describe()
 
 
-def test_a_module_used_on_two_stages_is_refused_at_setup_naming_it():
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_a_module_called_again_on_the_batch_is_made_late_by_its_owner_and_trains_as_on_one_device(num_stages):
+    torch.manual_seed(51)
     model = ReusedEmbedding()
+    expected = reference_accumulation(copy.deepcopy(model), _batches(), num_microbatches=2, num_steps=3)
+    pipeline = ReferencePipeline(model, plan_partition(model, num_stages, partition="parameters"))
+    pipeline.run(build_schedule("1f1b", num_stages, 2, 2, 3), _batches())
+    for key, value in expected.state_dict().items():
+        torch.testing.assert_close(pipeline.state_dict()[key], value, msg=lambda m: f"{key}: {m}")
+    (relay,) = pipeline.relays.relays
+    assert (relay.key, relay.owner, relay.last, relay.late) == ("embed#1#0", 0, num_stages - 1, True)
+    assert "made late" in pipeline.relays.describe()
+
+
+def test_a_module_called_again_on_another_stages_values_is_refused_at_setup_naming_it():
+    model = ReusedOnBlocks()
     pipeline = ReferencePipeline(model, plan_partition(model, 2, partition="parameters"))
     with pytest.raises(CrossingError, match=r"Stage 1 reads call 1 of `embed`.*lives on stage 0, which ends after 1 "
                                             r"call\(s\) of it"):

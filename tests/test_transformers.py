@@ -203,9 +203,11 @@ def test_the_tied_replica_lag_is_read_from_the_lists(schedule, accumulation, bou
 
 
 def test_an_encoder_decoder_at_four_stages_relays_the_encoders_output_and_equals_one_device(tmp_path):
-    # T5: the encoder runs on stage 0 (before the decoder's blocks), every decoder block reads its output; stage 0
-    # sends it with the activations, stage 1 passes it on, stage 2 reads it and gives it to stage 3 as a block
-    # input. The shared embedding (encoder, decoder, LM head) is tied between stage 0 and stage 3. float64, SGD.
+    # T5: the encoder's blocks on stages 0-1, the decoder's on stages 2-3 (one row, [Note: several containers]);
+    # every decoder block reads the encoder's output (its final norm, on stage 1): stage 1 sends it with the
+    # activations, stage 2 reads it and passes it to stage 3. The decoder's input embedding is tied to the encoder's:
+    # stage 0 makes it after its own part ([Note: late relays]) and relays it to stage 1, which feeds the decoder's
+    # first block with it. The LM head's weight is tied between stage 0 and stage 3. float64, SGD.
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(13)
@@ -220,8 +222,11 @@ def test_an_encoder_decoder_at_four_stages_relays_the_encoders_output_and_equals
     hf_model_reference(reference, batches, num_microbatches=2)
     _close(model.double(), reference, rtol=1e-7, atol=1e-9)
     records = read_stage_records(tmp_path, 4)
-    assert "model.encoder (call 0, tensor 0, (2, 10, 32) float64, 5,120 B) stage 0 -> 2" in records[0]["relays"]
-    assert [r["peak_relayed_bytes"] for r in records] == [2 * 10 * 32 * 8] * 2 + [0, 0]
+    assert ("model.decoder.embed_tokens (call 0, tensor 0, (2, 7, 32) float64, 3,584 B, made late) stage 0 -> 1"
+            in records[0]["relays"])
+    assert ("model.encoder.final_layer_norm (call 0, tensor 0, (2, 10, 32) float64, 5,120 B) stage 1 -> 3"
+            in records[0]["relays"])
+    assert [r["peak_relayed_bytes"] for r in records] == [2 * 7 * 32 * 8, 2 * 10 * 32 * 8, 2 * 10 * 32 * 8, 0]
 
 
 def test_bloom_under_64_true_keeps_every_crossing_tensor_in_float64():

@@ -31,9 +31,10 @@ LAYERS = {"gemma3n_text": 4, "olmo_hybrid": 4, "zamba": 4}
 
 # families refused, each with the error a user gets and why (what the pipeline cannot split)
 REFUSED: dict[str, tuple[type[Exception], str, str]] = {
-    "blt": (RuntimeError, "Could not infer the output form of BltPatcher",
-            "its byte patcher decides patch boundaries with `.item()` and cannot run on the meta device, so the "
-            "other stage cannot learn its output's form"),
+    "blt": (CrossingError, "`model.model.local_encoder.cross_attn_layers` (ModuleList) lives on stage 0",
+            "its local encoder's layers are a container cut with the rest, and its cross-attention layers, one "
+            "ModuleList indexed next to them, run on every stage (its byte patcher, deciding patch boundaries with "
+            "`.item()`, could not run on the meta device either)"),
     "dory": (ValueError, "runs 2 times in one step",
              "a recurrent-depth model: its middle blocks run several times per step"),
     "gemma3n_text": (CrossingError, "`model.model.altup_projections` (ModuleList) lives on stage 0",
@@ -50,8 +51,8 @@ REFUSED: dict[str, tuple[type[Exception], str, str]] = {
                  "reversible residual layers run inside one autograd Function"),
     "xlm": (CrossingError, "code on another stage indexes it",
             "one ModuleList per kind of sub-layer, indexed inside the loop over the layers"),
-    "zaya": (ValueError, "holds parameters directly (input_hidden_states_scale",
-             "parameters held by the model on the path to its blocks"),
+    "zaya": (CrossingError, "Stage 1 computes with `model.model.input_hidden_states_bias`",
+             "parameters held by the model on the path to its blocks, read by every block's call"),
 }
 
 
@@ -172,7 +173,11 @@ def test_lightnings_demo_transformer_trains_as_on_one_device_at_four_stages():
     optimizer.step()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(pipeline.state_dict()[key], value, msg=lambda m: f"{key}: {m}")
-    assert pipeline.relays.relays[0].module == "model.transformer.encoder"  # stage 0 -> 2, through stage 1
+    # the encoder's layers and the decoder's are cut as one row; the encoder's output (its final norm) and the
+    # decoder's input embedding (the demo embeds source and target first, on stage 0) are relayed
+    assert plan.containers == ("model.transformer.encoder.layers", "model.transformer.decoder.layers")
+    assert {(r.module, r.call, r.late) for r in pipeline.relays.relays} == {
+        ("model.embedding", 1, False), ("model.transformer.encoder.norm", 0, False)}
     pipeline.run(build_schedule("paci", 4, 2, 2, 4), [batch] * 4)
     losses = pipeline.runtimes[-1].records.losses
     assert losses[max(losses)] < losses[min(losses)]

@@ -93,16 +93,15 @@ def write_averages(params: Sequence[nn.Parameter], members: Sequence[int], flat:
     return agree
 
 
-def backward_order(name: str, *, container: str, blocks: range, after: Sequence[str]) -> int:
-    """When the backward finishes parameter ``name`` of a stage owning ``blocks`` of ``container``: 0 for the modules
-    after the blocks (the head), 1 for the last block, ..., ``len(blocks)`` for the first, then the rest."""
+def backward_order(name: str, *, blocks: Sequence[str], after: Sequence[str]) -> int:
+    """When the backward finishes parameter ``name`` of a stage owning ``blocks`` (their dotted names, in forward
+    order): 0 for the modules after the blocks (the head), 1 for the last block, ..., ``len(blocks)`` for the first,
+    then the rest."""
     if any(name.startswith(f"{module}.") for module in after):
         return 0
-    prefix = f"{container}." if container else ""
-    if name.startswith(prefix):
-        index = name[len(prefix):].split(".", 1)[0]
-        if index.isdigit() and int(index) in blocks:
-            return 1 + blocks[-1] - int(index)
+    for index, block in enumerate(blocks):
+        if name.startswith(f"{block}."):
+            return len(blocks) - index
     return 1 + len(blocks)
 
 

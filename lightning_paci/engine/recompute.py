@@ -59,12 +59,12 @@ def _checkpointed(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class BlockRecompute:
-    """Run each of ``blocks`` of ``container`` (a stage's own blocks) through ``torch.utils.checkpoint`` by giving the
-    block instance its own ``forward``; parameters, names and hooks are untouched (a state dict is the same), and
+    """Run each of ``blocks`` (a stage's own block modules) through ``torch.utils.checkpoint`` by giving the block
+    instance its own ``forward``; parameters, names and hooks are untouched (a state dict is the same), and
     :meth:`remove` gives the blocks their class's forward back."""
 
-    def __init__(self, container: nn.Module, blocks: Sequence[int]) -> None:
-        self._blocks = [container[i] for i in blocks]  # type: ignore[index]
+    def __init__(self, blocks: Sequence[nn.Module]) -> None:
+        self._blocks = list(blocks)
         for block in self._blocks:
             block.forward = _checkpointed(block.forward)
 

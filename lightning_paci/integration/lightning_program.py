@@ -69,6 +69,8 @@ class LightningStageProgram:
                                 keep=self.device_logs), self.context(), self.carve.entered(), (
                     check.watch() if check is not None else contextlib.nullcontext()):
                 output = step(data, *step_args)
+                if boundary.past_egress:  # a value to be made after the egress was not: relayed() names it
+                    boundary.finish(self.carve.stage)
         except StageDone:
             if boundary.outgoing is None:
                 raise AssertionError("egress hook stopped the forward without capturing the block inputs") from None
@@ -81,7 +83,7 @@ class LightningStageProgram:
         if not self.carve.is_last:
             raise RuntimeError(
                 f"Stage {self.carve.stage}: `{self.step_name}` returned before reaching block "
-                f"{self.carve.plan.boundaries[self.carve.stage + 1]} of `{self.carve.plan.container}`, where the next "
+                f"`{self.carve.plan.block_names[self.carve.plan.boundaries[self.carve.stage + 1]]}`, where the next "
                 f"stage begins. Every step must run the model's forward through all blocks."
             )
         if self.step_name == "training_step":

@@ -143,7 +143,7 @@ class LocalStage:
         self._shards: dict[int, OptimizerShards] = {}
         self.hooks: LightningHooks | None = None  # the last chunk's: monitors' figures and hook logs leave from it
         self.relays: RelayPlan | None = None  # values relayed past stage boundaries, found once at setup
-        self._recompute = [BlockRecompute(module.get_submodule(plan.container), plan.blocks(c.stage)) for c in carve
+        self._recompute = [BlockRecompute(plan.block_modules(module, c.stage)) for c in carve
                            if recomputes(config.recompute, config.recompute_stages, c.stage)]
 
     def prepare_relays(self, strategy: Any, sample: Sample | None) -> None:
@@ -206,9 +206,7 @@ class LocalStage:
                                    prediction=prediction)
             _time_on_device(runtime, self.links.deliver, self.config.compensation)
             if self.config.schedule == "layered":  # [Note: layered backward]
-                container = self.module.get_submodule(self.plan.container) if self.plan.container else self.module
-                blocks = [container[i] for i in self.plan.blocks(stage)]  # type: ignore[index]
-                runtime.run_layer_major(LayeredBackward(LayerCuts(blocks)))
+                runtime.run_layer_major(LayeredBackward(LayerCuts(self.plan.block_modules(self.module, stage))))
             if warn is not None and runtime.prediction:
                 costly = costly or costly_regime(optimizer, schedulers)
             self.runtimes[stage] = runtime
@@ -235,7 +233,7 @@ class LocalStage:
                 runtime, self.driver, self.links.replica_group, self.links.replicas, self.links.replica,
                 local_sgd_steps=self.config.local_sgd_steps, last_stage=carve.is_last, names=names,
                 bucket_bytes=None if mb is None else int(mb * 2**20),
-                order=partial(backward_order, container=plan.container, blocks=plan.blocks(carve.stage),
+                order=partial(backward_order, blocks=[plan.block_names[i] for i in plan.blocks(carve.stage)],
                               after=plan.after),
                 late=late, shard_optimizer=self.config.dp_shard == "optimizer", deferred=self.config.deferred_update)
             if shards is not None:

@@ -83,7 +83,7 @@ class ReferencePipeline:
                 carve = carve_stage(copy_, plan, stage)
                 carves.append(carve)
                 if recomputes(recompute, recompute_stages, stage):
-                    BlockRecompute(copy_.get_submodule(plan.container), plan.blocks(stage))
+                    BlockRecompute(plan.block_modules(copy_, stage))
                 optimizer, schedulers = factory(copy_)
                 tied_replica = carve.tied_params if stage == plan.num_stages - 1 else []
                 table = None if gradient_clip_val is None else NormTable.for_parameters(stage, plan.num_stages,

@@ -111,7 +111,8 @@ def find_relays(strategy: Any, module: LightningModule, plan: PartitionPlan, car
     return plan_relays(plan, {s: n for s, n in everyone.items() if isinstance(n, StageProbe)})
 
 
-def measure_block_costs(strategy: Any, trainer: Trainer, sample: Any) -> BlockCosts | None:
+def measure_block_costs(strategy: Any, trainer: Trainer, sample: Any,
+                        trace: CallTrace | None = None) -> BlockCosts | None:
     """Time every block's forward+backward on the sample micro-batch (setup_probe.Sample: drawn once, the same on
     every rank) of the training data (the unchanged module, before any carving); rank 0 measures and shares the
     result, so every rank plans the same split. Measuring leaves no trace (``without_side_effects``): the run that
@@ -131,7 +132,7 @@ def measure_block_costs(strategy: Any, trainer: Trainer, sample: Any) -> BlockCo
                 module.zero_grad(set_to_none=True)
 
             if strategy.is_global_zero:
-                costs = profile_block_costs(module, strategy.config.block_container, run_step)
+                costs = profile_block_costs(module, strategy.config.block_container, run_step, trace=trace)
         except (RuntimeError, ValueError, TypeError) as err:  # no grads, ...
             log.warning(f"lightning_paci: block timing not possible ({type(err).__name__}: {err}); balancing by "
                         f"parameter count")

@@ -188,9 +188,9 @@ class StageBuilder:
         if built is None:
             if (warning := host_memory_warning(module, strategy.num_processes)) is not None:
                 rank_zero_warn(warning)
-            if strategy.config.partition == "balanced":
-                measured = measure_block_costs(strategy, trainer, self.sample)
             trace = trace_call_order(strategy, module, self.sample)
+            if strategy.config.partition == "balanced":
+                measured = measure_block_costs(strategy, trainer, self.sample, trace)
         if whole:  # before carving: the whole model (on meta when built there)
             strategy.undo_at_teardown(api.whole_model_summaries(trainer, module))
         config = strategy.config

@@ -3,12 +3,13 @@
 Three steps, one module each, run in this order by the strategy (and by ``ReferencePipeline``):
 
 * ``profile.py``: time each block's forward+backward on a sample micro-batch (``profile_block_costs``);
-* ``plan.py``: choose the block boundaries and the owners of the outside modules (``plan_partition`` ->
-  ``PartitionPlan``), by parameter counts, or by the measured times when they clearly win;
+* ``plan.py``: choose the block boundaries over every container's blocks and the owners of the outside modules
+  (``plan_partition`` -> ``PartitionPlan``; ``outside.py`` finds where each runs), by parameter counts, or by the
+  measured times when they clearly win;
 * ``carve.py``: reduce a module to one stage and install the boundary hooks (``carve_stage`` -> ``StageCarve``);
   see [Note: stage boundaries are block inputs] there.
 
-``blocks.py`` holds what the first two share: finding the block container and the contiguous min-max split.
+``blocks.py`` holds what the first two share: finding the block containers and the contiguous min-max split.
 """
 
 from __future__ import annotations

@@ -35,19 +35,11 @@ import torch
 from torch import nn
 
 from lightning_paci.engine.messages import flatten, map_tensors
-from lightning_paci.partition.blocks import find_block_container
-from lightning_paci.partition.placeholder import BoundaryState, CrossingError, Placeholder
+from lightning_paci.partition.placeholder import BoundaryState, CrossingError, Placeholder, StageDone
 from lightning_paci.partition.plan import PartitionPlan
 
 __all__ = ["BoundaryState", "CrossingError", "StageCarve", "StageDone", "carve_stage", "removed_modules",
-           "share_tied_weights", "untie"]
-
-
-class StageDone(BaseException):
-    """Raised by the egress hook to end a non-last stage's forward inside the user's code.
-
-    A ``BaseException`` so that a user's ``except Exception`` cannot swallow it.
-    """
+           "removed_parameters", "share_tied_weights", "untie"]
 
 
 def _without_caches(args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -107,6 +99,9 @@ class StageCarve:
     # several stages in one process ([Note: chunks of one device] in chunks.py): puts this stage's modules in place
     # for one forward; None for a process holding one stage, whose modules are always in place
     enter: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+    # other names of removed modules (-> their first name), and removed direct parameters (on meta) by name
+    aliased: dict[str, str] = field(default_factory=dict)
+    removed_params: dict[str, nn.Parameter] = field(default_factory=dict)
 
     def entered(self) -> contextlib.AbstractContextManager[Any]:
         """Around every forward of this stage (and every hook installed for it): its own modules in place."""
@@ -130,13 +125,24 @@ class StageCarve:
         self.handles.clear()
         if not materialize:
             return
+        device = next((p.device for p in module.parameters() if p.device.type != "meta"), torch.device("cpu"))
         for name, original in self.removed.items():
             parent_name, _, child = name.rpartition(".")
             parent = module.get_submodule(parent_name) if parent_name else module
-            device = next((p.device for p in module.parameters() if p.device.type != "meta"), torch.device("cpu"))
             original.to_empty(device=device)
             parent._modules[child] = original
+        for alias, name in self.aliased.items():
+            parent_name, _, child = alias.rpartition(".")
+            (module.get_submodule(parent_name) if parent_name else module)._modules[child] = self.removed[name]
+        for name, param in self.removed_params.items():
+            holder_name, _, attr = name.rpartition(".")
+            holder = module.get_submodule(holder_name) if holder_name else module
+            holder.__dict__.pop(attr, None)
+            holder._parameters[attr] = nn.Parameter(torch.empty_like(param, device=device),
+                                                    requires_grad=param.requires_grad)
         self.removed.clear()
+        self.aliased.clear()
+        self.removed_params.clear()
         if full_state is not None:
             module.load_state_dict(full_state, strict=False)
         for first, last_name in self.plan.tied:  # tie again: one Parameter object under both names
@@ -145,16 +151,20 @@ class StageCarve:
 
 
 def removed_modules(plan: PartitionPlan, stage: int) -> dict[str, tuple[int, bool]]:
-    """The dotted names of the modules ``stage`` does not own -> (the stage that owns it, whether it is a block)."""
-    keep, last = set(plan.blocks(stage)), plan.num_stages - 1
+    """The dotted names of the modules ``stage`` does not own -> (the stage that owns it, whether it is a block);
+    a module registered under several names appears under its first (``plan.aliases`` lists the others)."""
+    keep = set(plan.blocks(stage))
     out: dict[str, tuple[int, bool]] = {}
-    for i in range(plan.num_blocks):
+    for i, name in enumerate(plan.block_names):
         if i not in keep:
-            owner = next(s for s in range(plan.num_stages) if i in plan.blocks(s))
-            out[f"{plan.container}.{i}" if plan.container else str(i)] = (owner, True)
-    out.update({name: (0, False) for name in (plan.before if stage != 0 else ())})
-    out.update({name: (last, False) for name in (plan.after if stage != last else ())})
+            out[name] = (plan.block_stage(i), True)
+    out.update({name: (owner, False) for name, owner in plan.outside if owner != stage})
     return out
+
+
+def removed_parameters(plan: PartitionPlan, stage: int) -> dict[str, int]:
+    """Parameters held directly by a module on the path to a container that ``stage`` does not own -> owner."""
+    return {name: owner for name, owner in plan.direct if owner != stage}
 
 
 _IN_PLACE = contextlib.nullcontext()
@@ -182,7 +192,6 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int, *, untie_wei
     ``shadows``: modules another stage of this process owns, by name, as meta copies for their placeholders: the
     real ones stay (chunks.py puts them back after this carve); ``untie_weights``: False where the caller unties.
     """
-    _, container = find_block_container(module, plan.container)
     last = plan.num_stages - 1
     removed: dict[str, nn.Module] = {}
     shadows = shadows or {}
@@ -208,9 +217,15 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int, *, untie_wei
     boundary = BoundaryState()
     for name, (owner, is_block) in removed_modules(plan, stage).items():
         swap(name, f"stage {owner}", is_block=is_block)
+    aliased = {alias: name for alias, name in plan.aliases if name in removed or name in shadows}
+    for alias, name in aliased.items():  # one placeholder under every name: its calls are counted once
+        parent_name, _, child = alias.rpartition(".")
+        (module.get_submodule(parent_name) if parent_name else module)._modules[child] = module.get_submodule(name)
+    removed_params = _remove_parameters(module, plan, stage)
 
     handles = []
     blocks = plan.blocks(stage)
+    first_block = module.get_submodule(plan.block_names[blocks.start])
     if stage > 0:
         def ingress(_module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -220,27 +235,45 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int, *, untie_wei
                 raise AssertionError(f"stage {stage}: block {blocks.start} ran without a received input")
             return boundary.incoming
 
-        handles.append(container[blocks.start].register_forward_pre_hook(ingress, with_kwargs=True))
+        handles.append(first_block.register_forward_pre_hook(ingress, with_kwargs=True))
     if stage < last:
         def egress(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if boundary.grad_at_begin and not torch.is_grad_enabled():
                 raise CrossingError(
-                    f"Stage {stage} ends at block {blocks.stop} of `{plan.container}`, which runs without gradients "
+                    f"Stage {stage} ends at block `{plan.block_names[blocks.stop]}`, which runs without gradients "
                     f"although the step began with them: the blocks run inside an autograd Function (a reversible "
                     f"residual stack computing its own backward, as Reformer's) or a `torch.no_grad()` block, and no "
                     f"gradient could come back across the boundary. Such a model trains on one device or with data "
                     f"parallelism; a container whose blocks autograd sees can be named with `block_container=`.")
             args, kwargs = _without_caches(tuple(args), dict(kwargs), stage)
-            boundary.outgoing = (args, kwargs, boundary.relayed(stage)) if boundary.sends else (args, kwargs)
-            raise StageDone
+            boundary.held = (args, kwargs)
+            if boundary.probing or boundary.late:  # go on: values made later here ([Note: late relays])
+                return
+            boundary.finish(stage)
 
-        handles.append(container[blocks.stop].register_forward_pre_hook(egress, with_kwargs=True))
+        handles.append(module.get_submodule(plan.block_names[blocks.stop]).register_forward_pre_hook(
+            egress, with_kwargs=True))
     names = dict(module.named_parameters(remove_duplicate=False))
     firsts = dict(plan.tied)  # first name -> one of its last-stage names (a weight once, however many names)
     tied_local = [names[first if stage == 0 else last_name] for first, last_name in firsts.items()
                   if stage in (0, last)]
     return StageCarve(plan=plan, stage=stage, boundary=boundary, removed=removed, handles=handles,
-                      tied_params=tied_local)
+                      tied_params=tied_local, aliased=aliased, removed_params=removed_params)
+
+
+def _remove_parameters(module: nn.Module, plan: PartitionPlan, stage: int) -> dict[str, nn.Parameter]:
+    """Take the direct parameters another stage owns out of ``module`` (onto meta, kept for ``restore``); the
+    attribute stays readable as a meta tensor, which the first forward's check refuses to compute with, naming it
+    (crossing.py)."""
+    out: dict[str, nn.Parameter] = {}
+    for name in removed_parameters(plan, stage):
+        holder_name, _, attr = name.rpartition(".")
+        holder = module.get_submodule(holder_name) if holder_name else module
+        param = holder._parameters.pop(attr)
+        assert param is not None
+        out[name] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        holder.__dict__[attr] = out[name].detach()
+    return out
 
 
 

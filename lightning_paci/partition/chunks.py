@@ -37,8 +37,7 @@ __all__ = ["DeviceCarve", "carve_chunks", "chunk_names", "owned_names"]
 
 def chunk_names(plan: PartitionPlan) -> list[str]:
     """Every position a stage owns or stands in for: the blocks and the outside modules with parameters."""
-    blocks = [f"{plan.container}.{i}" if plan.container else str(i) for i in range(plan.num_blocks)]
-    return blocks + list(plan.before) + list(plan.after)
+    return list(plan.block_names) + [name for name, _ in plan.outside]
 
 
 def owned_names(plan: PartitionPlan, stage: int) -> set[str]:

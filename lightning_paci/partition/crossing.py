@@ -28,7 +28,6 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_paci.partition.blocks import find_block_container
 from lightning_paci.partition.carve import CrossingError, StageCarve
 
 __all__ = ["CrossingCheck", "CrossingError"]
@@ -75,7 +74,7 @@ class CrossingCheck:
 
     def __init__(self, module: nn.Module, carve: StageCarve, *, collect: bool = False) -> None:
         self.module, self.carve = module, carve
-        _, self.container = find_block_container(module, carve.plan.container)
+        self.containers = [module.get_submodule(path) for path in carve.plan.containers]
         self.collect = collect
         self.local = False  # after the ingress: this stage's own computation
         self.foreign_buffers: set[str] = set()  # "module.buffer" names whose updates ran on placeholder zeros
@@ -88,9 +87,15 @@ class CrossingCheck:
         entry = self._tainted.get(id(tensor))
         return entry[1] if entry is not None and entry[0]() is tensor else None
 
-    def taint(self, tensor: torch.Tensor, source: Source) -> None:
-        if self.source(tensor) is None:  # keep the first source: the module whose output it really is
+    def taint(self, tensor: torch.Tensor, source: Source, *, made: bool = False) -> None:
+        """Mark ``tensor`` as derived from ``source``; the first source is kept (the op that made it), except for a
+        placeholder's output (``made``), which is that module's value whatever ops the placeholder ran."""
+        if made or self.source(tensor) is None:
             self._tainted[id(tensor)] = (weakref.ref(tensor), source)
+
+    def clean(self, value: Any) -> bool:
+        """Whether no tensor in ``value`` derives from a placeholder's output."""
+        return all(self.source(t) is None for t in _tensors(value))
 
     def refuse_foreign_weights(self, func: Any, arguments: Any) -> None:
         """An op computing with a parameter or buffer read off a placeholder (a meta tensor of a module another
@@ -117,11 +122,12 @@ class CrossingCheck:
                 made = self._made[key]
                 self.needed[key] = (tuple(made.shape), made.dtype)
             return
-        stage, first = self.carve.stage, self.carve.plan.blocks(self.carve.stage).start
+        plan = self.carve.plan
+        stage, first = self.carve.stage, plan.block_names[plan.blocks(self.carve.stage).start]
         name = min(source).split("#")[0]
         raise CrossingError(
-            f"Stage {stage} would compute with zeros: `{op}` in its own part of the step (block {first} of "
-            f"`{self.carve.plan.container}` onwards) reads a value computed by `{name}`, which "
+            f"Stage {stage} would compute with zeros: `{op}` in its own part of the step (block `{first}` "
+            f"onwards) reads a value computed by `{name}`, which "
             f"{getattr(self.module.get_submodule(name), 'owner', 'another stage')} runs; this stage holds only a "
             f"placeholder for it, and the value was not found as crossing when the stages were set up (the setup "
             f"probe's forward took another path). Make the step's control flow independent of the data, or "
@@ -144,7 +150,7 @@ class CrossingCheck:
                     if id(tensor) not in real:
                         key = f"{name}#{call}#{leaf}"
                         self._made[key] = tensor
-                        self.taint(tensor, frozenset((key,)))
+                        self.taint(tensor, frozenset((key,)), made=True)
             return hook
 
         def ingress(*_: Any) -> None:
@@ -152,16 +158,24 @@ class CrossingCheck:
 
         def buffered(name: str) -> Any:
             def hook(_module: nn.Module, args: Any, kwargs: Any) -> None:
+                if self.carve.boundary.past_egress:
+                    return
                 if not self.local and any(self.source(t) for t in _tensors((args, kwargs))):
                     self.foreign_buffers.update(f"{name}.{b}" if name else b for b, _ in
                                                 _module.named_buffers(recurse=False))
             return hook
 
-        inside = {id(m) for m in self.container.modules()}
+        inside = {id(m) for container in self.containers for m in container.modules()}
         for name, shadow in self.carve.removed.items():
             owner = getattr(self.module.get_submodule(name), "owner", "another stage")
             for tensor_name, tensor in [*shadow.named_parameters(), *shadow.named_buffers()]:
                 self._foreign[id(tensor)] = (owner, f"{name}.{tensor_name}")
+        for name in self.carve.removed_params:
+            holder, _, attr = name.rpartition(".")
+            meta = (self.module.get_submodule(holder) if holder else self.module).__dict__.get(attr)
+            if isinstance(meta, torch.Tensor):
+                owner = f"stage {dict(self.carve.plan.direct)[name]}"
+                self._foreign[id(meta)] = (owner, name)
         for name in self.carve.removed:
             handles.append(self.module.get_submodule(name).register_forward_hook(tainting(name)))
         for name, sub in self.module.named_modules():
@@ -172,12 +186,16 @@ class CrossingCheck:
             sources = [s for t in _tensors((args, kwargs)) if (s := self.source(t)) is not None]
             if sources:
                 self.refuse(frozenset().union(*sources), "the inputs sent to the next stage")
+            self.local = False  # what runs after it (values made late, [Note: late relays]) is not read here
 
-        blocks = self.carve.plan.blocks(self.carve.stage)
-        handles.append(self.container[blocks.start].register_forward_pre_hook(ingress))  # after carve's ingress
+        plan = self.carve.plan
+        blocks = plan.blocks(self.carve.stage)
+        if not self.carve.is_first:  # after carve's ingress
+            handles.append(self.module.get_submodule(plan.block_names[blocks.start]).register_forward_pre_hook(
+                ingress))
         if not self.carve.is_last:  # before carve's egress hook, which ends the forward
-            handles.append(self.container[blocks.stop].register_forward_pre_hook(egress, with_kwargs=True,
-                                                                                  prepend=True))
+            handles.append(self.module.get_submodule(plan.block_names[blocks.stop]).register_forward_pre_hook(
+                egress, with_kwargs=True, prepend=True))
         try:
             with _Taint(self):
                 yield

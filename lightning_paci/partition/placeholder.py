@@ -19,7 +19,14 @@ from torch import nn
 from lightning_paci.engine.messages import flatten, map_tensors, unflatten
 from lightning_paci.errors import CrossingError
 
-__all__ = ["BoundaryState", "CrossingError", "Placeholder"]
+__all__ = ["BoundaryState", "CrossingError", "Placeholder", "StageDone"]
+
+
+class StageDone(BaseException):
+    """Raised by the egress hook to end a non-last stage's forward inside the user's code.
+
+    A ``BaseException`` so that a user's ``except Exception`` cannot swallow it.
+    """
 
 
 class Placeholder(nn.Module):
@@ -69,7 +76,7 @@ class Placeholder(nn.Module):
             f"`{self._name}` ({type(self.__dict__['_shadow']).__name__}) lives on {self.owner}, and code on another "
             f"stage indexes it (`[{index!r}]`): a container indexed inside the loop over the blocks (one list per "
             f"kind of sub-layer, as XLM's `attentions[i]`, `ffns[i]`) runs on every stage, but only one container "
-            f"is cut into stages. Hold each layer's parts in one block module (the usual layout), or train on one "
+            f"is cut with it. Hold each layer's parts in one block module (the usual layout), or train on one "
             f"device.")
 
     def _apply(self, fn: Any, recurse: bool = True) -> Placeholder:
@@ -96,8 +103,8 @@ class Placeholder(nn.Module):
             boundary.calls[self._name] = call + 1
             prefix = f"{self._name}#{call}#"
             relayed = {int(k[len(prefix):]): v for k, v in boundary.relay_in.items() if k.startswith(prefix)}
-        if self._pass_through and not relayed:
-            return first
+        if self._pass_through and not relayed and isinstance(first, torch.Tensor):
+            return first.view_as(first)  # a new tensor: the probe tells a block's output from its input
         shadow, device = self.__dict__["_shadow"], self.__dict__["_device"]
         key = _form_key(shadow, args, kwargs, device) if boundary is None or not boundary.probing else None
         key = None if key is None else (self.training, key)
@@ -121,7 +128,7 @@ class Placeholder(nn.Module):
                 # data-dependent): pass its input on, as a block of the usual form does -- the values before this
                 # stage's first block are replaced at its ingress, and the probe stops any that are read
                 self._pass_through = True
-                return first
+                return first.view_as(first)
             raise RuntimeError(
                 f"Could not infer the output form of {type(shadow).__name__} (owned by {self.owner}) on the meta "
                 f"device: {err}. Move the code that uses its output into a module on the same stage, or place the "
@@ -135,7 +142,7 @@ class Placeholder(nn.Module):
             out.shape == first.shape and out.dtype == first.dtype
         ):
             self._pass_through = True
-            return first
+            return first.view_as(first)
         return map_tensors(out, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device))
 
     def extra_repr(self) -> str:
@@ -213,6 +220,9 @@ class BoundaryState:
     probing: bool = False  # a setup probe: the first local block keeps fresh zeros of its own inputs
     in_shadow: int = 0  # > 0 while a placeholder runs its module on the meta device
     grad_at_begin: bool = False  # whether the forward began with gradients on (the egress checks it still is)
+    # "module#call" of the values this stage makes after its egress ([Note: late relays] in relay.py)
+    late: frozenset[str] = frozenset()
+    held: tuple[Any, ...] | None = None  # the next stage's block inputs, captured at the egress
 
     def begin(self, received: Any) -> None:
         """Start a forward with ``received`` (the previous stage's message, None on stage 0)."""
@@ -220,13 +230,30 @@ class BoundaryState:
         self.calls.clear()
         self.relay_out = {}
         self.outgoing = None
+        self.held = None
         if received is not None and len(received) == 3:
             self.incoming, self.relay_in = (received[0], received[1]), received[2]
         else:
             self.incoming, self.relay_in = received, {}
 
     def end(self) -> None:
-        self.incoming, self.relay_in, self.relay_out = None, {}, {}
+        self.incoming, self.relay_in, self.relay_out, self.held = None, {}, {}, None
+
+    @property
+    def past_egress(self) -> bool:
+        return self.held is not None
+
+    def late_made(self) -> bool:
+        """Whether every value this stage makes after its egress is made."""
+        return all(any(k.startswith(f"{key}#") for k in self.relay_out) for key in self.late)
+
+    def finish(self, stage: int) -> None:
+        """End the stage's forward: the message for the next stage is what the egress held, and the relayed
+        values; raises ``StageDone``."""
+        assert self.held is not None
+        args, kwargs = self.held
+        self.outgoing = (args, kwargs, self.relayed(stage)) if self.sends else (args, kwargs)
+        raise StageDone
 
     def relayed(self, stage: int) -> dict[str, torch.Tensor]:
         """What this stage relays onward (``sends``, in that order): made here, or received and passed on."""

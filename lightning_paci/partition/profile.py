@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_paci.partition.blocks import balanced_boundaries, find_block_container
+from lightning_paci.partition.blocks import CallTrace, balanced_boundaries, find_block_containers
 
 __all__ = [
     "TIME_BALANCE_MIN_GAIN",
@@ -42,16 +42,19 @@ class BlockCosts:
     repeats: tuple[BlockCosts, ...] = ()
 
 
-def profile_block_costs(module: nn.Module, container: str | None, run_step: Callable[[], None],
-                        *, repeats: int = 3, clock: Callable[[], float] = time.perf_counter) -> BlockCosts:
+def profile_block_costs(module: nn.Module, container: str | Sequence[str] | None, run_step: Callable[[], None],
+                        *, repeats: int = 3, clock: Callable[[], float] = time.perf_counter,
+                        trace: CallTrace | None = None) -> BlockCosts:
     """Time each block's forward and backward while ``run_step`` runs one full forward+backward of the unchanged
     module (on a sample micro-batch); the median over ``repeats`` runs after one warm-up.
 
     ``clock`` returns seconds; it is read in the block hooks and around ``run_step``, nowhere else. The wall clock
     is the point in production; a clock that advances by known amounts makes the measured costs -- and so the
     partition decided from them -- exact, which is how the tests pin the decision rule down without sleeping.
+    ``trace`` finds the containers as ``plan_partition`` does (the blocks of all of them, in the step's order); time
+    spent between two containers' blocks counts in ``after``.
     """
-    _, blocks = find_block_container(module, container)
+    blocks = [block for _, c in find_block_containers(module, container, trace) for block in c]
     n = len(blocks)
     marks: dict[str, float] = {}
     handles = []

@@ -21,6 +21,17 @@ upstream, and a stage that passes a received tensor on also lists it among its o
 for it is added to its own reads' gradient before it goes further up. What still cannot cross is refused with the
 module's name: at setup, a call that runs after its owner's stage has ended (one module used at two places); at the
 first forward, a value changed in place after it was captured, or one the probe's path did not read.
+
+[Note: late relays]
+A module can be called again after its stage has ended: T5's one ``nn.Embedding`` embeds the encoder's tokens
+(stage 0) and, after the encoder's last layer, the decoder's; BART's decoder embedding is tied to the encoder's and
+is given to stage 0 with it (plan.py). Its owner then makes the later call too, *late*: at its egress it keeps the
+next stage's block inputs and goes on through the step -- the other stages' blocks are pass-through placeholders,
+next to nothing -- until the module's later call has run, then ends the forward and sends both. This holds when
+that call's inputs do not derive from any placeholder (the decoder's token ids come with the batch): the setup
+probe runs every stage on past its egress and records, as ``late``, the calls of its own modules made there from
+clean inputs; a value read elsewhere that is neither made before the owner's end nor late is refused, naming it.
+The gradient comes back with the activation's, so the owner's one backward covers both uses of the weight.
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ class StageProbe:
 
     needs: Needs
     calls: dict[str, int]
+    late: frozenset[str] = frozenset()  # "module#call": calls made after the egress from clean inputs
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,7 @@ class Relay:
     last: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    late: bool = False  # made after the owner's egress ([Note: late relays])
 
     @property
     def module(self) -> str:
@@ -100,7 +113,7 @@ class RelayPlan:
         if not self.relays:
             return ""
         parts = [f"{r.module} (call {r.call}, tensor {r.leaf}, {tuple(r.shape)} {str(r.dtype).removeprefix('torch.')}"
-                 f", {r.nbytes:,} B) stage {r.owner} -> {r.last}" for r in self.relays]
+                 f", {r.nbytes:,} B{', made late' if r.late else ''}) stage {r.owner} -> {r.last}" for r in self.relays]
         return "relayed per micro-batch: " + "; ".join(parts)
 
 
@@ -108,30 +121,42 @@ def probe_crossings(module: nn.Module, carve: StageCarve, run_step: Callable[[],
     """Run stage ``carve.stage``'s part of one step (``run_step``: the user's step on a sample micro-batch, no
     backward; the caller undoes side effects) and report what it reads from modules it does not run and how
     often it calls the modules it does run."""
-    calls: dict[str, int] = {}
+    calls: dict[str, int] = {}  # before the egress
+    every: dict[str, int] = {}  # before and after it
+    late: set[str] = set()
     removed = set(carve.removed)
+    check = CrossingCheck(module, carve, collect=True)
+    boundary = carve.boundary
 
     def count(name: str) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            calls[name] = calls.get(name, 0) + 1
+        def hook(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            call = every[name] = every.get(name, 0) + 1
+            if not boundary.past_egress:
+                calls[name] = call
+            elif check.clean((args, kwargs)):
+                late.add(f"{name}#{call - 1}")
         return hook
 
-    handles = [sub.register_forward_pre_hook(count(name)) for name, sub in module.named_modules()
+    handles = [sub.register_forward_pre_hook(count(name), with_kwargs=True) for name, sub in module.named_modules()
                if name and name not in removed and not isinstance(sub, Placeholder)]  # (a sibling chunk's)
-    check = None if carve.is_first else CrossingCheck(module, carve, collect=True)
-    boundary = carve.boundary
     boundary.begin(None)
     boundary.probing = True
     try:
         # with gradients on, as the training step runs: a stage boundary inside an autograd Function shows here
-        with check.watch() if check is not None else contextlib.nullcontext(), contextlib.suppress(StageDone):
-            run_step()
+        with check.watch(), contextlib.suppress(StageDone):
+            try:
+                run_step()
+            except Exception:
+                if not boundary.past_egress:
+                    raise
+                # past the egress the step runs on other stages' placeholders, only to find the late calls: code
+                # that fails on their zeros ends the probe there
     finally:
         boundary.probing = False
         boundary.end()
         for handle in handles:
             handle.remove()
-    return StageProbe(dict(check.needed) if check is not None else {}, calls)
+    return StageProbe({} if carve.is_first else dict(check.needed), calls, frozenset(late))
 
 
 def plan_relays(plan: PartitionPlan, probes: Mapping[int, StageProbe]) -> RelayPlan:
@@ -149,14 +174,16 @@ def plan_relays(plan: PartitionPlan, probes: Mapping[int, StageProbe]) -> RelayP
                     f"{owner}: it runs before the code that reads it. Place it earlier with `partition=` split "
                     f"indices, or compute it inside the blocks.")
             made = probes[owner].calls.get(name, 0) if owner in probes else call + 1
-            if call >= made:
+            late = owner in probes and f"{name}#{call}" in probes[owner].late and call >= made
+            if call >= made and not late:
                 raise CrossingError(
                     f"Stage {stage} reads call {call} of `{name}` (a module used at {call + 1} places), but `{name}` "
                     f"lives on stage {owner}, which ends after {made} call(s) of it: a module called again after its "
                     f"stage has ended cannot have its output relayed. Give each place its own module, or keep both "
                     f"places on one stage with `partition=`.")
             previous = found.get(key)
-            found[key] = Relay(key, owner, max(stage, previous.last if previous else stage), tuple(shape), dtype)
+            found[key] = Relay(key, owner, max(stage, previous.last if previous else stage), tuple(shape), dtype,
+                               late)
     return RelayPlan(tuple(found[k] for k in sorted(found, key=_order)))
 
 
@@ -170,15 +197,17 @@ def install_relays(module: nn.Module, carve: StageCarve, relays: RelayPlan) -> N
     it runs whose outputs travel (removed with the carve's other hooks)."""
     stage, boundary = carve.stage, carve.boundary
     boundary.sends = relays.sends(stage)
+    boundary.late = frozenset(f"{r.module}#{r.call}" for r in relays.relays if r.owner == stage and r.late)
     wanted: dict[str, dict[int, list[Relay]]] = {}
     for relay in relays.relays:
         if relay.owner == stage:
             wanted.setdefault(relay.module, {}).setdefault(relay.call, []).append(relay)
     for name, calls in wanted.items():
-        carve.handles.append(module.get_submodule(name).register_forward_hook(_capture(boundary, name, calls)))
+        carve.handles.append(module.get_submodule(name).register_forward_hook(
+            _capture(boundary, name, calls, stage)))
 
 
-def _capture(boundary: Any, name: str, calls: dict[int, list[Relay]]) -> Callable[..., None]:
+def _capture(boundary: Any, name: str, calls: dict[int, list[Relay]], stage: int) -> Callable[..., None]:
     def hook(_module: nn.Module, _args: Any, output: Any) -> None:
         call = boundary.calls.get(name, 0)
         boundary.calls[name] = call + 1
@@ -187,4 +216,6 @@ def _capture(boundary: Any, name: str, calls: dict[int, list[Relay]]) -> Callabl
             tensor = tensors[relay.leaf]
             boundary.relay_out[relay.key] = tensor
             boundary.versions[relay.key] = tensor._version
+        if boundary.past_egress and boundary.late and boundary.late_made():
+            boundary.finish(stage)  # the last value made late: the stage ends here
     return hook
