@@ -151,3 +151,19 @@ def test_a_block_run_twice_per_step_is_refused_also_in_a_root_container():
     looped = CallTrace(("0", "1", "2"), {"0": 1, "1": 2, "2": 1})  # block 1 run twice, as a looped model does
     with pytest.raises(ValueError, match="Block `1` of `` runs 2 times in one step"):
         plan_partition(model, 2, container="", partition="parameters", trace=looped)
+
+
+class _WeightReadHead(LongSkip):
+    """A tied head written as `x @ self.embed.weight.T` (GPT-2 style, without calling the embedding): the last stage
+    reads stage 0's weight through a view of it."""
+
+    def forward(self, x):
+        h = self.net(self.embed(x))
+        return self.head(h[..., :8] @ self.embed.weight.T)  # (rows, 8) @ (8, 16)
+
+
+def test_a_weight_read_through_a_view_on_another_stage_is_refused_at_setup_naming_it():
+    model = _WeightReadHead()
+    pipeline = ReferencePipeline(model, plan_partition(model, 2, partition="parameters"))
+    with pytest.raises(CrossingError, match=r"Stage 1 computes with `embed.weight` \(in `matmul`"):
+        pipeline.run(build_schedule("1f1b", 2, 2, 2, 1), _batches(1))

@@ -58,6 +58,12 @@ class _Taint(TorchFunctionMode):
         self.check.refuse_foreign_weights(func, (args, kwargs))
         sources = [s for t in _tensors((args, kwargs)) if (s := self.check.source(t)) is not None]
         out = func(*args, **kwargs)
+        if self.check._derived:  # the result of an op on another stage's weights alone stands for them too
+            _, name = self.check._derived.pop()
+            for tensor in _tensors(out):
+                if tensor.is_meta:
+                    self.check._foreign[id(tensor)] = name
+                    self.check._keep.append(tensor)
         if sources:
             source = frozenset().union(*sources)
             if self.check.local:
@@ -82,6 +88,8 @@ class CrossingCheck:
         self._made: dict[str, torch.Tensor] = {}  # key -> the placeholder's output tensor (collect: its form)
         self._tainted: dict[int, tuple[weakref.ref[torch.Tensor], Source]] = {}
         self._foreign: dict[int, tuple[str, str]] = {}  # id of a placeholder's meta tensor -> (owner, dotted name)
+        self._derived: list[tuple[Any, tuple[str, str]]] = []  # the op now running reads only foreign meta tensors
+        self._keep: list[torch.Tensor] = []  # meta tensors derived from foreign ones: alive while their ids count
 
     def source(self, tensor: torch.Tensor) -> Source | None:
         entry = self._tainted.get(id(tensor))
@@ -104,10 +112,13 @@ class CrossingCheck:
         if self.carve.boundary.in_shadow:
             return  # a placeholder finding its output's form: every tensor there is meant to be meta
         tensors = list(_tensors(arguments))
-        if not any(t.is_meta for t in tensors) or all(t.is_meta for t in tensors):
+        if not any(t.is_meta for t in tensors):
             return
         name = next((self._foreign[id(t)] for t in tensors if t.is_meta and id(t) in self._foreign), None)
         if name is None:
+            return
+        if all(t.is_meta for t in tensors):  # a view or a function of another stage's weight (`weight.T`, then `@`)
+            self._derived.append((func, name))
             return
         owner, tensor = name
         raise CrossingError(
@@ -205,4 +216,5 @@ class CrossingCheck:
             self._tainted.clear()
             self._made.clear()
             self._foreign.clear()
+            self._keep.clear()
             self.local = False
