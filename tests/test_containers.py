@@ -21,7 +21,8 @@ from lightning_paci.integration.reference_pipeline import ReferencePipeline
 from lightning_paci.partition.plan import call_order, plan_partition
 from lightning_paci.schedules import build_schedule
 
-from models import DiffusionUNet, HFModel, LongSkip, regression_loader
+from helpers import fit
+from models import DiffusionUNet, HFModel, LongSkip, dict_loader, hf_model_reference, regression_loader
 
 
 def _trace(module: nn.Module, half):
@@ -194,10 +195,6 @@ def test_a_plan_without_a_traced_step_refuses_parameters_held_on_the_path():
 def test_an_encoder_decoder_on_virtual_stages_equals_one_device(tmp_path):
     # 2 processes x 2 chunks in a V: device 0 holds stages 0 and 3 (the tied head with the shared embedding), and
     # its stage 0 makes the decoder's input embedding after its own part for stage 1 on the other device
-    from helpers import fit
-
-    from models import dict_loader, hf_model_reference
-
     model, _ = _seq2seq("bart")
     torch.manual_seed(63)
     batches = [{"input_ids": torch.randint(3, 64, (4, 10)), "labels": torch.randint(3, 64, (4, 7))} for _ in range(2)]
