@@ -80,9 +80,13 @@ class PACIConfig:
             between its forward and its backward is forwarded with the weights moved ``k`` predicted steps of the
             optimizer itself ahead (SGD with momentum, Adam, AdamW; the window's gradient so far plus the momentum's
             rate for the rest), undone after the forward to within one unit in the last place: no weight copy,
-            temporaries of at most the stage's largest parameter tensor, a few multi-tensor passes; other
+            temporaries of at most the stage's largest parameter tensor, a few multi-tensor passes; each stage
+            measures over its first 8 updates how much closer the moves bring its forwards to the weights their
+            backwards use (``1 - ||predicted - actual|| / ||actual||``, logged by ``DriftMonitor`` as
+            ``paci/prediction_quality/stage_<s>``) and switches the prediction off, saying so, where that is below
+            0.1 ([Note: the prediction's quality] in optim/prediction_quality.py); other
             optimizers (and weights other than float32 or float64) train uncompensated with a warning.
-            ``"predict"``: the same, but an unsupported optimizer is
+            ``"predict"``: the prediction kept on every stage, unmeasured, and an unsupported optimizer is
             an error (``"lookahead"``, its name up to 0.3, is accepted with a deprecation warning). ``"none"``: the
             paper's PACI, forwards with the weights as they are.
         pipeline_parallel_size, data_parallel_size: stages x replicas = ``devices x num_nodes`` (``"auto"``: what
@@ -178,8 +182,7 @@ class PACIConfig:
             raise ValueError(f"`failure_timeout` must be > 0 seconds, got {self.failure_timeout!r}. The default 20.0 "
                              f"declares a stage dead after 20 s without a heartbeat.")
         _choice("start_method", self.start_method, ("popen", "spawn", "fork", "forkserver"))
-        if self.block_container is not None and not isinstance(self.block_container, str):
-            object.__setattr__(self, "block_container", tuple(self.block_container))
+        self._check_partition_options()
         if self.compensation == "lookahead":  # the name of 0.3 and before
             warnings.warn("`compensation='lookahead'` is `compensation='predict'` (weight prediction); the old name "
                           "will be removed.", DeprecationWarning, stacklevel=4)
@@ -236,6 +239,33 @@ class PACIConfig:
             held = tuple(tuple(s for s, d in enumerate(devices_of) if d == p) for p in range(sizes[0]))
         return check_topology(Topology(*sizes, mirrored=self.virtual_stages > 1 and self.placement == "v", held=held),
                               nonfinite=self.nonfinite, local_sgd_steps=self.local_sgd_steps)
+
+    def _check_partition_options(self) -> None:
+        """``partition``, ``block_container``, ``process_group_backend`` and ``timeout``, each by its rule."""
+        partition = self.partition
+        if isinstance(partition, str):
+            _choice("partition", partition, ("balanced", "parameters", "uniform"))
+        elif not isinstance(partition, Sequence) or not partition or any(
+                isinstance(i, bool) or not isinstance(i, int) for i in partition) or any(
+                b <= a for a, b in zip([0, *partition], partition)):
+            raise ValueError(f"`partition={partition!r}` must be 'balanced', 'parameters', 'uniform' or the strictly "
+                             f"increasing block indices (>= 1) where stages 1..N-1 start, e.g. `partition=[6, 12, 18]` "
+                             f"for 4 stages of 24 blocks.")
+        container = self.block_container
+        if container is not None and not isinstance(container, str):
+            if not isinstance(container, Sequence) or not container or not all(
+                    isinstance(c, str) for c in container):
+                raise ValueError(f"`block_container={container!r}` must be None (found automatically), the dotted "
+                                 f"path of the blocks' nn.Sequential/nn.ModuleList (e.g. 'model.layers') or a tuple of "
+                                 f"such paths in the order the step runs them.")
+            object.__setattr__(self, "block_container", tuple(container))
+        backend = self.process_group_backend
+        if backend is not None and backend not in ("gloo", "nccl"):
+            raise ValueError(f"`process_group_backend={backend!r}`: the pipeline's messages run on 'gloo' or 'nccl'. "
+                             f"Pass one of them, or None (default: 'nccl' on CUDA, 'gloo' otherwise).")
+        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
+            raise ValueError(f"`timeout={self.timeout!r}` must be a positive `datetime.timedelta` (the process groups' "
+                             f"timeout), e.g. `timeout=timedelta(minutes=30)` (default).")
 
     def _check_virtual_stages(self) -> None:
         _positive_int("virtual_stages", self.virtual_stages, "Use e.g. `virtual_stages=2` for two stages per device; "

@@ -26,12 +26,28 @@ from lightning_paci.config import PACIConfig
     ({"schedule": "1f1b", "virtual_stages": 2}, r"`schedule='1f1b'` runs one stage per device, got "
                                                 r"`virtual_stages=2`: use `schedule='interleaved'`"),
     ({"schedule": "layered", "virtual_stages": 2}, r"use `schedule='bfs'`"),
+    ({"partition": "even"}, r"`partition` must be one of 'balanced', 'parameters', 'uniform', got 'even'"),
+    ({"partition": [4, 2]}, r"`partition=\[4, 2\]` must be .* the strictly increasing block indices \(>= 1\)"),
+    ({"partition": [0, 3]}, r"`partition=\[0, 3\]` must be"),
+    ({"partition": [2.0]}, r"`partition=\[2\.0\]` must be"),
+    ({"block_container": ["model.layers", 3]}, r"`block_container=\['model\.layers', 3\]` must be None"),
+    ({"block_container": 7}, r"`block_container=7` must be None"),
+    ({"process_group_backend": "mpi"}, r"`process_group_backend='mpi'`: the pipeline's messages run on 'gloo' or "
+                                       r"'nccl'"),
+    ({"timeout": 5}, r"`timeout=5` must be a positive `datetime\.timedelta`"),
 ])
 def test_bad_options_are_refused_at_construction(options, message):
     with pytest.raises(ValueError, match=message):
         PACIConfig(**options)
     with pytest.raises(ValueError, match=message):  # the strategy checks through the same dataclass
         PACIStrategy(**options)
+
+
+def test_good_partition_options_are_kept_as_given():
+    assert PACIConfig(partition=(2, 5)).partition == (2, 5)
+    assert PACIConfig(block_container=["model.encoder.layers", "model.decoder.layers"]).block_container == (
+        "model.encoder.layers", "model.decoder.layers")
+    assert PACIConfig(block_container="model.layers", process_group_backend="gloo").block_container == "model.layers"
 
 
 def test_the_config_is_frozen_and_derives_variants():
