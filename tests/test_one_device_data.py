@@ -60,10 +60,11 @@ class _ProcessDependentCollate:
         return x + (os.getpid() % 13) * 0.01, y
 
 
-def test_a_stage_that_trained_on_other_batches_fails_naming_the_cause():
+def test_a_stage_that_loads_other_batches_fails_at_the_first_batch_naming_the_cause():
     loader = regression_loader(num_batches=4)
     loader = torch.utils.data.DataLoader(loader.dataset, batch_size=8, collate_fn=_ProcessDependentCollate())
-    with pytest.raises(ProcessRaisedException, match="stage 1 trained on other batches than stage 0"):
+    with pytest.raises(ProcessRaisedException, match=r"stage 1's first batch differs from stage 0's .* before any "
+                                                     r"stage computed with it: .* seed before building it"):
         fit(SequentialMLP(), loader, devices=2, max_steps=-1, schedule="paci", microbatches=2,
             partition="parameters", trainer_kwargs={"max_epochs": 1})
 

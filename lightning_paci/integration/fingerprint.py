@@ -64,8 +64,9 @@ class BatchFingerprint:
         total = torch.stack(sums).sum(0)  # (2,)
         self.digest = total if self.digest is None else self.digest + total
 
-    def check(self, broadcast: Callable[[Any, int], Any]) -> None:
-        """Compare with stage 0's digest (a collective: every stage calls it at the same drains).
+    def check(self, broadcast: Callable[[Any, int], Any], *, first: bool = False) -> None:
+        """Compare with stage 0's digest (a collective: every stage calls it at the same drains, and at the first
+        batch of a run -- ``first`` -- before any stage computes, where data made differently per rank shows).
 
         Raises:
             DataMismatchError: this stage's batches differ from stage 0's.
@@ -73,12 +74,17 @@ class BatchFingerprint:
         if self.batches == 0:
             return
         mine = None if self.digest is None else self.digest.cpu().tolist()
-        first = broadcast(mine, 0)
+        theirs = broadcast(mine, 0)
         since, self.batches, self.first_batch, self.digest = self.first_batch, 0, None, None
-        if mine != first:
+        if mine != theirs:
+            what = (f"stage {self.stage}'s first batch differs from stage 0's (fingerprints {mine} vs {theirs}), "
+                    f"before any stage computed with it" if first else
+                    f"stage {self.stage} trained on other batches than stage 0 (fingerprints of the batches since "
+                    f"Lightning batch {since}: {mine} vs {theirs})")
             raise DataMismatchError(
-                f"stage {self.stage} trained on other batches than stage 0 (fingerprints of the batches since "
-                f"Lightning batch {since}: {mine} vs {first}): stage 0's inputs were paired with other labels. Every "
+                f"{what}: stage 0's inputs would be paired with other labels. Data made before `fit` (random tensors, "
+                f"a shuffled list) must be the same on every rank: seed before building it "
+                f"(`lightning.seed_everything(seed)` at the top of the script). Every "
                 f"stage loads the batch itself, so loading must give the same samples on every rank: keep randomness "
                 f"in the dataset, collate_fn or sampler on torch's, Python's `random` or NumPy's global generators "
                 f"(shared at setup, dataloader workers seeded alike), and avoid process-dependent sources (PIDs, "

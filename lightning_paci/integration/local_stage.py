@@ -137,6 +137,7 @@ class LocalStage:
         self.driver: StreamDriver | None = None
         self.relay = LogRelay(num_microbatches)
         self.fingerprint = BatchFingerprint(self.index)
+        self._data_checked = False
         self._broadcast = broadcast
         self._resumed_gradients: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         # dp_shard="optimizer": this replica's share of each stage's updates, by stage
@@ -255,6 +256,9 @@ class LocalStage:
         for chunk in self.runtimes.values():
             chunk.label(label)
         self.fingerprint.update(batch, batch_idx)
+        if not self._data_checked:  # the first batch, before any stage computes: one broadcast per fit
+            self._data_checked = True
+            self.fingerprint.check(self._broadcast, first=True)
         driver.feed(batch, batch_idx, drain=drain, accumulation=accumulation, close_window=close_window)
         # the records of the last stage here, else of the first chunk (complete last); the others' are spent
         source = self.runtimes[self.carve.last.stage] if self.carve.holds_last else runtime
