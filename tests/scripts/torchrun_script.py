@@ -39,6 +39,7 @@ def trainer(pipeline: int, max_steps: int, **kwargs) -> L.Trainer:
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)  # the docs' command names a directory that may not exist yet
     rank = int(os.environ["RANK"])
     out.joinpath(f"pid{rank}").write_text(str(os.getpid()))
     torch.manual_seed(0)
