@@ -129,6 +129,7 @@ def main() -> None:
     trainer = L.Trainer(
         strategy=PACIStrategy(schedule=args.schedule, microbatches=args.microbatches, accumulation=args.accumulation),
         accelerator=args.accelerator, devices=args.devices, precision=args.precision, max_steps=args.max_steps,
+        max_epochs=math.ceil(args.max_steps / len(train)),  # the progress bar's epoch count: finite
         val_check_interval=max(1, args.max_steps // 4), check_val_every_n_epoch=None, limit_val_batches=8,
         num_sanity_val_steps=0, log_every_n_steps=10, logger=logger,
         callbacks=[DriftMonitor(), BubbleMonitor(),

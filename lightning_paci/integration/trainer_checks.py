@@ -11,7 +11,23 @@ from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-__all__ = ["SUPPORTED_PRECISION", "batch_norm_warning", "check_trainer"]
+__all__ = ["MOOT_WARNINGS", "SUPPORTED_PRECISION", "batch_norm_warning", "check_trainer", "quiet_moot_warnings"]
+
+# Lightning's messages that a pipeline run makes moot, so that what reaches the screen is what the user can act on:
+# * the advice to log epoch-level values with `sync_dist=True`: the pipeline's evaluation logs each value once, from
+#   the last stage (global rank 0); a sync would average it with the other stages' placeholders' values;
+# * the `LeafSpec` deprecation Lightning's own tree utilities raise under torch >= 2.10 on every batch transfer,
+#   which no user code can change.
+MOOT_WARNINGS = (
+    r"It is recommended to use `self\.log\('.*', \.\.\., sync_dist=True\)`",
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+)
+
+
+def quiet_moot_warnings() -> None:
+    """Filter ``MOOT_WARNINGS`` in this process (every rank calls it at setup)."""
+    for message in MOOT_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "64-true")
 
@@ -36,7 +52,9 @@ def batch_norm_warning(module: nn.Module, num_microbatches: int) -> str | None:
 
 
 def check_trainer(trainer: Trainer, module: LightningModule, num_stages: int, start_method: str = "popen") -> None:
-    """Refuse, at setup, what a pipeline cannot run, naming the setting and the fix."""
+    """Refuse, at setup, what a pipeline cannot run, naming the setting and the fix (and quiet what it makes
+    moot: ``quiet_moot_warnings``)."""
+    quiet_moot_warnings()
     tuners = [type(c).__name__ for c in trainer.callbacks  # type: ignore[attr-defined]  # set in Trainer.__init__
               if isinstance(c, (LearningRateFinder, BatchSizeFinder))]
     if tuners and start_method != "popen":
