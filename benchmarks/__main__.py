@@ -24,6 +24,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                 "virtual stages: interleaved/bfs over loops vs the simulator and torch; paci's fill and drain"),
     "memory": ("benchmarks.memory",
                "peak host memory of a big model per rank, activation bytes with recomputation, message bytes"),
+    "compile": ("benchmarks.compile_speed",
+                "compile=\"blocks\" against eager: a stage's GPT-2 blocks, forward and backward per micro-batch"),
+    "compensation": ("benchmarks.compensation",
+                     "six transformers models: final loss of one device and PACI with compensation none/predict/auto"),
 }
 
 

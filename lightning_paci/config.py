@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from lightning_paci.engine.block_compile import COMPILE_MODES, check_backend
 from lightning_paci.engine.recompute import RECOMPUTE_MODES
 from lightning_paci.engine.topology import Topology, check_size_option, check_topology, resolve_sizes
 from lightning_paci.optim.weight_prediction import COMPENSATIONS
@@ -80,15 +81,12 @@ class PACIConfig:
             between its forward and its backward is forwarded with the weights moved ``k`` predicted steps of the
             optimizer itself ahead (SGD with momentum, Adam, AdamW; the window's gradient so far plus the momentum's
             rate for the rest), undone after the forward to within one unit in the last place: no weight copy,
-            temporaries of at most the stage's largest parameter tensor, a few multi-tensor passes; each stage
-            measures over its first 8 updates how much closer the moves bring its forwards to the weights their
-            backwards use (``1 - ||predicted - actual|| / ||actual||``, logged by ``DriftMonitor`` as
-            ``paci/prediction_quality/stage_<s>``) and switches the prediction off, saying so, where that is below
-            0.1 ([Note: the prediction's quality] in optim/prediction_quality.py); other
-            optimizers (and weights other than float32 or float64) train uncompensated with a warning.
-            ``"predict"``: the prediction kept on every stage, unmeasured, and an unsupported optimizer is
-            an error (``"lookahead"``, its name up to 0.3, is accepted with a deprecation warning). ``"none"``: the
-            paper's PACI, forwards with the weights as they are.
+            temporaries of at most the stage's largest parameter tensor, a few multi-tensor passes; a stage whose
+            moves bring its forwards less than 0.1 of the way to its backwards' weights over its first 8 updates
+            switches it off, saying so ([Note: the prediction's quality]); other optimizers (and weights other than
+            float32 or float64) train uncompensated with a warning. ``"predict"``: the prediction on every stage,
+            unmeasured, an unsupported optimizer an error (``"lookahead"``, its name up to 0.3, is accepted with a
+            deprecation warning). ``"none"``: the paper's PACI, forwards with the weights as they are.
         pipeline_parallel_size, data_parallel_size: stages x replicas = ``devices x num_nodes`` (``"auto"``: what
             the other leaves; both ``"auto"``: every process a stage, one replica). The replicas of a stage average
             their gradients right before each of their local steps (data_parallel.py); see [Note: rank layout] for
@@ -114,6 +112,10 @@ class PACIConfig:
             PACI] in recompute.py).
         recompute_stages: only the first this many stages recompute (they hold the most micro-batches in flight);
             None (default): every stage.
+        compile: ``"off"`` (default) or ``"blocks"``: each block a stage owns runs its ``forward`` through
+            ``torch.compile``; hooks, relays and recomputation stay outside the compiled region, parameter names and
+            checkpoints are the eager model's ([Note: compiled blocks] in engine/block_compile.py).
+        compile_backend: the ``torch.compile`` backend of ``compile="blocks"`` (default ``"inductor"``).
         process_group_backend: ``"nccl"`` on CUDA, ``"gloo"`` otherwise (default: chosen from the device).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"`` (CPU tests,
             notebooks) or ``"forkserver"``.
@@ -162,6 +164,8 @@ class PACIConfig:
     deferred_update: bool = False
     recompute: Literal["off", "blocks"] = "off"
     recompute_stages: int | None = None
+    compile: Literal["off", "blocks"] = "off"
+    compile_backend: str = "inductor"
     model_init: Literal["stage", "full"] = "stage"
     weights: str | os.PathLike[str] | None = None
     virtual_stages: int = 1
@@ -213,6 +217,9 @@ class PACIConfig:
         _choice("recompute", self.recompute, RECOMPUTE_MODES)
         _positive_int("recompute_stages", self.recompute_stages, "Recompute on the first k stages, e.g. "
                       "`recompute_stages=2`; None (default) recomputes on every stage.", optional=True)
+        _choice("compile", self.compile, COMPILE_MODES)
+        if self.compile == "blocks":
+            check_backend(self.compile_backend)
         _choice("model_init", self.model_init, ("stage", "full"))
         if self.weights is not None and not os.path.exists(self.weights):
             raise ValueError(f"`weights={os.fspath(self.weights)!r}` does not exist. Pass a transformers directory, a "

@@ -51,6 +51,33 @@ def regression_loader(num_batches: int = 6, batch_size: int = 8, seed: int = 0) 
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
+class MisledLinear(LightningModule):
+    """Two bias-free linear blocks whose loss is the output's mean, so every gradient follows its input's sign, and
+    AdamW without momentum (``betas=(0, 0.99)``): with :func:`misled_loader`, where each batch's first half has
+    positive inputs and its second half inputs three times larger and negative, the part of a window the weight
+    prediction knows (its first micro-batch) points away from the window's whole gradient. ``betas=(0.9, 0.99)``:
+    the momentum carries the windows' consistent direction and the prediction holds."""
+
+    def __init__(self, betas: tuple[float, float] = (0.0, 0.99)) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+        self.betas = betas
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.net(x).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, betas=self.betas, weight_decay=0.0)
+
+
+def misled_loader(num_batches: int, batch_size: int = 4) -> DataLoader:
+    """Batches whose first half is positive and whose second half is -3 times as large (see ``MisledLinear``)."""
+    x = torch.rand(num_batches, batch_size, 4, generator=torch.Generator().manual_seed(0)) + 0.5
+    x[:, batch_size // 2:] *= -3.0
+    return DataLoader(TensorDataset(x.reshape(-1, 4)), batch_size=batch_size, shuffle=False)
+
+
 class _Block(nn.Module):
     """Pre-norm transformer block with causal self-attention; takes a keyword ``mask``."""
 

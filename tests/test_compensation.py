@@ -24,7 +24,7 @@ from lightning_paci.optim.weight_prediction import (
 from lightning_paci.schedules import OPT, B, F, build_schedule, static_drift
 
 from helpers import RecordSetupWarnings, fit
-from models import SequentialMLP, regression_loader
+from models import MisledLinear, SequentialMLP, misled_loader, regression_loader
 
 OPTIMIZERS = {
     "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
@@ -214,44 +214,69 @@ class _AdamMLP(SequentialMLP):
 
 
 class _DumpWeightPrediction(L.Callback):
-    """Every stage writes how many forwards it ran ahead."""
+    """Every stage writes how many forwards it ran ahead (None: no prediction left) and its measured quality."""
 
     def __init__(self, directory) -> None:
         self.directory = directory
 
     def on_train_end(self, trainer, pl_module) -> None:
-        prediction = trainer.strategy.runtime.prediction
-        (self.directory / f"moves{trainer.strategy.stage_index}.json").write_text(
-            json.dumps(None if prediction is None else prediction.moves))
+        runtime, stage = trainer.strategy.runtime, trainer.strategy.stage_index
+        prediction = runtime.prediction
+        (self.directory / f"moves{stage}.json").write_text(json.dumps(None if prediction is None else prediction.moves))
+        (self.directory / f"quality{stage}.json").write_text(json.dumps(runtime.records.prediction_quality))
 
 
-@pytest.mark.parametrize("accumulation", [4, 2])
-def test_processes_equal_the_reference_executor_bit_for_bit_with_compensation(tmp_path, accumulation):
-    """The weight prediction in 4 forked processes (the driver's count of crossed updates, gloo) computes exactly what
-    the one-process reference executor computes from the lists; and it is on: without it the weights differ."""
+@pytest.mark.parametrize("accumulation, compensation", [(4, "predict"), (2, "predict"), (2, "auto")])
+def test_processes_equal_the_reference_executor_bit_for_bit_with_compensation(tmp_path, accumulation, compensation):
+    """The weight prediction in forked processes (the driver's count of crossed updates, gloo) computes exactly what
+    the one-process reference executor computes from the lists; and it is on: without it the weights differ. Under
+    ``"auto"``, on a model whose prediction misleads (2 stages, 12 updates): stage 0 measures the same figure as the
+    reference, switches the prediction off after the same update (the weights then differ from ``"predict"``'s too),
+    and DriftMonitor writes the figure to TensorBoard ([Note: the prediction's quality])."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_paci import DriftMonitor
+
     torch.manual_seed(3)
-    num_stages, m, steps = 4, 4, 5
-    model = _AdamMLP(depth=4)
+    auto = compensation == "auto"
+    num_stages, m, steps = (2, 2, 12) if auto else (4, 4, 5)
+    model = MisledLinear() if auto else _AdamMLP(depth=4)
     initial = copy.deepcopy(model)
-    loader = regression_loader(num_batches=steps)
+    loader = misled_loader(steps) if auto else regression_loader(num_batches=steps)
+    monitors = [DriftMonitor(weight_drift=False)] if auto else []
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0) if auto else False
     fit(model, loader, devices=num_stages, schedule="paci", microbatches=m, accumulation=accumulation,
-        max_steps=steps, partition="parameters", compensation="predict", callbacks=[_DumpWeightPrediction(tmp_path)])
+        max_steps=steps, partition="parameters", compensation=compensation,
+        callbacks=[_DumpWeightPrediction(tmp_path), *monitors], trainer_kwargs={"logger": logger,
+                                                                                "log_every_n_steps": 1})
     plan = plan_partition(initial, num_stages, partition="parameters")
     schedule = build_schedule("paci", num_stages, m, accumulation, steps)
-    expected = {}
-    for compensation in ("predict", "none"):
-        reference = ReferencePipeline(copy.deepcopy(initial), plan, compensation=compensation)
+    expected, runtimes = {}, {}
+    for option in (compensation, "none", "predict"):
+        reference = ReferencePipeline(copy.deepcopy(initial), plan, compensation=option)
         reference.run(schedule, list(loader))
-        expected[compensation] = reference.state_dict()
-        if compensation == "predict":
-            moves = [r.prediction.moves for r in reference.runtimes]
+        expected[option], runtimes[option] = reference.state_dict(), reference.runtimes
     for key, value in model.state_dict().items():
-        assert torch.equal(value, expected["predict"][key]), key
+        assert torch.equal(value, expected[compensation][key]), key
     assert any(not torch.equal(v, expected["none"][k]) for k, v in model.state_dict().items())
+    moves = [None if r.prediction is None else r.prediction.moves for r in runtimes[compensation]]
+    for stage in range(num_stages):
+        assert json.loads((tmp_path / f"moves{stage}.json").read_text()) == moves[stage]
+        quality = json.loads((tmp_path / f"quality{stage}.json").read_text())
+        assert quality == runtimes[compensation][stage].records.prediction_quality
+    if auto:
+        assert moves[0] is None and quality is None  # stage 0 switched off; the last stage measures nothing
+        assert any(not torch.equal(v, expected["predict"][k]) for k, v in model.state_dict().items())
+        events = EventAccumulator(str(tmp_path / "tb" / "version_0" / "stage_0"))
+        events.Reload()
+        logged = [e.value for e in events.Scalars("paci/prediction_quality/stage_0")]
+        figure = runtimes["auto"][0].records.prediction_quality
+        assert figure < 0 and logged and all(v == pytest.approx(figure, rel=1e-6) for v in logged)
+        return
     # every forward whose micro-batch crosses an update ran ahead, once the optimizer had state (after update 1)
     for stage in range(num_stages):
         crossing = [mb for mb, k in static_drift(schedule.actions[stage]).items() if k > 0]
-        assert json.loads((tmp_path / f"moves{stage}.json").read_text()) == moves[stage]
         assert 0 < moves[stage] <= len(crossing) if stage < num_stages - 1 else moves[stage] == 0
 
 

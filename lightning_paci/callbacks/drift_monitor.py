@@ -55,6 +55,10 @@ class DriftMonitor(StageMonitor):
     * ``paci/tied_lag_max/stage_<N-1>``: with tied weights, how many updates behind the last stage's replica was.
     * ``paci/tied_lag_bound/stage_<N-1>``: the largest such lag the last stage's action list allows (read from the
       list: 1 for N = m = a = 8 under ``"paci"``, 4 for N = 8, m = a = 2; 0 under flush schedules with a = m).
+    * ``paci/prediction_quality/stage_<s>``: under ``compensation="auto"``, from the update that decided on: the
+      weight prediction's measured quality, ``1 - ||P - A|| / ||A||`` over its first updates (P the moves, A the
+      weight changes the backwards then saw; 1 exact, 0 no closer than not predicting), and the prediction stays on
+      where it is at least 0.1 ([Note: the prediction's quality] in optim/prediction_quality.py).
 
     With ``virtual_stages=v`` every stage of the ``v x P`` gets its figures (``stage_<s>``, written by the process
     running it), its bound read from its own actions in the process's list (docs/virtual-stages.md); under the V
@@ -123,4 +127,6 @@ class DriftMonitor(StageMonitor):
                 figures[metric_tag("tied_lag_max", stage)] = max(lags)
             if stage in self._tied_bound:
                 figures[metric_tag("tied_lag_bound", stage)] = self._tied_bound[stage]
+            if records.prediction_quality is not None:  # [Note: the prediction's quality]
+                figures[metric_tag("prediction_quality", stage)] = records.prediction_quality
         self._write(trainer, figures)

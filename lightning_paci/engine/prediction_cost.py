@@ -10,7 +10,10 @@ first compensated forward's move and way back with CUDA events, and at its next 
 host read ([Note: one host read per update]) the events are complete, so reading them waits for nothing -- compares
 them with the mean forward+backward device time recorded so far ([Note: device clocks]). Above ``share`` (10%) the
 prediction is switched off on that stage for the rest of the run, said once; ``compensation="predict"`` keeps it
-whatever it costs. The decision is made once, at a point fixed by the action list, and is stage-local.
+whatever it costs. The decision is made once, at a point fixed by the action list, and is stage-local. The same
+call, after every update's check, applies the decision ``"auto"`` makes from the prediction's measured quality on
+every device ([Note: the prediction's quality] in optim/prediction_quality.py): there the point, the figure and so
+the outcome are fixed by the list and the weights, not by timing.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from lightning_paci.optim.prediction_quality import PredictionQuality
 
 __all__ = ["PREDICTION_SHARE", "PredictionTiming", "prediction_pays"]
 
@@ -57,8 +62,22 @@ class PredictionTiming:
 
 
 def prediction_pays(runtime: Any) -> bool:
-    """After an update's check: whether the stage's weight prediction stays on -- decided once, when the first
-    compensated forward has been timed ([Note: the prediction's budget]), and said where it does not."""
+    """After an update's check: whether the stage's weight prediction stays on -- decided once from its measured
+    quality ([Note: the prediction's quality]) and, on CUDA, once the first compensated forward has been timed
+    ([Note: the prediction's budget]); said where it does not."""
+    quality: PredictionQuality | None = runtime.prediction.quality
+    verdict = quality.verdict() if quality is not None else None
+    if quality is not None and verdict is not None:
+        value, keep = verdict
+        runtime.records.prediction_quality = value
+        if not keep:
+            warnings.warn(f"lightning_paci: stage {runtime.stage}: the weight prediction's quality is {value:.3f} "
+                          f"(1 - ||predicted - actual|| / ||actual|| over the weight changes of its first "
+                          f"{quality.measured} compensated forwards), below {quality.minimum}: it does not bring the "
+                          f"forwards closer to the weights their backwards use, so compensation is off on this stage "
+                          f"after optimizer step {runtime.version + 1}. `PACIStrategy(compensation='predict')` keeps "
+                          f"it on.", stacklevel=3)
+            return False
     timer: PredictionTiming | None = runtime.prediction.timer
     if timer is None or timer.decided or len(timer.events) < 4:
         return True

@@ -141,6 +141,9 @@ class StageRecords:
         self.peak_activation_bytes = 0
         # bytes of values relayed past the next stage in one activation message (partition/relay.py), the largest
         self.peak_relayed_bytes = 0
+        # compensation="auto": the weight prediction's measured quality, once decided ([Note: the prediction's
+        # quality] in optim/prediction_quality.py); None: not measured here
+        self.prediction_quality: float | None = None
         self.tied_fingerprints: deque[str] | None = None
         self.weight_drift = False
         self.activations = False

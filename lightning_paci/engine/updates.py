@@ -15,8 +15,10 @@ On an accelerator a host read waits for the device, so the host cannot queue the
 stage reads the device once per update, in ``StageOptimizer.step``: one stack of 0-dim flags -- the losses kept on
 the device are finite, every gradient is finite (one multi-tensor max-norm over the gradients), and with replicas
 the reduction's presence flags agree (``grad_buckets.ReplicaCheck``: a gradient on all replicas or on none). The
-gradients' reduction itself reads nothing; the weight prediction keeps Adam's step counts on the host. Only a
-failed check reads more, to name what failed (tests/test_host_reads.py counts them).
+gradients' reduction itself reads nothing; the weight prediction keeps Adam's step counts on the host, and under
+``compensation="auto"`` the measurement of its quality reads its two sums in this same read, once, at the update that
+decides ([Note: the prediction's quality]). Only a failed check reads more, to name what failed
+(tests/test_host_reads.py counts them).
 """
 
 from __future__ import annotations
@@ -37,13 +39,17 @@ def checked_update(runtime: Any, optimizer: StageOptimizer, replicas: ReplicaChe
     """One optimizer call that checks everything that must hold before an update, in one host read ([Note: one
     host read per update]): the losses kept on the device are finite ([Note: no host sync per micro-batch]), the
     replicas' reduction found every gradient on all replicas or on none (``replicas``), every gradient is
-    finite. Only a failure reads more, to name what failed."""
+    finite; the weight prediction's quality is measured around it. Only a failure reads more, to name what failed."""
     losses, runtime.unchecked_losses[:] = list(runtime.unchecked_losses), []
     flags = [torch.isfinite(torch.stack([loss for _, loss in losses])).all()] if losses else []
     if replicas is not None:
         flags.append(replicas.agree)
     tied = [p.grad for p in runtime.tied if p.grad is not None]
-    if (step := optimizer.step(measure=runtime.records.weight_drift, extra=tied, flags=flags)).done:
+    quality = runtime.prediction.quality if runtime.prediction is not None else None
+    due = quality.before_update() if quality is not None else []  # [Note: the prediction's quality]
+    if (step := optimizer.step(measure=runtime.records.weight_drift, extra=tied, flags=flags, values=due)).done:
+        if quality is not None:
+            quality.after_update(step.values)
         return step
     if replicas is not None:
         replicas.verify()

@@ -4,7 +4,10 @@
   ``a`` local backwards ([Note: alias optimizer]), with its schedulers and the non-finite policy;
 * ``weight_prediction.py``: staleness compensation, a forward that will cross ``k`` updates runs with the weights moved
   ``k`` predicted steps of the user's optimizer ahead, in a few multi-tensor passes, and back to within one unit in
-  the last place ([Note: weight prediction]).
+  the last place ([Note: weight prediction]);
+* ``prediction_quality.py``: under ``compensation="auto"``, how much closer the moves bring a stage's forwards to the
+  weights their backwards use, measured over its first updates, and the decision to keep or drop the prediction
+  ([Note: the prediction's quality]).
 
 Lightning-free (the engine imports both); one device's optimizer layout for checkpoints lives with the
 checkpoints (:mod:`lightning_paci.integration.optimizer_layout`).

@@ -41,10 +41,12 @@ def optimizer_and_step_schedulers(output: Any) -> tuple[torch.optim.Optimizer, l
 
 class Step(NamedTuple):
     """What :meth:`StageOptimizer.step` did: ``done`` is False when a check failed and nothing changed;
-    ``squares``: the measured update's per-tensor squared norms, ``(tensors, 2)``, or None."""
+    ``squares``: the measured update's per-tensor squared norms, ``(tensors, 2)``, or None; ``values``: the 0-dim
+    ``values`` passed to the step, read in the check's host read."""
 
     done: bool
     squares: torch.Tensor | None = None
+    values: tuple[float, ...] = ()
 
 
 class StageOptimizer:
@@ -141,11 +143,21 @@ class StageOptimizer:
     def nonfinite(self, extra: Sequence[torch.Tensor] = (), flags: Sequence[torch.Tensor] = ()) -> bool:
         """Whether a gradient (the parameters' or ``extra``) holds a NaN or inf or a 0-dim bool in ``flags`` is
         false: one host read for all of them."""
+        return self.check_reading(extra, flags)[0]
+
+    def check_reading(self, extra: Sequence[torch.Tensor] = (), flags: Sequence[torch.Tensor] = (),
+                      values: Sequence[torch.Tensor] = ()) -> tuple[bool, tuple[float, ...]]:
+        """:meth:`nonfinite`, and the 0-dim ``values`` (e.g. [Note: the prediction's quality]) read in the same host
+        read: ``(failed, values)``."""
         grads = [g for g in self.gradients() + list(extra) if g.numel()]
         checks = list(flags)
         if grads:  # a max-norm is finite iff every element is (NaN propagates); one multi-tensor pass, no overflow
             checks.append(torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).all())
-        return bool(checks) and not bool(torch.stack(checks).all())
+        if not values:
+            return bool(checks) and not bool(torch.stack(checks).all()), ()
+        ok = torch.stack(checks).all() if checks else torch.ones((), dtype=torch.bool, device=values[0].device)
+        read = torch.stack([ok.double(), *(v.double() for v in values)]).tolist()
+        return not read[0], tuple(read[1:])
 
     def nonfinite_parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradient holds a NaN or inf (to name them in an error)."""
@@ -156,11 +168,12 @@ class StageOptimizer:
         return [p.grad for _, p in self.pairs if p.grad is not None]
 
     def step(self, *, measure: bool = False, extra: Sequence[torch.Tensor] = (),
-             flags: Sequence[torch.Tensor] = ()) -> Step:
+             flags: Sequence[torch.Tensor] = (), values: Sequence[torch.Tensor] = ()) -> Step:
         """One update with the accumulated gradients, then the schedulers; gradients are cleared afterwards -- if
         every gradient (the parameters' and ``extra``: tied weights' gradients kept elsewhere) is finite and every
-        0-dim bool in ``flags`` holds, checked in one host read. Otherwise nothing changes and the result says so
-        (``done=False``): the caller names what failed and may step again.
+        0-dim bool in ``flags`` holds, checked in one host read, which also reads the 0-dim ``values``
+        (``Step.values``). Otherwise nothing changes and the result says so (``done=False``): the caller names what
+        failed and may step again.
 
         With ``measure`` the parameters are stepped one tensor at a time so that the update's size needs at most
         one tensor's transient copy; the result holds, per tensor, the float32 squared norms of its update and of
@@ -168,7 +181,8 @@ class StageOptimizer:
         Stepping per tensor is equivalent for per-parameter optimizers (SGD, Adam, AdamW, ...), not for ones that
         couple parameters (e.g. a global-norm LAMB).
         """
-        if self.nonfinite(extra, flags):
+        failed, read = self.check_reading(extra, flags, values)
+        if failed:
             return Step(done=False)
         if self._clock is not None:
             self._clock.use(self.updates)
@@ -200,7 +214,7 @@ class StageOptimizer:
         for alias, p in self.pairs:
             alias.grad = None
             p.grad = None
-        return Step(done=True, squares=squares)
+        return Step(done=True, squares=squares, values=read)
 
     def _step_measuring(self) -> torch.Tensor | None:
         """The update in bins of at most half the largest tensor's bytes: per bin one multi-tensor copy of the

@@ -64,6 +64,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_paci.optim.prediction_quality import PredictionQuality
+
 __all__ = ["COMPENSATIONS", "COSTLY_LR", "WeightPrediction", "costly_regime", "prediction_unsupported",
            "weight_prediction_for"]
 
@@ -154,6 +156,8 @@ class WeightPrediction:
         # on CUDA under compensation="auto": times the first move and way back (engine/prediction_cost.py,
         # [Note: the prediction's budget])
         self.timer: Any = None
+        # under compensation="auto": measures how close the moves come ([Note: the prediction's quality])
+        self.quality: PredictionQuality | None = None
 
     def moved(self, k: int, rest: float = 1.0) -> contextlib.AbstractContextManager[None]:
         """A context in which the weights are ``k`` predicted updates ahead (nothing happens for ``k == 0``);
@@ -165,11 +169,15 @@ class WeightPrediction:
         if self.before is not None:
             self.before()
         timer = self.timer if self.timer is not None and self.timer.timing and self.optimizer.state else None
+        if (probe := self.quality if self.quality is not None and self.quality.measuring else None) is not None:
+            probe.start(k)  # [Note: the prediction's quality], outside the timed move
         if timer is not None:
             timer.mark()
         bins = self.apply(k, rest)
         if timer is not None:
             timer.mark()
+        if probe is not None:
+            probe.moved(bool(bins))
         self.moves += 1
         try:
             yield
@@ -346,12 +354,12 @@ def _window_factor(group: dict, rest: float) -> float:
     return (-1.0 if group.get("maximize") else 1.0) / (1.0 - rest)
 
 
-def weight_prediction_for(compensation: str, optimizer: torch.optim.Optimizer,
-                  pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], *,
-                  warn: Callable[[str], None] | None) -> WeightPrediction | None:
+def weight_prediction_for(compensation: str, optimizer: torch.optim.Optimizer, pairs: Sequence[tuple[nn.Parameter,
+                          nn.Parameter]], *, warn: Callable[[str], None] | None) -> WeightPrediction | None:
     """The stage's weight prediction for ``PACIStrategy(compensation=...)``: ``"none"`` -> none; ``"predict"`` -> one,
-    or a ``ValueError`` naming why the optimizer is not supported; ``"auto"`` -> one when supported, else a
-    ``warn``-ing (where the schedule has drift) that the run is not compensated."""
+    or a ``ValueError`` naming why the optimizer is not supported; ``"auto"`` -> one that measures its quality and is
+    switched off where it does not help ([Note: the prediction's quality]) when supported, else a ``warn``-ing (where
+    the schedule has drift) that the run is not compensated."""
     if compensation not in COMPENSATIONS:
         raise ValueError(f"`compensation` must be one of {', '.join(map(repr, COMPENSATIONS))}, got "
                          f"{compensation!r}.")
@@ -359,7 +367,10 @@ def weight_prediction_for(compensation: str, optimizer: torch.optim.Optimizer,
         return None
     reason = prediction_unsupported(optimizer)
     if reason is None:
-        return WeightPrediction(optimizer, pairs)
+        prediction = WeightPrediction(optimizer, pairs)
+        if compensation == "auto":
+            prediction.quality = PredictionQuality([real for _, real in pairs])
+        return prediction
     if compensation == "predict":
         raise ValueError(f"`PACIStrategy(compensation='predict')`: {reason}. Use one of those optimizers or pass "
                          f"`compensation='none'`.")
