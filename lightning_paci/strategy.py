@@ -59,6 +59,7 @@ from lightning_paci.integration.fit_loop import (
     same_data_on_every_stage,
     seed_workers_alike,
 )
+from lightning_paci.integration.lightning_callbacks import batch_outputs, needs_every_stage_loss
 from lightning_paci.integration.lightning_program import LightningHooks
 from lightning_paci.integration.local_stage import LocalStage, StageLinks
 from lightning_paci.integration.optimizer_layout import OptimizerLayout
@@ -102,11 +103,7 @@ class PACIStrategy(ParallelStrategy):
     Raises:
         ValueError: at construction for bad options, at setup for modules or Trainer settings that cannot run.
 
-    Example::
-
-        import lightning as L, lightning_paci
-        trainer = L.Trainer(strategy="paci", devices=4)
-        trainer.fit(model)
+    Example: ``L.Trainer(strategy="paci", devices=4).fit(model)`` (after ``import lightning_paci``).
     """
 
     strategy_name = "paci"
@@ -141,6 +138,8 @@ class PACIStrategy(ParallelStrategy):
         deferred_update: bool = False,
         recompute: Literal["off", "blocks"] = "off",
         recompute_stages: int | None = None,
+        compile: Literal["off", "blocks"] = "off",
+        compile_backend: str = "inductor",
         model_init: Literal["stage", "full"] = "stage",
         weights: str | os.PathLike[str] | None = None,
         virtual_stages: int = 1,
@@ -387,8 +386,9 @@ class PACIStrategy(ParallelStrategy):
                                       label=f"Lightning batch {batch_idx} (global step {trainer.global_step})",
                                       drain=must_drain(trainer, batch_idx), accumulation=self.accumulation,
                                       close_window=closes_windows and ends_epoch(trainer, batch_idx))
-        # what `on_train_batch_end(outputs)` gets: the loss of mini-batch `paci_minibatch` (see LocalStage.train)
-        return {"loss": torch.as_tensor(loss, device=self.root_device), "paci_minibatch": minibatch}
+        return batch_outputs(loss, minibatch, device=self.root_device, every_stage=needs_every_stage_loss(trainer),
+                             holds_last=stage.carve.holds_last,
+                             from_last=lambda sent: self.pipeline_broadcast(sent, self.stage_devices[-1]))
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:

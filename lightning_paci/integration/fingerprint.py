@@ -37,6 +37,7 @@ class BatchFingerprint:
         self.stage = stage
         self.batches = 0  # fed since the last check; every stage counts the same (drains are at the same batches)
         self.first_batch: int | None = None
+        self.checked_first = False  # whether the first batch of this fit was compared (``check_first``)
         self.digest: torch.Tensor | None = None  # (2,) float64, on the batch's device
         self._weights: dict[torch.device, torch.Tensor] = {}  # (SAMPLE,) position weights, one per device
 
@@ -63,6 +64,12 @@ class BatchFingerprint:
             sums.append(torch.stack([sample.sum(), weighted]).to(tensors[0].device))
         total = torch.stack(sums).sum(0)  # (2,)
         self.digest = total if self.digest is None else self.digest + total
+
+    def check_first(self, broadcast: Callable[[Any, int], Any]) -> None:
+        """At the first batch of a fit only: ``check`` it at once (every stage feeds it before any computes)."""
+        if not self.checked_first:
+            self.checked_first = True
+            self.check(broadcast, first=True)
 
     def check(self, broadcast: Callable[[Any, int], Any], *, first: bool = False) -> None:
         """Compare with stage 0's digest (a collective: every stage calls it at the same drains, and at the first

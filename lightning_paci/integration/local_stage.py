@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_paci.config import PACIConfig
 from lightning_paci.engine.activity import Doing, runtime_activity
+from lightning_paci.engine.block_compile import BlockCompile
 from lightning_paci.engine.comm import Comm, DistComm
 from lightning_paci.engine.communicators import transport_device
 from lightning_paci.engine.data_parallel import GradientAverage, join_replicas
@@ -137,13 +138,14 @@ class LocalStage:
         self.driver: StreamDriver | None = None
         self.relay = LogRelay(num_microbatches)
         self.fingerprint = BatchFingerprint(self.index)
-        self._data_checked = False
         self._broadcast = broadcast
         self._resumed_gradients: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         # dp_shard="optimizer": this replica's share of each stage's updates, by stage
         self._shards: dict[int, OptimizerShards] = {}
         self.hooks: LightningHooks | None = None  # the last chunk's: monitors' figures and hook logs leave from it
         self.relays: RelayPlan | None = None  # values relayed past stage boundaries, found once at setup
+        self._compiled = [BlockCompile(plan.block_modules(module, c.stage), config.compile_backend) for c in carve
+                          if config.compile == "blocks"]  # under recomputation's wrapper: [Note: compiled blocks]
         self._recompute = [BlockRecompute(plan.block_modules(module, c.stage)) for c in carve
                            if recomputes(config.recompute, config.recompute_stages, c.stage)]
 
@@ -256,9 +258,7 @@ class LocalStage:
         for chunk in self.runtimes.values():
             chunk.label(label)
         self.fingerprint.update(batch, batch_idx)
-        if not self._data_checked:  # the first batch, before any stage computes: one broadcast per fit
-            self._data_checked = True
-            self.fingerprint.check(self._broadcast, first=True)
+        self.fingerprint.check_first(self._broadcast)  # before any stage computes: one broadcast per fit
         driver.feed(batch, batch_idx, drain=drain, accumulation=accumulation, close_window=close_window)
         # the records of the last stage here, else of the first chunk (complete last); the others' are spent
         source = self.runtimes[self.carve.last.stage] if self.carve.holds_last else runtime
@@ -345,8 +345,8 @@ class LocalStage:
                 full = gather_everywhere(cpu_state(self.module, self.carve.foreign_buffers), replicas, group)
             except (RuntimeError, ConnectionError) as err:
                 log.warning(f"lightning_paci: could not gather the full weights at teardown: {err}")
-        for recompute in self._recompute:
-            recompute.remove()
+        for remove in [r.remove for r in self._recompute] + [c.remove for c in self._compiled]:
+            remove()  # recomputation's wrapper first: it wraps the compiled forward
         for runtime in self.runtimes.values():
             if runtime.layered is not None:  # the layered backward's block hooks
                 for handle in runtime.layered.cuts.handles:
