@@ -20,10 +20,18 @@ from models import SequentialMLP
 
 
 def _parameter_storages() -> dict[int, int]:
+    """Every real parameter storage alive in the process (not meta, not a compiler's fake tensor or a dead proxy
+    left by a ``torch.compile`` in the same process)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     alive: dict[int, int] = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.Parameter) and obj.device.type != "meta":
+        try:
+            if not isinstance(obj, torch.nn.Parameter) or isinstance(obj, FakeTensor) or obj.device.type == "meta":
+                continue
             alive[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+        except (ReferenceError, RuntimeError):  # a weak proxy whose referent is gone; a tensor without storage
+            continue
     return alive
 
 

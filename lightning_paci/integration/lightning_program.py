@@ -69,7 +69,7 @@ class LightningStageProgram:
                                 keep=self.device_logs), self.context(), self.carve.entered(), (
                     check.watch() if check is not None else contextlib.nullcontext()):
                 output = step(data, *step_args)
-                if boundary.past_egress:  # a value to be made after the egress was not: relayed() names it
+                if boundary.held is not None:  # a value to be made after the egress was not: relayed() names it
                     boundary.finish(self.carve.stage)
         except StageDone:
             if boundary.outgoing is None:

@@ -246,10 +246,11 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int, *, untie_wei
                     f"gradient could come back across the boundary. Such a model trains on one device or with data "
                     f"parallelism; a container whose blocks autograd sees can be named with `block_container=`.")
             args, kwargs = _without_caches(tuple(args), dict(kwargs), stage)
-            boundary.held = (args, kwargs)
             if boundary.probing or boundary.late:  # go on: values made later here ([Note: late relays])
+                boundary.held = (args, kwargs)
                 return
-            boundary.finish(stage)
+            boundary.outgoing = (args, kwargs, boundary.relayed(stage)) if boundary.sends else (args, kwargs)
+            raise StageDone
 
         handles.append(module.get_submodule(plan.block_names[blocks.stop]).register_forward_pre_hook(
             egress, with_kwargs=True))
