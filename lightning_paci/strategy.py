@@ -74,6 +74,7 @@ from lightning_paci.integration.processes import (
 )
 from lightning_paci.integration.stage_build import StageBuilder, meta_stays_on_meta
 from lightning_paci.integration.trainer_checks import check_trainer
+from lightning_paci.integration.weight_averaging import average_per_stage
 from lightning_paci.optim.stage_optimizer import optimizer_and_step_schedulers
 from lightning_paci.partition import PartitionPlan, PartitionSpec
 from lightning_paci.partition.chunks import carve_chunks
@@ -365,7 +366,8 @@ class PACIStrategy(ParallelStrategy):
             self._stage.start_training(self.optimizers, schedulers=owned, accumulation=self.accumulation,
                                        hooks=lambda stage: LightningHooks(module, trainer, stage),
                                        train_context=self.precision_plugin.train_step_context)
-            self.undo_at_teardown(patch_for_pipeline(trainer, module, owned) + clipping_by_norm(trainer, self))
+            self.undo_at_teardown(patch_for_pipeline(trainer, module, owned) + clipping_by_norm(trainer, self)
+                                  + average_per_stage(trainer, self))
             activity.source = self._stage.activity()
 
     @override
@@ -386,8 +388,8 @@ class PACIStrategy(ParallelStrategy):
                                       label=f"Lightning batch {batch_idx} (global step {trainer.global_step})",
                                       drain=must_drain(trainer, batch_idx), accumulation=self.accumulation,
                                       close_window=closes_windows and ends_epoch(trainer, batch_idx))
-        return batch_outputs(loss, minibatch, device=self.root_device, every_stage=needs_every_stage_loss(trainer),
-                             holds_last=stage.carve.holds_last,
+        return batch_outputs(loss, minibatch, precision=str(trainer.precision), device=self.root_device,
+                             every_stage=needs_every_stage_loss(trainer), holds_last=stage.carve.holds_last,
                              from_last=lambda sent: self.pipeline_broadcast(sent, self.stage_devices[-1]))
 
     @override

@@ -33,6 +33,7 @@ from torch import nn
 
 from lightning_paci.engine.activity import activity
 from lightning_paci.engine.pickle_guard import check_no_tensors
+from lightning_paci.integration.lightning_callbacks import load_callback_state
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 
 __all__ = [
@@ -353,7 +354,7 @@ def receive_after_fit(trainer: Any, sent: Mapping[str, Any]) -> dict[str, list[A
     trainer.fit_loop.load_state_dict(sent["fit_loop"])
     for callback in trainer.callbacks:
         if sent["callbacks"].get(callback.state_key):
-            callback.load_state_dict(sent["callbacks"][callback.state_key])
+            load_callback_state(callback, sent["callbacks"][callback.state_key])
     states: dict[str, list[Any]] | None = sent["states"]
     return states
 

@@ -1,6 +1,7 @@
 """What a pipeline cannot run, refused at setup naming the setting and the fix, and what it runs differently from
-one device, warned about: automatic optimization only, the supported precisions, an overridden ``optimizer_step``,
-at least two stages, and batch statistics split into micro-batches."""
+one device, warned about: automatic optimization only, the callbacks a stage cannot run (lightning_callbacks.py),
+the supported precisions, an overridden ``optimizer_step``, at least two stages, and batch statistics split into
+micro-batches."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+
+from lightning_paci.integration.lightning_callbacks import check_callbacks
 
 __all__ = ["MOOT_WARNINGS", "SUPPORTED_PRECISION", "batch_norm_warning", "check_trainer", "quiet_moot_warnings"]
 
@@ -64,6 +67,8 @@ def check_trainer(trainer: Trainer, module: LightningModule, num_stages: int, st
             f"that called the Tuner. Use the default launcher (`strategy='paci'`, `start_method='popen'`) or "
             f"torchrun for the Tuner."
         )
+    if trainer.state.fn == TrainerFn.FITTING:
+        check_callbacks(trainer, module)
     if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
         raise ValueError(
             "`PACIStrategy` supports automatic optimization only (`self.automatic_optimization = True`): in "

@@ -1,0 +1,112 @@
+"""Lightning's own callbacks under a pipeline: what ``on_train_batch_end`` hands them as the batch's outputs, and
+the ones a stage cannot run, refused at setup naming the callback, the rule and the fix.
+
+Why the outputs need care: a stage before the last has not seen batch ``k``'s loss when its Lightning call ``k``
+ends (the loss comes back with the gradients, calls later under ``"paci"``), so it hands ``on_train_batch_end``
+the newest loss it has, and ``0.0`` before the first. A callback that compares consecutive losses on every rank
+(``SpikeDetection``: a running mean per rank, the decision any-reduced over the ranks) then sees a jump from the
+placeholder ``0.0`` to the first real loss and stops a run that one device finishes cleanly. Such a callback
+already synchronises every rank on every batch (a barrier and an all-reduce of its decision), so the last stage's
+loss of batch ``k`` is broadcast to the other stages of its replica in that call: every rank then hands the
+callback the loss one device would, at the same batch, and the decision is one device's. Without such a callback
+no rank waits for another per batch, and the stages before the last keep the newest loss they have, labelled
+with its mini-batch (``paci_minibatch``).
+
+Why some are refused: a callback that keeps its own copy of the whole module and swaps the optimizer's learning
+rates per epoch (``StochasticWeightAveraging``; ``EMAWeightAveraging`` runs per stage, see weight_averaging.py),
+moves parameters between optimizer groups (fine-tuning schedules) or rewrites parameters in place by name (pruning)
+meets a stage's carved module, whose other stages' parameters are placeholders on the meta device, and would fail
+inside torch or Lightning with a message about shapes or devices. It is refused before the run, with what to do
+instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import (
+    BaseFinetuning,
+    ModelPruning,
+    SpikeDetection,
+    StochasticWeightAveraging,
+    WeightAveraging,
+)
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+__all__ = ["REFUSED_CALLBACKS", "batch_outputs", "check_callbacks", "load_callback_state", "needs_every_stage_loss"]
+
+# each refused family, and why a stage cannot run it / what to do instead
+REFUSED_CALLBACKS: dict[type, str] = {
+    StochasticWeightAveraging: (
+        "it keeps an averaged copy of the whole module, and each stage holds only its own parameters (the other "
+        "stages' are placeholders on the meta device), so the copy's parameters do not line up with the stage's; "
+        "`EMAWeightAveraging` (or a `WeightAveraging` subclass) averages per stage"),
+    BaseFinetuning: (
+        "it freezes modules and adds parameter groups to the optimizer by the whole module's parameters, and each "
+        "stage's optimizer holds only its own stage's parameters"),
+    ModelPruning: (
+        "it prunes every layer's weight in place through `torch.nn.utils.prune`, and on each stage the other stages' "
+        "layers are placeholders on the meta device"),
+}
+
+_FIXES: dict[type, str] = {
+    StochasticWeightAveraging: "use `WeightAveraging(avg_fn=...)` or `EMAWeightAveraging`, average the weights "
+                               "after `fit`, or train this run on one device",
+    BaseFinetuning: "freeze the modules in `configure_model` or `__init__` (`requires_grad_(False)`; frozen "
+                    "parameters are supported) and unfreeze them in a second `fit` from the checkpoint",
+    ModelPruning: "prune the trained model after `fit` (every rank holds the whole model then), or train this run "
+                  "on one device",
+}
+
+
+def check_callbacks(trainer: Trainer, module: LightningModule) -> None:
+    """Refuse, at setup, a Lightning callback a stage cannot run: ``ValueError`` naming it, the rule and the fix."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set in Trainer.__init__
+        if isinstance(callback, WeightAveraging) and is_overridden("configure_model", module):
+            raise ValueError(
+                f"`{type(callback).__name__}` with a model built in `configure_model` is not supported by "
+                f"`PACIStrategy`: Lightning's callback builds the whole model in its own `setup` (the stages build "
+                f"only their own parts) and its averaged copy would not line up with a stage's. Build the model in "
+                f"`__init__`, or remove the callback.")
+        for family, reason in REFUSED_CALLBACKS.items():
+            if isinstance(callback, family):
+                raise ValueError(
+                    f"`{type(callback).__name__}` is not supported by `PACIStrategy`: {reason}. Instead, "
+                    f"{_FIXES[family]}.")
+
+
+def needs_every_stage_loss(trainer: Trainer) -> bool:
+    """Whether a callback compares every rank's batch loss per batch (``SpikeDetection``), so that every stage must
+    hand it the batch's own loss rather than the newest one it has."""
+    return any(isinstance(c, SpikeDetection) for c in trainer.callbacks)  # type: ignore[attr-defined]
+
+
+_LOSS_DTYPES = {"64-true": torch.float64, "bf16-true": torch.bfloat16}  # else float32 (also under bf16 autocast)
+
+
+def batch_outputs(loss: float | torch.Tensor, minibatch: int, *, precision: str, device: torch.device,
+                  every_stage: bool, holds_last: bool, from_last: Callable[[Any], Any]) -> dict[str, Any]:
+    """What ``on_train_batch_end(outputs)`` gets: ``{"loss": ..., "paci_minibatch": j}``, the mean loss of the
+    run's mini-batch ``j``, a tensor of the dtype one device's loss has under ``precision`` (the stages' records
+    carry it as a Python float, which holds a float64 loss exactly). With ``every_stage`` the last stage's loss of
+    this batch is sent to the other stages (``from_last``: a broadcast from the last stage, called on every stage
+    of the replica), so ``j`` is the batch just fed on every rank."""
+    if every_stage:
+        loss, minibatch = from_last((float(loss), minibatch) if holds_last else None)
+    dtype = _LOSS_DTYPES.get(precision, torch.float32)
+    if isinstance(loss, torch.Tensor):
+        return {"loss": loss.detach().to(device), "paci_minibatch": minibatch}
+    return {"loss": torch.tensor(float(loss), dtype=dtype, device=device), "paci_minibatch": minibatch}
+
+
+def load_callback_state(callback: Any, state: dict[str, Any]) -> None:
+    """``callback.load_state_dict(state)``, for the states rank 0 of a fork/spawn run hands to the main process
+    after ``fit``. Lightning's ``SpikeDetection.load_state_dict`` reads ``self.running``, an attribute it never sets
+    (its running mean is ``running_mean``), so every loaded state would fail with an ``AttributeError`` after a run
+    that finished cleanly; the name is given to it here first."""
+    if isinstance(callback, SpikeDetection) and not hasattr(callback, "running"):
+        callback.running = callback.running_mean  # type: ignore[attr-defined]  # the name its loader reads
+    callback.load_state_dict(dict(state))
