@@ -48,10 +48,6 @@ class BlockCompile:
         for block in self._blocks:
             block.forward = torch.compile(block.forward, backend=backend)
 
-    @property
-    def blocks(self) -> list[nn.Module]:
-        return list(self._blocks)
-
     def remove(self) -> None:
         for block in self._blocks:
             if "forward" in vars(block):
