@@ -107,7 +107,10 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4, help="pipeline stages, one process each")
     parser.add_argument("--accelerator", default="cpu", help="cpu, gpu or auto")
     parser.add_argument("--schedule", default="paci", choices=["paci", "1f1b", "gpipe"])
-    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="micro-batches per batch (default: chosen by the plan, or the number of stages)")
+    parser.add_argument("--plan", default="auto", choices=["auto", "off"],
+                        help="auto: measure the model and choose micro-batches, cuts and recomputation")
     parser.add_argument("--accumulation", type=int, default=None,
                         help="local backwards per step (default: microbatches)")
     parser.add_argument("--max-steps", type=int, default=150)
@@ -127,7 +130,8 @@ def main() -> None:
     model = GPT(layers=args.layers, context=args.context, max_steps=args.max_steps)
     logger = TensorBoardLogger(args.root, name="tb")
     trainer = L.Trainer(
-        strategy=PACIStrategy(schedule=args.schedule, microbatches=args.microbatches, accumulation=args.accumulation),
+        strategy=PACIStrategy(schedule=args.schedule, microbatches=args.microbatches, accumulation=args.accumulation,
+                              plan=args.plan),
         accelerator=args.accelerator, devices=args.devices, precision=args.precision, max_steps=args.max_steps,
         max_epochs=math.ceil(args.max_steps / len(train)),  # the progress bar's epoch count: finite
         val_check_interval=max(1, args.max_steps // 4), check_val_every_n_epoch=None, limit_val_batches=8,

@@ -135,6 +135,14 @@ class PACIConfig:
         placement: with virtual stages, ``"loop"`` (default: stage ``c`` on process ``c mod P``) or ``"v"`` (zig-zag:
             the first and the last stage on one process, so a tied embedding and LM head share one weight and
             exchange nothing; global rank 0 then holds them).
+        plan: ``"off"`` (default): the options as given. ``"auto"``: at setup, each block's forward and backward
+            time and activation bytes are measured on a sample of the training data (cached by the model's
+            fingerprint), every plan -- micro-batches, cut points, recomputing stages, gradient reduction -- is
+            predicted on the simulator, and the fastest within ``memory_budget`` and the default drift bound is run;
+            options given other than their defaults are kept. The table of it and its runners-up is printed and the
+            prediction is checked against the run ([Note: the plan at setup] in integration/auto_plan.py).
+        memory_budget: with ``plan="auto"``, the most bytes a process may hold for parameters, gradients,
+            optimizer state and activations (a number, or text such as ``"24GiB"``); None: no bound.
 
     Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) uses the norm over every stage's gradients under
     the flush schedules, as one device; under ``"paci"`` every stage's latest norm as the pipeline's messages carry
@@ -170,6 +178,8 @@ class PACIConfig:
     weights: str | os.PathLike[str] | None = None
     virtual_stages: int = 1
     placement: Placement = "loop"
+    plan: Literal["off", "auto"] = "off"
+    memory_budget: float | str | None = None  # bytes per process ("24GiB" accepted); a float once checked
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES + VIRTUAL_SCHEDULE_NAMES)
@@ -186,7 +196,7 @@ class PACIConfig:
             raise ValueError(f"`failure_timeout` must be > 0 seconds, got {self.failure_timeout!r}. The default 20.0 "
                              f"declares a stage dead after 20 s without a heartbeat.")
         _choice("start_method", self.start_method, ("popen", "spawn", "fork", "forkserver"))
-        self._check_partition_options()
+        _check_partition_options(self)
         if self.compensation == "lookahead":  # the name of 0.3 and before
             warnings.warn("`compensation='lookahead'` is `compensation='predict'` (weight prediction); the old name "
                           "will be removed.", DeprecationWarning, stacklevel=4)
@@ -231,7 +241,12 @@ class PACIConfig:
             raise ValueError("`schedule='layered'` cuts each block's graph at its entry and exit to run the "
                              "backward block by block; `recompute='blocks'` recomputes those blocks inside the "
                              "backward. Use one of them: `recompute='off'`, or `schedule='gpipe'`.")
-        self._check_virtual_stages()
+        _check_virtual_stages(self)
+        _choice("plan", self.plan, ("off", "auto"))
+        object.__setattr__(self, "memory_budget", parse_bytes("memory_budget", self.memory_budget))
+        if self.memory_budget is not None and self.plan != "auto":
+            raise ValueError(f"`memory_budget={self.memory_budget:.0f}` bounds the plan `plan='auto'` chooses; pass "
+                             f"`plan='auto'` with it, or drop it.")
         if self.recompute_stages is not None and self.recompute == "off":
             raise ValueError(f"`recompute_stages={self.recompute_stages}` needs `recompute='blocks'`: it chooses which "
                              f"stages recompute. Pass `PACIStrategy(recompute='blocks', recompute_stages=...)`.")
@@ -247,40 +262,66 @@ class PACIConfig:
         return check_topology(Topology(*sizes, mirrored=self.virtual_stages > 1 and self.placement == "v", held=held),
                               nonfinite=self.nonfinite, local_sgd_steps=self.local_sgd_steps)
 
-    def _check_partition_options(self) -> None:
-        """``partition``, ``block_container``, ``process_group_backend`` and ``timeout``, each by its rule."""
-        partition = self.partition
-        if isinstance(partition, str):
-            _choice("partition", partition, ("balanced", "parameters", "uniform"))
-        elif not isinstance(partition, Sequence) or not partition or any(
-                isinstance(i, bool) or not isinstance(i, int) for i in partition) or any(
-                b <= a for a, b in zip([0, *partition], partition)):
-            raise ValueError(f"`partition={partition!r}` must be 'balanced', 'parameters', 'uniform' or the strictly "
-                             f"increasing block indices (>= 1) where stages 1..N-1 start, e.g. `partition=[6, 12, 18]` "
-                             f"for 4 stages of 24 blocks.")
-        container = self.block_container
-        if container is not None and not isinstance(container, str):
-            if not isinstance(container, Sequence) or not container or not all(
-                    isinstance(c, str) for c in container):
-                raise ValueError(f"`block_container={container!r}` must be None (found automatically), the dotted "
-                                 f"path of the blocks' nn.Sequential/nn.ModuleList (e.g. 'model.layers') or a tuple of "
-                                 f"such paths in the order the step runs them.")
-            object.__setattr__(self, "block_container", tuple(container))
-        backend = self.process_group_backend
-        if backend is not None and backend not in ("gloo", "nccl"):
-            raise ValueError(f"`process_group_backend={backend!r}`: the pipeline's messages run on 'gloo' or 'nccl'. "
-                             f"Pass one of them, or None (default: 'nccl' on CUDA, 'gloo' otherwise).")
-        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
-            raise ValueError(f"`timeout={self.timeout!r}` must be a positive `datetime.timedelta` (the process groups' "
-                             f"timeout), e.g. `timeout=timedelta(minutes=30)` (default).")
 
-    def _check_virtual_stages(self) -> None:
-        _positive_int("virtual_stages", self.virtual_stages, "Use e.g. `virtual_stages=2` for two stages per device; "
-                      "1 (default) runs one stage per device.")
-        _choice("placement", self.placement, PLACEMENTS)
-        v = self.virtual_stages
-        if v > 1 and self.schedule in ("1f1b", "gpipe", "layered"):
-            fix = {"1f1b": "'interleaved'", "gpipe": "'bfs'", "layered": "'bfs'"}[self.schedule]
-            raise ValueError(f"`schedule={self.schedule!r}` runs one stage per device, got `virtual_stages={v}`: use "
-                             f"`schedule={fix}` (its order over several stages per device), or `virtual_stages=1`.")
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
+
+
+def parse_bytes(name: str, value: object) -> float | None:
+    """A byte count given as a number or as text with a unit (``"24GiB"``, ``"500 MB"``); None stays None."""
+    if value is None:
+        return None
+    number: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if text.endswith(u)), None)
+        try:
+            number = float(text[:-len(unit)] if unit else text) * _UNITS[unit or "B"]
+        except ValueError:
+            number = None
+    if number is None or number <= 0:
+        raise ValueError(f"`{name}={value!r}` must be a positive number of bytes or a size such as '24GiB' or "
+                         f"'500MB' (per process).")
+    return number
+
+
+def _check_partition_options(config: PACIConfig) -> None:
+    """``partition``, ``block_container``, ``process_group_backend`` and ``timeout``, each by its rule."""
+    partition = config.partition
+    if isinstance(partition, str):
+        _choice("partition", partition, ("balanced", "parameters", "uniform"))
+    elif not isinstance(partition, Sequence) or not partition or any(
+            isinstance(i, bool) or not isinstance(i, int) for i in partition) or any(
+            b <= a for a, b in zip([0, *partition], partition)):
+        raise ValueError(f"`partition={partition!r}` must be 'balanced', 'parameters', 'uniform' or the strictly "
+                         f"increasing block indices (>= 1) where stages 1..N-1 start, e.g. `partition=[6, 12, 18]` "
+                         f"for 4 stages of 24 blocks.")
+    container = config.block_container
+    if container is not None and not isinstance(container, str):
+        if not isinstance(container, Sequence) or not container or not all(
+                isinstance(c, str) for c in container):
+            raise ValueError(f"`block_container={container!r}` must be None (found automatically), the dotted "
+                             f"path of the blocks' nn.Sequential/nn.ModuleList (e.g. 'model.layers') or a tuple of "
+                             f"such paths in the order the step runs them.")
+        object.__setattr__(config, "block_container", tuple(container))
+    backend = config.process_group_backend
+    if backend is not None and backend not in ("gloo", "nccl"):
+        raise ValueError(f"`process_group_backend={backend!r}`: the pipeline's messages run on 'gloo' or 'nccl'. "
+                         f"Pass one of them, or None (default: 'nccl' on CUDA, 'gloo' otherwise).")
+    if not isinstance(config.timeout, timedelta) or config.timeout.total_seconds() <= 0:
+        raise ValueError(f"`timeout={config.timeout!r}` must be a positive `datetime.timedelta` (the process groups' "
+                         f"timeout), e.g. `timeout=timedelta(minutes=30)` (default).")
+
+
+def _check_virtual_stages(config: PACIConfig) -> None:
+    _positive_int("virtual_stages", config.virtual_stages, "Use e.g. `virtual_stages=2` for two stages per device; "
+                  "1 (default) runs one stage per device.")
+    _choice("placement", config.placement, PLACEMENTS)
+    v = config.virtual_stages
+    if v > 1 and config.schedule in ("1f1b", "gpipe", "layered"):
+        fix = {"1f1b": "'interleaved'", "gpipe": "'bfs'", "layered": "'bfs'"}[config.schedule]
+        raise ValueError(f"`schedule={config.schedule!r}` runs one stage per device, got `virtual_stages={v}`: use "
+                         f"`schedule={fix}` (its order over several stages per device), or `virtual_stages=1`.")
 

@@ -484,3 +484,9 @@ class DiffusionUNet(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def planned_mlp() -> tuple[LightningModule, DataLoader]:
+    """A module and its data for ``python -m lightning_paci.plan tests.models:planned_mlp``-style runs."""
+    torch.manual_seed(0)
+    return SequentialMLP(width=32, depth=8), regression_loader(num_batches=2, batch_size=16)

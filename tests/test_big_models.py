@@ -159,6 +159,22 @@ def test_configure_model_under_1f1b_equals_one_device(tmp_path) -> None:
     _assert_equal_states(dump.weights(), {k: v for k, v in single.state_dict().items()}, rtol=1e-5, atol=1e-6)
 
 
+def test_plan_auto_measures_a_configure_model_build_on_rank_zero_and_still_equals_one_device(tmp_path) -> None:
+    dump = DumpWeights(tmp_path / "run")
+    dump.directory.mkdir()
+    L.seed_everything(0)
+    fit(SGDLater(layers=4), token_loader(), devices=2, max_steps=3, callbacks=[dump], plan="auto", schedule="1f1b",
+        trainer_kwargs={"default_root_dir": tmp_path})
+    assert list((tmp_path / "paci_plan").glob("costs-*.json")) and (tmp_path / "paci_plan" / "plan.png").is_file()
+    L.seed_everything(0)
+    single = SGDLater(layers=4)
+    one_device(max_steps=3, accumulate_grad_batches=1).fit(single, token_loader())
+    _assert_equal_states(dump.weights(), {k: v for k, v in single.state_dict().items()}, rtol=1e-5, atol=1e-6)
+    for s in range(2):
+        start = dump.start(s)
+        assert start["params"] == start["plan"]  # rank 0 measured the whole model, then kept its stage only
+
+
 def _pretrained_directory(path: Path) -> Path:
     from transformers import GPT2Config, GPT2LMHeadModel
 

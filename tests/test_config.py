@@ -35,12 +35,24 @@ from lightning_paci.config import PACIConfig
     ({"process_group_backend": "mpi"}, r"`process_group_backend='mpi'`: the pipeline's messages run on 'gloo' or "
                                        r"'nccl'"),
     ({"timeout": 5}, r"`timeout=5` must be a positive `datetime\.timedelta`"),
+    ({"plan": "fast"}, r"`plan` must be one of 'off', 'auto', got 'fast'"),
+    ({"plan": "auto", "memory_budget": "lots"}, r"`memory_budget='lots'` must be a positive number of bytes or a "
+                                                r"size such as '24GiB'"),
+    ({"plan": "auto", "memory_budget": -1}, r"`memory_budget=-1` must be a positive number of bytes"),
+    ({"memory_budget": "8GiB"}, r"`memory_budget=8589934592` bounds the plan `plan='auto'` chooses; pass "
+                                r"`plan='auto'` with it"),
 ])
 def test_bad_options_are_refused_at_construction(options, message):
     with pytest.raises(ValueError, match=message):
         PACIConfig(**options)
     with pytest.raises(ValueError, match=message):  # the strategy checks through the same dataclass
         PACIStrategy(**options)
+
+
+def test_a_memory_budget_is_read_in_bytes_from_a_number_or_a_size():
+    assert PACIConfig(plan="auto", memory_budget="24GiB").memory_budget == 24 * 2**30
+    assert PACIConfig(plan="auto", memory_budget="500 MB").memory_budget == 500e6
+    assert PACIConfig(plan="auto", memory_budget=1e9).memory_budget == 1e9
 
 
 def test_good_partition_options_are_kept_as_given():

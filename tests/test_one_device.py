@@ -15,6 +15,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ModelSummary
 from torch import nn
@@ -28,7 +29,7 @@ from helpers import (
     one_device,
     reference_run,
 )
-from models import HFCausalLM, LoopTransformer, SequentialMLP, regression_loader, token_loader
+from models import HFCausalLM, LoopTransformer, SequentialMLP, _loss, regression_loader, token_loader
 
 
 class _BatchNormMLP(SequentialMLP):
@@ -60,17 +61,21 @@ class _WriteSummary(ModelSummary):
     def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
                   total_flops, path=None, **kwargs) -> None:
         path.write_text(json.dumps({"total": total_parameters, "trainable": trainable_parameters,
-                                    "modes": total_training_modes}))
+                                    "modes": total_training_modes, "flops": total_flops}))
 
 
 def test_the_model_summary_reports_the_whole_model(tmp_path):
     model = LoopTransformer(layers=4)
     expected = sum(p.numel() for p in model.parameters())
+    counter = FlopCounterMode(display=False)  # the step's forward on the first batch (no example_input_array)
+    with counter, torch.no_grad():
+        _loss(model, next(iter(token_loader(num_batches=2))))
     fit(model, token_loader(num_batches=2), devices=2, max_steps=1, partition="parameters",
         trainer_kwargs={"enable_model_summary": True},
         callbacks=[_WriteSummary(max_depth=2, path=tmp_path / "summary.json")])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["total"] == summary["trainable"] == expected  # before: stage 0's part only
+    assert summary["flops"] == counter.get_total_flops() > 0
     modes = {k: v for k, v in summary["modes"].items() if v}
     assert modes == {"train": sum(1 for _ in model.modules()) - 1}
 

@@ -253,9 +253,10 @@ class _FrozenSummary:
         return self._data
 
 
-def whole_model_summaries(trainer: Any, module: Any) -> list[Callable[[], None]]:
+def whole_model_summaries(trainer: Any, module: Any, flops: int = 0) -> list[Callable[[], None]]:
     """Make every ``ModelSummary`` callback (``RichModelSummary`` too) report the whole model, summarized now --
-    call it before carving. Returns the functions that undo the patches."""
+    call it before carving. ``flops``: the step's forward on the first batch, reported where the summary counts
+    none (no ``example_input_array``). Returns the functions that undo the patches."""
     from lightning.pytorch.callbacks import ModelSummary
     from lightning.pytorch.utilities.model_summary import summarize
 
@@ -268,6 +269,7 @@ def whole_model_summaries(trainer: Any, module: Any) -> list[Callable[[], None]]
             raise _missing("lightning.pytorch.callbacks.ModelSummary._max_depth", "does not have")
         if depth:
             frozen = _FrozenSummary(summarize(module, max_depth=depth))
+            frozen.total_flops = frozen.total_flops or flops
             undo.append(patch_method(callback, "_summary", lambda trainer, pl_module, frozen=frozen: frozen,
                                      parameters=("trainer", "pl_module")))
     return undo

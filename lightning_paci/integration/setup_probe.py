@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_paci.engine.microbatch import microbatch_size, split_microbatches
 from lightning_paci.integration import lightning_api as api
@@ -73,18 +74,24 @@ def run_sample(module: LightningModule, sample: Sample, context: Callable[[], An
     return run
 
 
-def trace_call_order(strategy: Any, module: LightningModule, sample: Sample | None) -> CallTrace | None:
+def trace_call_order(strategy: Any, module: LightningModule, sample: Sample | None
+                     ) -> tuple[CallTrace | None, int]:
     """The order of the modules' first calls in one step of the whole model, and their counts (rank 0, no
-    gradient; shared)."""
+    gradient; shared); and, on rank 0, the floating-point operations of that step's forward scaled to the whole
+    batch (0 elsewhere), for the model summary, which counts none without an ``example_input_array``."""
     order: CallTrace | None = None
+    flops = 0
     if sample is not None and strategy.is_global_zero:
         try:
+            counter = FlopCounterMode(display=False)
             with without_side_effects(module, cuda_devices=cuda_devices(strategy.root_device)), torch.no_grad():
-                order = call_order(module, run_sample(module, sample, strategy.precision_plugin.train_step_context))
+                with counter:
+                    order = call_order(module, run_sample(module, sample, strategy.precision_plugin.train_step_context))
+            flops = round(counter.get_total_flops() * sample.size / max(1, microbatch_size(sample.data)))
         except (RuntimeError, ValueError, TypeError) as err:
             log.warning(f"lightning_paci: the step could not run on a sample batch ({type(err).__name__}: {err}); "
                         f"outside modules are placed by registration order")
-    return strategy.broadcast(order, src=0)
+    return strategy.broadcast(order, src=0), flops
 
 
 def find_relays(strategy: Any, module: LightningModule, plan: PartitionPlan, carves: Sequence[StageCarve],

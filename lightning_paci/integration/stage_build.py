@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_paci.integration import lightning_api as api
+from lightning_paci.integration.auto_plan import choose_plan, plan_meta_built
 from lightning_paci.integration.setup_probe import (
     Sample,
     cuda_devices,
@@ -78,6 +79,8 @@ class StageBuilder:
         self.built: MetaBuild | None = None
         self.weights_report: WeightsFile | None = None
         self.sample: Sample | None = None  # one micro-batch drawn at setup (integration/setup_probe.py)
+        self.planned = False  # plan="auto" chose the options while `configure_model` ran
+        self.flops = 0  # the step's forward on the first batch, for the model summary (setup_probe.trace_call_order)
 
     def take_sample(self) -> Sample | None:
         """The setup's sample micro-batch, once: it is not kept past setup."""
@@ -106,11 +109,11 @@ class StageBuilder:
             return  # `init_module()` around an ordinary build, or a configure_model that built nothing
         restore_generators()  # the recording drew some numbers (tensors made real first); the replay draws all
         built = self.adopt(module, source="weights" if strategy.config.weights is not None else "replayed")
-        if built.source == "replayed":
-            mine = strategy.topology.stages_on(strategy.stage_index)  # (virtual stages)
-            dropped = set.intersection(*(set(removed_modules(built.plan, s)) for s in mine))
-            keep = owned_registrations(recording.params, module,
-                                       lambda n: not any(n.startswith(r + ".") for r in dropped))
+        if built.source != "replayed":
+            return
+
+        def build(owned: Callable[[str], bool]) -> None:  # configure_model again, these parameters real
+            keep = owned_registrations(recording.params, module, owned)
             rewind()
             previous, module._current_fx_name = module._current_fx_name, "configure_model"
             try:
@@ -119,6 +122,15 @@ class StageBuilder:
                     module.configure_model()
             finally:
                 module._current_fx_name = previous
+        planned = plan_meta_built(strategy, module, lambda: build(lambda _: True), recording.params)
+        if planned is not None:  # [Note: the plan at setup]: global rank 0 measured the whole model it holds now
+            (self.sample, self.flops), self.planned = planned, True
+            built = self.adopt(module, source="replayed")  # the chosen cut
+            if strategy.is_global_zero:
+                return
+        mine = strategy.topology.stages_on(strategy.stage_index)  # (virtual stages)
+        dropped = set.intersection(*(set(removed_modules(built.plan, s)) for s in mine))
+        build(lambda n: not any(n.startswith(r + ".") for r in dropped))
 
     def adopt(self, module: nn.Module, *, source: str) -> MetaBuild:
         """Plan the meta-built ``module`` and record what setup needs (``source``: how the stage gets its values)."""
@@ -184,15 +196,22 @@ class StageBuilder:
         if built is None and self.on_meta(module):
             built = self.adopt(module, source="weights" if strategy.config.weights is not None else "empty")
         measured = trace = None
-        self.sample = draw_sample(trainer, strategy.num_microbatches, cuda_devices(strategy.root_device))
+        if self.sample is None:  # drawn already where plan="auto" planned a model built in `configure_model`
+            self.sample = draw_sample(trainer, strategy.num_microbatches, cuda_devices(strategy.root_device))
         if built is None:
             if (warning := host_memory_warning(module, strategy.num_processes)) is not None:
                 rank_zero_warn(warning)
-            trace = trace_call_order(strategy, module, self.sample)
-            if strategy.config.partition == "balanced":
+            trace, self.flops = trace_call_order(strategy, module, self.sample)
+            if strategy.config.plan == "auto" and trainer.state.fn == TrainerFn.FITTING:
+                choose_plan(strategy, trainer, module, self.sample, trace)  # replaces strategy.config
+            elif strategy.config.partition == "balanced":
                 measured = measure_block_costs(strategy, trainer, self.sample, trace)
+        elif strategy.config.plan == "auto" and not self.planned:
+            rank_zero_warn("lightning_paci: plan='auto' measures the whole model on a sample batch; this one is built "
+                           "on the meta device, so the options are used as given (`python -m lightning_paci.plan` "
+                           "measures it wherever it fits in one process, and prints the options to pass)")
         if whole:  # before carving: the whole model (on meta when built there)
-            strategy.undo_at_teardown(api.whole_model_summaries(trainer, module))
+            strategy.undo_at_teardown(api.whole_model_summaries(trainer, module, self.flops))
         config = strategy.config
         plan = built.plan if built is not None else plan_partition(
             module, len(strategy.stage_devices), container=config.block_container, partition=config.partition,
@@ -209,7 +228,7 @@ class StageBuilder:
     def plan_on_meta(self, module: nn.Module) -> PartitionPlan:
         """The partition of a model built on the meta device (no forward to time: parameter counts)."""
         config = self.strategy.config
-        if config.partition == "balanced":
+        if config.partition == "balanced" and config.plan != "auto":  # (the plan replaces the split)
             rank_zero_info("lightning_paci: the model is built on the meta device, so `partition='balanced'` splits "
                            "by parameter count (no block can be timed before it is materialized)")
         return plan_partition(module, len(self.strategy.stage_devices), container=config.block_container,
