@@ -15,7 +15,8 @@ at the step, or deferred). Each plan is predicted, never run:
   batch under ``"paci"`` and is under the flush schedules;
 * **memory** per process: parameters, their gradients and the optimizer's state (``optimizer_factor`` bytes per
   parameter byte), plus the simulated peak number of micro-batches in flight on that stage times the activation
-  bytes one micro-batch keeps there (costs.py, the rule the runtime's meter counts by). Allocator slack, kernels'
+  bytes one micro-batch of ``ceil(B / m)`` samples keeps there (costs.py, the rule the runtime's meter counts
+  by; an uneven split's larger micro-batches come first and are in flight together). Allocator slack, kernels'
   workspaces and communication buffers are not in it: the budget is the model's memory, as MemoryMonitor reads it;
 * **drift**: the largest drift bound the simulated lists give (``static_drift``). Plans above ``max_drift`` (the
   default: what the default micro-batches give, one update under ``"paci"``) are left out.
@@ -143,7 +144,7 @@ def _cuts(model: _Model, n: int, num_stages: int, samples: float, recompute: Seq
             for lo in range(s, hi):
                 if best[s][lo] == inf:
                     continue
-                if budget is not None and model.memory(lo, hi, first, last, recompute[s], samples,
+                if budget is not None and model.memory(lo, hi, first, last, recompute[s], math.ceil(samples),
                                                        inflight[s])[0] > budget:
                     continue
                 f, b = model.costs.stage_time(lo, hi, samples, first=first, last=last, recompute=recompute[s])
@@ -193,7 +194,9 @@ def _inputs(model: _Model, schedule: str, batch_size: int, layout: Layout, m: in
         f, b = costs.stage_time(bounds[c], bounds[c + 1], samples, first=first, last=last, recompute=recompute)
         fwd.append(f + link.action_overhead_s)
         bwd.append(b + link.action_overhead_s)
-        total, a_bytes = model.memory(bounds[c], bounds[c + 1], first, last, recompute, samples, inflight[process])
+        # the first micro-batches of an uneven split are the larger ones, and they are in flight together
+        total, a_bytes = model.memory(bounds[c], bounds[c + 1], first, last, recompute, math.ceil(samples),
+                                      inflight[process])
         memory[process] += total
         act[process] += a_bytes
         grads[process] += costs.stage_param_bytes(bounds[c], bounds[c + 1], first=first, last=last)
