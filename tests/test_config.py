@@ -35,6 +35,8 @@ from lightning_paci.config import PACIConfig
     ({"process_group_backend": "mpi"}, r"`process_group_backend='mpi'`: the pipeline's messages run on 'gloo' or "
                                        r"'nccl'"),
     ({"timeout": 5}, r"`timeout=5` must be a positive `datetime\.timedelta`"),
+    ({"compile": "blocks", "compile_backend": "cudagraphs"}, r"`compile_backend='cudagraphs'`: CUDA graphs reuse "
+                                                             r"their output memory at every replay"),
     ({"plan": "fast"}, r"`plan` must be one of 'off', 'auto', got 'fast'"),
     ({"plan": "auto", "memory_budget": "lots"}, r"`memory_budget='lots'` must be a positive number of bytes or a "
                                                 r"size such as '24GiB'"),

@@ -11,9 +11,9 @@ graph per block, recompiled only when an input's form changes (a shorter last mi
 
 The weight prediction (optim/weight_prediction.py) moves a stage's weights in place before a forward and back after
 it; compiled code reads parameters as inputs (torch >= 2.5 inlines ``nn.Module``s), so it computes with the moved
-values without a recompile. CUDA graphs are not used: they would replay the weights' addresses while the prediction
-and PACI's updates change the values between replays, which is exact, but their memory pools would hold every
-micro-batch in flight; ``torch.compile``'s default mode is what runs.
+values without a recompile. CUDA graphs are refused (``compile_backend="cudagraphs"``, at construction): a replay
+writes its outputs where the previous replay wrote its, while a stage keeps up to N micro-batches' activations
+alive between their forwards and backwards; ``torch.compile``'s default mode is what runs.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ def check_backend(backend: str) -> None:
     """Refuse a ``compile_backend`` that ``torch.compile`` does not know, naming the known ones."""
     from torch._dynamo import list_backends
 
+    if "cudagraph" in backend:
+        raise ValueError(f"`compile_backend={backend!r}`: CUDA graphs reuse their output memory at every replay, and a "
+                         f"pipeline stage keeps up to N micro-batches' activations alive between their forwards and "
+                         f"backwards, so a replay would overwrite them. Use the default 'inductor'.")
     known = list_backends(exclude_tags=())
     if backend not in known:
         raise ValueError(f"`compile_backend={backend!r}` is not a torch.compile backend; known here: "
