@@ -135,7 +135,7 @@ def main() -> None:
         accelerator=args.accelerator, devices=args.devices, precision=args.precision, max_steps=args.max_steps,
         max_epochs=math.ceil(args.max_steps / len(train)),  # the progress bar's epoch count: finite
         val_check_interval=max(1, args.max_steps // 4), check_val_every_n_epoch=None, limit_val_batches=8,
-        num_sanity_val_steps=0, log_every_n_steps=10, logger=logger,
+        num_sanity_val_steps=0, log_every_n_steps=10, logger=logger, default_root_dir=args.root,
         callbacks=[DriftMonitor(), BubbleMonitor(),
                    ModelCheckpoint(dirpath=Path(args.root) / "checkpoints", monitor="val_loss", save_top_k=1)],
     )
