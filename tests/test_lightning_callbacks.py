@@ -1,6 +1,7 @@
 """Lightning's own callbacks (every class ``lightning.pytorch.callbacks`` exports) under a 2-stage pipeline: each
-runs and does its job, or is refused at setup naming the callback and the fix; ``on_train_batch_end`` hands every
-stage the batch's loss as one device does when a callback compares it per rank (``SpikeDetection``);
+runs and does its job, or is refused at setup naming the callback and the fix (``ModelPruning``);
+``on_train_batch_end`` hands every stage the batch's loss as one device does when a callback compares it per rank
+(``SpikeDetection``);
 ``EMAWeightAveraging`` averages each stage's own weights as one device does (float64, SGD), also through a
 checkpoint."""
 
@@ -17,8 +18,6 @@ import pytest
 import torch
 from lightning.fabric.utilities.spike import TrainingSpikeException
 from lightning.pytorch.callbacks import (
-    BackboneFinetuning,
-    BaseFinetuning,
     DeviceStatsMonitor,
     EMAWeightAveraging,
     GradientAccumulationScheduler,
@@ -51,7 +50,13 @@ RUN_HERE = {"EMAWeightAveraging", "WeightAveraging", "SpikeDetection", "LambdaCa
             "DeviceStatsMonitor", "ThroughputMonitor", "TQDMProgressBar",
             "GradientAccumulationScheduler", "OnExceptionCheckpoint"}
 _CHECKPOINTS = "test_transformers.py::test_model_checkpoint_and_early_stopping_on_val_loss_behave_as_on_one_device"
+_FINETUNING = "test_callbacks_per_stage.py::test_an_unfrozen_param_group_reaches_only_its_stage_as_on_one_device"
 SHOWN_ELSEWHERE = {
+    "StochasticWeightAveraging":
+        "test_callbacks_per_stage.py::test_swa_averages_each_stage_and_switches_its_learning_rate_as_one_device",
+    "BaseFinetuning": _FINETUNING,
+    "BackboneFinetuning": "test_callbacks_per_stage.py::"
+                          "test_backbone_finetuning_sets_the_backbone_groups_learning_rate_on_every_stage_as_one_device",
     "ModelSummary": "test_one_device.py::test_the_model_summary_reports_the_whole_model",
     "ModelCheckpoint": _CHECKPOINTS,
     "EarlyStopping": _CHECKPOINTS,
@@ -61,15 +66,6 @@ SHOWN_ELSEWHERE = {
     "BatchSizeFinder": "test_support.py::test_scale_batch_size_is_refused_by_lightning_for_the_distributed_strategy",
 }
 BASES = {"Callback", "Checkpoint", "ProgressBar"}  # abstract: what a user subclasses, nothing of their own to run
-
-
-class Finetune(BaseFinetuning):
-    def freeze_before_training(self, pl_module):
-        self.freeze(pl_module.net[0])
-
-    def finetune_function(self, pl_module, current_epoch, optimizer):
-        if current_epoch == 1:
-            self.unfreeze_and_add_param_group(pl_module.net[0], optimizer)
 
 
 def _spiked_loader(spike_at: int | None, num_batches: int = 6) -> DataLoader:
@@ -90,7 +86,7 @@ def _record_outputs(path: Path):
 def test_every_lightning_callback_is_run_here_shown_elsewhere_or_refused():
     exported = set(lightning_callbacks.__all__)
     refused = {name for name in exported if issubclass(getattr(lightning_callbacks, name), tuple(REFUSED_CALLBACKS))}
-    assert refused == {"BackboneFinetuning", "BaseFinetuning", "ModelPruning", "StochasticWeightAveraging"}
+    assert refused == {"ModelPruning"}
     assert exported == RUN_HERE | set(SHOWN_ELSEWHERE) | BASES | refused, "a callback no test covers"
     tests = Path(__file__).parent
     for where in SHOWN_ELSEWHERE.values():
@@ -98,9 +94,7 @@ def test_every_lightning_callback_is_run_here_shown_elsewhere_or_refused():
         assert f"def {name}(" in (tests / file).read_text(), where
 
 
-@pytest.mark.parametrize("callback", [
-    StochasticWeightAveraging(swa_lrs=0.01), BackboneFinetuning(), Finetune(),
-    ModelPruning("l1_unstructured", amount=0.2)], ids=lambda c: type(c).__name__)
+@pytest.mark.parametrize("callback", [ModelPruning("l1_unstructured", amount=0.2)], ids=lambda c: type(c).__name__)
 def test_each_refused_callback_is_named_with_the_rule_and_the_fix(callback):
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[callback])
     with pytest.raises(ValueError, match=rf"`{type(callback).__name__}` is not supported by `PACIStrategy`: .* "
@@ -108,17 +102,19 @@ def test_each_refused_callback_is_named_with_the_rule_and_the_fix(callback):
         check_callbacks(trainer, SequentialMLP())
 
 
-def test_weight_averaging_of_a_model_built_in_configure_model_is_refused_naming_init():
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[EMAWeightAveraging()])
-    with pytest.raises(ValueError, match=r"`EMAWeightAveraging` with a model built in `configure_model` is not "
-                                         r"supported .* Build the model in `__init__`"):
+@pytest.mark.parametrize("callback", [EMAWeightAveraging(), StochasticWeightAveraging(swa_lrs=0.01)],
+                         ids=lambda c: type(c).__name__)
+def test_weight_averaging_of_a_model_built_in_configure_model_is_refused_naming_init(callback):
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[callback])
+    with pytest.raises(ValueError, match=rf"`{type(callback).__name__}` with a model built in `configure_model` is "
+                                         r"not supported .* Build the model in `__init__`"):
         check_callbacks(trainer, LaterLoopTransformer())
 
 
 def test_a_refused_callback_stops_fit_at_setup_with_its_sentence():
-    with pytest.raises(ProcessRaisedException, match=r"ValueError: `StochasticWeightAveraging` is not supported by "
-                                                     r"`PACIStrategy`: it keeps an averaged copy"):
-        fit(SequentialMLP(), regression_loader(), devices=2, callbacks=[StochasticWeightAveraging(swa_lrs=0.01)])
+    with pytest.raises(ProcessRaisedException, match=r"ValueError: `ModelPruning` is not supported by "
+                                                     r"`PACIStrategy`: `torch.nn.utils.prune` renames"):
+        fit(SequentialMLP(), regression_loader(), devices=2, callbacks=[ModelPruning("l1_unstructured", amount=0.2)])
 
 
 def test_every_stage_gets_one_devices_batch_loss_under_1f1b_in_float64(tmp_path, capfd):

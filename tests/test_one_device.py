@@ -15,10 +15,10 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ModelSummary
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from helpers import (
     KeepMetrics,

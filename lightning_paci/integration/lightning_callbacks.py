@@ -12,12 +12,22 @@ callback the loss one device would, at the same batch, and the decision is one d
 no rank waits for another per batch, and the stages before the last keep the newest loss they have, labelled
 with its mini-batch (``paci_minibatch``).
 
-Why some are refused: a callback that keeps its own copy of the whole module and swaps the optimizer's learning
-rates per epoch (``StochasticWeightAveraging``; ``EMAWeightAveraging`` runs per stage, see weight_averaging.py),
-moves parameters between optimizer groups (fine-tuning schedules) or rewrites parameters in place by name (pruning)
-meets a stage's carved module, whose other stages' parameters are placeholders on the meta device, and would fail
-inside torch or Lightning with a message about shapes or devices. It is refused before the run, with what to do
-instead.
+Which run per stage, and why one is refused: a callback that keeps its own copy of the module
+(``EMAWeightAveraging``, weight_averaging.py; ``StochasticWeightAveraging``, stochastic_weight_averaging.py) or adds
+parameter groups to the optimizer (fine-tuning schedules, finetuning.py) meets a stage's carved module, whose other
+stages' parameters are placeholders on the meta device, and each is made to work on the stage's own parameters at
+setup. Pruning is refused before the run, with what to do instead. ``torch.nn.utils.prune`` keeps the
+``Parameter`` object (re-registered as ``weight_orig``, so a stage's aliases would still step it), but renames it and
+adds a ``weight_mask`` buffer and a forward pre-hook on the stage's own layers only: the end of ``fit`` loads every
+stage's tensors by name into each rank's whole module, whose other stages' layers were never pruned, and the main
+process of a fork/spawn run loads rank 0's whole state into its own unpruned module; one device's optimizer layout
+and the checkpoint's name-keyed optimizer state carry the names carving saw (``weight``); the callback's own
+``setup`` lists every layer of the whole module, the other stages' then on the meta device; and a global amount
+(``use_global_unstructured``) ranks the weights of every stage together. One device does not resume its own
+unpermanent masks either (the fresh module has no ``weight_orig``).
+The batch statistics ``StochasticWeightAveraging`` recomputes in an extra epoch (a model with batch normalization)
+and a model built in ``configure_model`` (the averaging callbacks copy the whole module in their ``setup``) are
+refused too.
 """
 
 from __future__ import annotations
@@ -28,7 +38,6 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import (
-    BaseFinetuning,
     ModelPruning,
     SpikeDetection,
     StochasticWeightAveraging,
@@ -40,23 +49,14 @@ __all__ = ["REFUSED_CALLBACKS", "batch_outputs", "check_callbacks", "load_callba
 
 # each refused family, and why a stage cannot run it / what to do instead
 REFUSED_CALLBACKS: dict[type, str] = {
-    StochasticWeightAveraging: (
-        "it keeps an averaged copy of the whole module, and each stage holds only its own parameters (the other "
-        "stages' are placeholders on the meta device), so the copy's parameters do not line up with the stage's; "
-        "`EMAWeightAveraging` (or a `WeightAveraging` subclass) averages per stage"),
-    BaseFinetuning: (
-        "it freezes modules and adds parameter groups to the optimizer by the whole module's parameters, and each "
-        "stage's optimizer holds only its own stage's parameters"),
     ModelPruning: (
-        "it prunes every layer's weight in place through `torch.nn.utils.prune`, and on each stage the other stages' "
-        "layers are placeholders on the meta device"),
+        "`torch.nn.utils.prune` renames each pruned weight to `weight_orig` and adds a `weight_mask` on the "
+        "stage's own layers only, while the end of `fit`, the checkpoints' optimizer state and the main process "
+        "load the stages' tensors by the names carving saw into whole modules never pruned (and on each stage "
+        "the other stages' layers are placeholders on the meta device)"),
 }
 
 _FIXES: dict[type, str] = {
-    StochasticWeightAveraging: "use `WeightAveraging(avg_fn=...)` or `EMAWeightAveraging`, average the weights "
-                               "after `fit`, or train this run on one device",
-    BaseFinetuning: "freeze the modules in `configure_model` or `__init__` (`requires_grad_(False)`; frozen "
-                    "parameters are supported) and unfreeze them in a second `fit` from the checkpoint",
     ModelPruning: "prune the trained model after `fit` (every rank holds the whole model then), or train this run "
                   "on one device",
 }
@@ -65,12 +65,19 @@ _FIXES: dict[type, str] = {
 def check_callbacks(trainer: Trainer, module: LightningModule) -> None:
     """Refuse, at setup, a Lightning callback a stage cannot run: ``ValueError`` naming it, the rule and the fix."""
     for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set in Trainer.__init__
-        if isinstance(callback, WeightAveraging) and is_overridden("configure_model", module):
+        averages = isinstance(callback, (WeightAveraging, StochasticWeightAveraging))
+        if averages and is_overridden("configure_model", module):
             raise ValueError(
                 f"`{type(callback).__name__}` with a model built in `configure_model` is not supported by "
                 f"`PACIStrategy`: Lightning's callback builds the whole model in its own `setup` (the stages build "
                 f"only their own parts) and its averaged copy would not line up with a stage's. Build the model in "
                 f"`__init__`, or remove the callback.")
+        if isinstance(callback, StochasticWeightAveraging) and callback.pl_module_contains_batch_norm(module):
+            raise ValueError(
+                "`StochasticWeightAveraging` with batch normalization is not supported by `PACIStrategy`: the "
+                "callback recomputes the batch statistics in an extra epoch without backwards or updates, which a "
+                "pipeline's schedule does not run. Use GroupNorm or LayerNorm, recompute the statistics after "
+                "`fit`, or use `EMAWeightAveraging`.")
         for family, reason in REFUSED_CALLBACKS.items():
             if isinstance(callback, family):
                 raise ValueError(

@@ -45,6 +45,12 @@ class OptimizerLayout:
         return cls(tuple(tuple(names[id(p)] for p in g["params"]) for g in groups),
                    tuple({k: v for k, v in g.items() if k != "params"} for g in groups))
 
+    def with_group(self, names: tuple[str, ...], hyper: Mapping[str, Any]) -> OptimizerLayout:
+        """The layout after ``optimizer.add_param_group`` of the parameters ``names`` (a fine-tuning schedule's,
+        finetuning.py) with the hyper-parameters ``hyper``."""
+        return OptimizerLayout(self.groups + (names,), self.defaults + ({k: v for k, v in hyper.items()
+                                                                         if k != "params"},))
+
     def to_torch(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """torch's ``Optimizer.state_dict()`` of the single-device optimizer, from the name-keyed entries."""
         state: dict[int, Any] = {}

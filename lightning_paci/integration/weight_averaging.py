@@ -11,6 +11,9 @@ for validation and its copy into the module at the end of ``fit`` work on the ca
 pipeline has drained by then), and the end of ``fit`` gathers the averaged stages into the whole model. A checkpoint
 holds the averaged weights of every stage, gathered to rank 0 as the model's are, under ``state_dict`` and the
 current ones under ``current_model_state``, Lightning's own format, so it resumes here and on one device.
+
+``average_per_stage`` is the strategy's one setup hook for Lightning's callbacks that act per stage: it also sets
+up ``StochasticWeightAveraging`` (stochastic_weight_averaging.py) and the fine-tuning callbacks (finetuning.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from lightning.pytorch.callbacks import WeightAveraging
 from torch.optim.swa_utils import AveragedModel
 
 from lightning_paci.integration.checkpoint import gather_to_first
+from lightning_paci.integration.finetuning import finetune_per_stage
+from lightning_paci.integration.stochastic_weight_averaging import stochastic_averaging_per_stage
 
 __all__ = ["average_per_stage"]
 
@@ -48,16 +53,17 @@ def _stage_average(callback: WeightAveraging, module: torch.nn.Module) -> Averag
 
 def average_per_stage(trainer: Trainer, strategy: Any) -> list[Callable[[], None]]:
     """At setup, for fitting: every ``WeightAveraging`` callback averages this stage's own parameters at its
-    updates; returns the undos for teardown."""
+    updates, a ``StochasticWeightAveraging`` its own at its epochs, a fine-tuning callback's new param groups reach
+    the stage's optimizer; returns the undos for teardown."""
+    undos = stochastic_averaging_per_stage(trainer, strategy) + finetune_per_stage(trainer, strategy)
     callbacks = [c for c in trainer.callbacks if isinstance(c, WeightAveraging)]  # type: ignore[attr-defined]
     if not callbacks:
-        return []
+        return undos
     if strategy.config.virtual_stages > 1 or strategy.config.checkpoint_layout != "consolidated":
         raise ValueError(
             f"`{type(callbacks[0]).__name__}` under `PACIStrategy` needs one stage per process and consolidated "
             f"checkpoints: remove `virtual_stages` and `checkpoint_layout='sharded'`, or the callback.")
     module, runtime = strategy.lightning_module, strategy.runtime
-    undos: list[Callable[[], None]] = []
     for callback in callbacks:
         average = _stage_average(callback, module)
         callback._average_model = average

@@ -116,6 +116,23 @@ class StageOptimizer:
             view._clock.views.append(view)
         return view
 
+    def add_param_group(self, group: dict[str, Any], params: Sequence[nn.Parameter]) -> None:
+        """A param group added while training (a fine-tuning schedule's): ``params``, the stage's own parameters of
+        it, join through aliases (see [Note: alias optimizer]), any already stepped left out. The group is added
+        even when none are left, so that every stage's optimizer has one device's groups (code that reads
+        ``param_groups[-1]`` reads the same group on every stage)."""
+        known = {id(p) for _, p in self.pairs}
+        aliases = []
+        for p in params:
+            if id(p) in known:
+                continue
+            alias = nn.Parameter(p.data, requires_grad=p.requires_grad)
+            aliases.append(alias)
+            self.pairs.append((alias, p))
+            known.add(id(p))
+        # the class's own method: the instance's `add_param_group` may be the caller
+        type(self.optimizer).add_param_group(self.optimizer, {**group, "params": aliases})
+
     def own_hyperparameters(self) -> None:
         """Put this view's update count's hyperparameters in the groups (before a weight prediction reads them)."""
         if self._clock is not None:

@@ -1,0 +1,193 @@
+"""Lightning's ``StochasticWeightAveraging`` and fine-tuning callbacks (``BaseFinetuning``, ``BackboneFinetuning``)
+run per stage: under ``"1f1b"`` in float64 with SGD the weights after ``fit``, the checkpoints' callback and
+optimizer states and a resumed run equal one device's; under ``"paci"`` they train."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, ModelCheckpoint, StochasticWeightAveraging
+from torch import nn
+from torch.multiprocessing import ProcessRaisedException
+
+from lightning_paci import DriftMonitor
+
+from helpers import fit, one_device
+from models import SequentialMLP, regression_loader
+
+pytestmark = pytest.mark.distributed
+
+EPOCHS = 3  # 6 batches each: SWA averages at the starts of epochs 1 and 2, fine-tuning unfreezes at epoch 1
+
+
+def _assert_same(actual: dict, expected: dict, what: str) -> None:
+    assert actual.keys() == expected.keys(), what
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, msg=lambda m: f"{what} {key}: {m}")
+
+
+def _one_device(model, callbacks, *, checkpoints: Path | None = None, ckpt_path: str | None = None) -> None:
+    extra = [ModelCheckpoint(dirpath=checkpoints, every_n_epochs=1, save_top_k=-1)] if checkpoints else []
+    one_device(max_epochs=EPOCHS, precision="64-true", callbacks=callbacks + extra,
+               enable_checkpointing=checkpoints is not None).fit(model, regression_loader(), ckpt_path=ckpt_path)
+
+
+def _pipeline(model, callbacks, *, stages: int = 2, schedule: str = "1f1b", checkpoints: Path | None = None,
+              ckpt_path: str | None = None, log_dir: Path | None = None) -> None:
+    extra = [ModelCheckpoint(dirpath=checkpoints, every_n_epochs=1, save_top_k=-1)] if checkpoints else []
+    fit(model, regression_loader(), devices=stages, max_steps=-1, schedule=schedule, microbatches=2,
+        partition="parameters", callbacks=callbacks + extra, ckpt_path=ckpt_path,
+        trainer_kwargs={"precision": "64-true", "max_epochs": EPOCHS, "enable_checkpointing": checkpoints is not None,
+                        **({"default_root_dir": log_dir, "log_every_n_steps": 1} if log_dir else {})})
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+# -- StochasticWeightAveraging -------------------------------------------------------------------------------------
+
+def _swa() -> list[L.Callback]:
+    # from epoch 1 (0-based) on: SWALR anneals the learning rate to 0.02 over 2 epochs, the average takes epochs 1, 2
+    return [StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=2, annealing_epochs=2)]
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_swa_averages_each_stage_and_switches_its_learning_rate_as_one_device(tmp_path, stages):
+    torch.manual_seed(11)
+    model = SequentialMLP(lr=0.2).double()
+    averaged, plain = copy.deepcopy(model), copy.deepcopy(model)
+    _one_device(averaged, _swa(), checkpoints=tmp_path / "one")
+    _one_device(plain, [])
+    _pipeline(model, _swa(), stages=stages, checkpoints=tmp_path / "pipe")
+    _assert_same(model.state_dict(), averaged.state_dict(), "after fit")
+    assert not torch.allclose(averaged.net[0].weight, plain.net[0].weight, atol=1e-3)  # SWA changed the result
+    # the checkpoint after epoch 1: the callback's averaged whole model, its count and the SWA learning rate
+    saved, reference = (_load(tmp_path / d / "epoch=1-step=12.ckpt") for d in ("pipe", "one"))
+    key = next(k for k in reference["callbacks"] if "StochasticWeightAveraging" in k)
+    mine, theirs = saved["callbacks"][key], reference["callbacks"][key]
+    _assert_same(mine["average_model_state"], theirs["average_model_state"], "average_model_state")
+    assert (mine["n_averaged"], mine["latest_update_epoch"]) == (theirs["n_averaged"], theirs["latest_update_epoch"])
+    assert mine["scheduler_state"]["_last_lr"] == theirs["scheduler_state"]["_last_lr"]
+    lrs = [g["lr"] for g in reference["optimizer_states"][0]["param_groups"]]
+    assert [g["lr"] for g in saved["optimizer_states"][0]["param_groups"]] == lrs and lrs != [0.2]
+
+
+def test_swa_resumes_from_its_checkpoint_as_one_device(tmp_path):
+    torch.manual_seed(12)
+    model = SequentialMLP(lr=0.2).double()
+    initial = copy.deepcopy(model)
+    _pipeline(model, _swa(), checkpoints=tmp_path / "pipe")
+    path = str(tmp_path / "pipe" / "epoch=1-step=12.ckpt")
+    resumed, one_resumed = copy.deepcopy(initial), copy.deepcopy(initial)
+    _pipeline(resumed, _swa(), ckpt_path=path)
+    _one_device(one_resumed, _swa(), ckpt_path=path)
+    _assert_same(resumed.state_dict(), one_resumed.state_dict(), "resumed")
+    _assert_same(resumed.state_dict(), model.state_dict(), "resumed against uninterrupted")
+
+
+def test_swa_trains_under_paci(tmp_path):
+    torch.manual_seed(13)
+    model = SequentialMLP(lr=0.2)
+    initial = copy.deepcopy(model)
+    _pipeline(model, _swa(), schedule="paci")
+    for key, value in model.state_dict().items():
+        assert torch.isfinite(value).all() and not torch.equal(value, initial.state_dict()[key].to(value.dtype))
+
+
+class WithBatchNorm(SequentialMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[1] = nn.BatchNorm1d(16)
+
+
+def test_swa_with_batch_normalization_is_refused_naming_the_extra_epoch():
+    with pytest.raises(ProcessRaisedException, match=r"ValueError: `StochasticWeightAveraging` with batch "
+                                                     r"normalization is not supported .* extra epoch"):
+        fit(WithBatchNorm(), regression_loader(), devices=2, callbacks=_swa())
+
+
+# -- fine-tuning ---------------------------------------------------------------------------------------------------
+
+class FrozenStart(SequentialMLP):
+    """Optimizes only what is trainable when ``fit`` starts, as fine-tuning recipes do."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+class UnfreezeFirst(BaseFinetuning):
+    """The first layer frozen, then a param group of its own at a tenth of the learning rate from epoch 1."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.net[0])
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        if current_epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.net[0], optimizer)
+
+
+class Backboned(FrozenStart):
+    """A ``backbone`` and a ``head``, cut after the head's first layer (stage 0 keeps a trainable layer besides the
+    frozen backbone): ``BackboneFinetuning`` sets ``param_groups[-1]``'s learning rate each epoch, the backbone's
+    group, empty on stage 1."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.2)
+        del self.net
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def _backbone() -> list[L.Callback]:
+    return [BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.25, should_align=False)]
+
+
+def test_an_unfrozen_param_group_reaches_only_its_stage_as_on_one_device(tmp_path):
+    torch.manual_seed(14)
+    model = FrozenStart(lr=0.2).double()
+    initial = copy.deepcopy(model)
+    reference = copy.deepcopy(model)
+    _one_device(reference, [UnfreezeFirst()], checkpoints=tmp_path / "one")
+    _pipeline(model, [UnfreezeFirst()], checkpoints=tmp_path / "pipe")
+    _assert_same(model.state_dict(), reference.state_dict(), "after fit")
+    assert not torch.equal(model.net[0].weight, initial.net[0].weight)  # trained after epoch 0
+    # the checkpoint after epoch 1: one device's callback metadata (every group's names) and optimizer groups
+    saved, expected = (_load(tmp_path / d / "epoch=1-step=12.ckpt") for d in ("pipe", "one"))
+    key = next(k for k in expected["callbacks"] if "UnfreezeFirst" in k)
+    assert saved["callbacks"][key] == expected["callbacks"][key]
+    assert saved["optimizer_states"][0]["param_groups"] == expected["optimizer_states"][0]["param_groups"]
+    # resumed from it (the group added again by name): what one device resumed from the same file ends with
+    resumed, one_resumed = copy.deepcopy(initial), copy.deepcopy(initial)
+    path = str(tmp_path / "pipe" / "epoch=1-step=12.ckpt")
+    _pipeline(resumed, [UnfreezeFirst()], ckpt_path=path)
+    _one_device(one_resumed, [UnfreezeFirst()], ckpt_path=path)
+    _assert_same(resumed.state_dict(), one_resumed.state_dict(), "resumed")
+
+
+def test_backbone_finetuning_sets_the_backbone_groups_learning_rate_on_every_stage_as_one_device():
+    torch.manual_seed(15)
+    model = Backboned().double()
+    reference = copy.deepcopy(model)
+    _one_device(reference, _backbone())
+    _pipeline(model, _backbone())
+    _assert_same(model.state_dict(), reference.state_dict(), "after fit")
+
+
+def test_finetuning_trains_under_paci_with_the_drift_monitor_measuring_every_update(tmp_path):
+    torch.manual_seed(16)
+    model = Backboned()
+    initial = copy.deepcopy(model)
+    # the monitor's per-tensor update norms, pending across the epoch where the group (one more tensor) is added
+    _pipeline(model, _backbone() + [DriftMonitor(logging_interval=5)], schedule="paci", log_dir=tmp_path)
+    for key, value in model.state_dict().items():
+        assert torch.isfinite(value).all() and not torch.equal(value, initial.state_dict()[key].to(value.dtype))
+    assert math.isfinite(float(model.backbone[0].weight.sum()))
