@@ -1,6 +1,7 @@
-"""Lightning's ``StochasticWeightAveraging`` and fine-tuning callbacks (``BaseFinetuning``, ``BackboneFinetuning``)
-run per stage: under ``"1f1b"`` in float64 with SGD the weights after ``fit``, the checkpoints' callback and
-optimizer states and a resumed run equal one device's; under ``"paci"`` they train."""
+"""Lightning's ``StochasticWeightAveraging``, fine-tuning callbacks (``BaseFinetuning``, ``BackboneFinetuning``)
+and ``ModelPruning`` run per stage: under ``"1f1b"`` in float64 with SGD the weights after ``fit``, the
+checkpoints' weights, callback and optimizer states and a resumed run equal one device's; under ``"paci"`` they
+train."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    BaseFinetuning,
+    ModelCheckpoint,
+    ModelPruning,
+    StochasticWeightAveraging,
+)
 from torch import nn
 from torch.multiprocessing import ProcessRaisedException
 
@@ -22,7 +29,8 @@ from models import SequentialMLP, regression_loader
 
 pytestmark = pytest.mark.distributed
 
-EPOCHS = 3  # 6 batches each: SWA averages at the starts of epochs 1 and 2, fine-tuning unfreezes at epoch 1
+EPOCHS = 3  # 6 batches each: SWA averages at the starts of epochs 1 and 2, fine-tuning unfreezes at epoch 1,
+# pruning prunes at the ends of epochs 0, 1 and 2
 
 
 def _assert_same(actual: dict, expected: dict, what: str) -> None:
@@ -191,3 +199,105 @@ def test_finetuning_trains_under_paci_with_the_drift_monitor_measuring_every_upd
     for key, value in model.state_dict().items():
         assert torch.isfinite(value).all() and not torch.equal(value, initial.state_dict()[key].to(value.dtype))
     assert math.isfinite(float(model.backbone[0].weight.sum()))
+
+
+# -- ModelPruning --------------------------------------------------------------------------------------------------
+
+class MomentumMLP(SequentialMLP):
+    """SGD with momentum: a checkpoint's optimizer state lost or misnamed changes every later update."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def _pruning(**kwargs) -> list[L.Callback]:
+    # Lightning's defaults otherwise: one global amount over the whole model (20% of what is still kept, at each
+    # epoch's end), the survivors reset to their initial values (lottery ticket), the pruning made permanent
+    return [ModelPruning("l1_unstructured", amount=0.2, **kwargs)]
+
+
+# 756 weights and biases (8x16+16, 2 x (16x16+16), 16x4+4) pruned 3 times by 20% of what is left: 151 (of 756), 121
+# (of 605), 97 (round(96.8), of 484), each time the smallest magnitudes of both stages together
+PRUNED = 151 + 121 + 97
+
+
+def _zeros(state: dict) -> dict:
+    return {key: value == 0 for key, value in state.items()}
+
+
+def test_pruning_prunes_each_stage_as_one_device_and_checkpoints_its_permanent_weights(tmp_path):
+    torch.manual_seed(17)
+    model = MomentumMLP(lr=0.1).double()
+    reference = copy.deepcopy(model)
+    _one_device(reference, _pruning(), checkpoints=tmp_path / "one")
+    _pipeline(model, _pruning(), checkpoints=tmp_path / "pipe")
+    _assert_same(model.state_dict(), reference.state_dict(), "after fit")
+    zeros = _zeros(reference.state_dict())
+    assert sum(int(z.sum()) for z in zeros.values()) == PRUNED
+    assert _zeros(model.state_dict()).keys() == zeros.keys()
+    for key, pruned in _zeros(model.state_dict()).items():
+        assert torch.equal(pruned, zeros[key]), key
+    # the checkpoint after epoch 1: one device's permanent weights (`weight`, no masks) and its optimizer state,
+    # the momentum of each pruned weight under its index in one device's optimizer
+    saved, expected = (_load(tmp_path / d / "epoch=1-step=12.ckpt") for d in ("pipe", "one"))
+    _assert_same(saved["state_dict"], expected["state_dict"], "state_dict")
+    mine, theirs = saved["optimizer_states"][0], expected["optimizer_states"][0]
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert mine["state"].keys() == theirs["state"].keys() and len(theirs["state"]) == 8
+    for index, state in theirs["state"].items():
+        _assert_same(mine["state"][index], state, f"optimizer state {index}")
+
+
+def test_pruning_resumes_from_its_checkpoint_as_one_device_from_its_own(tmp_path):
+    torch.manual_seed(18)
+    model = MomentumMLP(lr=0.1).double()
+    initial = copy.deepcopy(model)
+    _one_device(copy.deepcopy(initial), _pruning(), checkpoints=tmp_path / "one")
+    _pipeline(model, _pruning(), checkpoints=tmp_path / "pipe")
+    # the masks are not saved (on one device either): the resumed runs train the zeros until the next pruning
+    resumed, one_resumed, one_from_ours = (copy.deepcopy(initial) for _ in range(3))
+    _pipeline(resumed, _pruning(), ckpt_path=str(tmp_path / "pipe" / "epoch=0-step=6.ckpt"))
+    _one_device(one_resumed, _pruning(), ckpt_path=str(tmp_path / "one" / "epoch=0-step=6.ckpt"))
+    _one_device(one_from_ours, _pruning(), ckpt_path=str(tmp_path / "pipe" / "epoch=0-step=6.ckpt"))
+    _assert_same(resumed.state_dict(), one_resumed.state_dict(), "resumed")
+    _assert_same(one_from_ours.state_dict(), one_resumed.state_dict(), "one device from the pipeline's checkpoint")
+    assert not torch.equal(resumed.net[0].weight, model.net[0].weight)  # the uninterrupted run kept its masks
+
+
+def test_pruning_equal_magnitudes_takes_one_devices_count_over_the_stages():
+    # every weight and bias of magnitude 0.25 and a learning rate of 0: all of them tie at every pruning, and the
+    # stages share each pruning's count (which of the equal ones go is unspecified, torch.topk's choice on one device)
+    model = MomentumMLP(lr=0.0).double()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(0.25 * torch.where(torch.arange(param.numel()) % 3 == 0, -1.0, 1.0).view_as(param))
+    reference = copy.deepcopy(model)
+    _one_device(reference, _pruning())
+    _pipeline(model, _pruning())
+    for state in (reference.state_dict(), model.state_dict()):
+        assert sum(int(z.sum()) for z in _zeros(state).values()) == PRUNED
+
+
+def test_pruning_each_layer_by_its_own_amount_on_its_stage_equals_one_device():
+    torch.manual_seed(19)
+    model = MomentumMLP(lr=0.1).double()
+    reference = copy.deepcopy(model)
+    per_layer = dict(use_global_unstructured=False, use_lottery_ticket_hypothesis=False, parameter_names=["weight"])
+    _one_device(reference, _pruning(**per_layer))
+    _pipeline(model, _pruning(**per_layer))
+    _assert_same(model.state_dict(), reference.state_dict(), "after fit")
+    for key, pruned in _zeros(model.state_dict()).items():
+        assert torch.equal(pruned, _zeros(reference.state_dict())[key]), key
+    # each weight by itself: 20% of what is left, 3 times; the biases untouched
+    assert int((model.net[2].weight == 0).sum()) == 51 + 41 + 33 and not (model.net[2].bias == 0).any()
+
+
+def test_pruning_trains_under_paci():
+    torch.manual_seed(20)
+    model = MomentumMLP(lr=0.1)
+    initial = copy.deepcopy(model)
+    _pipeline(model, _pruning(), schedule="paci")
+    state = model.state_dict()
+    assert sum(int(z.sum()) for z in _zeros(state).values()) == PRUNED
+    for key, value in state.items():
+        assert torch.isfinite(value).all() and not torch.equal(value, initial.state_dict()[key]), key

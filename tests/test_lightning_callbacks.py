@@ -1,5 +1,6 @@
 """Lightning's own callbacks (every class ``lightning.pytorch.callbacks`` exports) under a 2-stage pipeline: each
-runs and does its job, or is refused at setup naming the callback and the fix (``ModelPruning``);
+runs and does its job, and a setting a stage cannot run is refused at setup naming the callback, the setting and the
+fix (``ModelPruning``'s);
 ``on_train_batch_end`` hands every stage the batch's loss as one device does when a callback compares it per rank
 (``SpikeDetection``);
 ``EMAWeightAveraging`` averages each stage's own weights as one device does (float64, SGD), also through a
@@ -37,14 +38,14 @@ from lightning.pytorch.callbacks import (
 from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_paci.integration.lightning_callbacks import REFUSED_CALLBACKS, check_callbacks
+from lightning_paci.integration.lightning_callbacks import check_callbacks
 
 from helpers import fit, one_device
 from models import LaterLoopTransformer, SequentialMLP, regression_loader
 
 pytestmark = pytest.mark.distributed
 
-# run by this file's Trainer runs (the rest: refused, or shown by the named tests, or no callback to run)
+# run by this file's Trainer runs (the rest: shown by the named tests, or no callback to run)
 RUN_HERE = {"EMAWeightAveraging", "WeightAveraging", "SpikeDetection", "LambdaCallback",
              "RichProgressBar", "RichModelSummary", "Timer", "LearningRateMonitor",
             "DeviceStatsMonitor", "ThroughputMonitor", "TQDMProgressBar",
@@ -55,6 +56,8 @@ SHOWN_ELSEWHERE = {
     "StochasticWeightAveraging":
         "test_callbacks_per_stage.py::test_swa_averages_each_stage_and_switches_its_learning_rate_as_one_device",
     "BaseFinetuning": _FINETUNING,
+    "ModelPruning": "test_callbacks_per_stage.py::"
+                    "test_pruning_prunes_each_stage_as_one_device_and_checkpoints_its_permanent_weights",
     "BackboneFinetuning": "test_callbacks_per_stage.py::"
                           "test_backbone_finetuning_sets_the_backbone_groups_learning_rate_on_every_stage_as_one_device",
     "ModelSummary": "test_one_device.py::test_the_model_summary_reports_the_whole_model",
@@ -85,21 +88,57 @@ def _record_outputs(path: Path):
 
 def test_every_lightning_callback_is_run_here_shown_elsewhere_or_refused():
     exported = set(lightning_callbacks.__all__)
-    refused = {name for name in exported if issubclass(getattr(lightning_callbacks, name), tuple(REFUSED_CALLBACKS))}
-    assert refused == {"ModelPruning"}
-    assert exported == RUN_HERE | set(SHOWN_ELSEWHERE) | BASES | refused, "a callback no test covers"
+    assert exported == RUN_HERE | set(SHOWN_ELSEWHERE) | BASES, "a callback no test covers"
     tests = Path(__file__).parent
     for where in SHOWN_ELSEWHERE.values():
         file, name = where.split("::")
         assert f"def {name}(" in (tests / file).read_text(), where
 
 
-@pytest.mark.parametrize("callback", [ModelPruning("l1_unstructured", amount=0.2)], ids=lambda c: type(c).__name__)
-def test_each_refused_callback_is_named_with_the_rule_and_the_fix(callback):
+@pytest.mark.parametrize(("kwargs", "module", "match"), [
+    ({"make_pruning_permanent": False}, SequentialMLP,
+     r"`ModelPruning\(make_pruning_permanent=False\)` is not supported by `PACIStrategy`: .*`weight_orig`.* Keep "
+     r"the default `make_pruning_permanent=True`"),
+    ({"pruning_fn": "random_unstructured"}, SequentialMLP,
+     r"`ModelPruning\(pruning_fn=RandomUnstructured, use_global_unstructured=True\)` is not supported .* Use "
+     r"`'l1_unstructured'`"),
+    ({"pruning_fn": "random_structured", "use_global_unstructured": False, "pruning_dim": 0}, SequentialMLP,
+     r"`ModelPruning\(pruning_fn='random_structured'\)` is not supported .* generator that also orders its "
+     r"batches.* Use `'l1_unstructured'`"),
+    ({"resample_parameters": True}, SequentialMLP,
+     r"`ModelPruning\(resample_parameters=True\)` is not supported .* Keep `resample_parameters=False`"),
+    ({}, LaterLoopTransformer,
+     r"`ModelPruning` with a model built in `configure_model` is not supported .* Build the model in `__init__`"),
+], ids=["not-permanent", "global-random", "random", "resampled", "configure-model"])
+def test_a_pruning_setting_a_stage_cannot_run_is_refused_naming_it_and_the_fix(kwargs, module, match):
+    callback = ModelPruning(**{"pruning_fn": "l1_unstructured", "amount": 0.2, **kwargs})
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[callback])
-    with pytest.raises(ValueError, match=rf"`{type(callback).__name__}` is not supported by `PACIStrategy`: .* "
-                                         rf"Instead, .*(after `fit`|second `fit`)"):
-        check_callbacks(trainer, SequentialMLP())
+    with pytest.raises(ValueError, match=match):
+        check_callbacks(trainer, module())
+
+
+def test_pruning_a_weight_two_modules_share_is_refused_naming_it():
+    model = SequentialMLP()
+    model.net[4].weight = model.net[2].weight  # a tied pair
+    callback = ModelPruning("l1_unstructured", amount=0.2, parameters_to_prune=[(model.net[4], "weight")])
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[callback])
+    with pytest.raises(ValueError, match=r"`ModelPruning` of a weight two modules share \(`net.4.weight`\) is not "
+                                         r"supported .* Leave the shared weight out"):
+        check_callbacks(trainer, model)
+
+
+def test_a_refused_pruning_setting_stops_fit_at_setup_with_its_sentence():
+    with pytest.raises(ProcessRaisedException, match=r"ValueError: `ModelPruning\(make_pruning_permanent=False\)` "
+                                                     r"is not supported by `PACIStrategy`"):
+        fit(SequentialMLP(), regression_loader(), devices=2,
+            callbacks=[ModelPruning("l1_unstructured", amount=0.2, make_pruning_permanent=False)])
+
+
+def test_pruning_with_virtual_stages_is_refused_naming_one_stage_per_process():
+    with pytest.raises(ProcessRaisedException, match=r"ValueError: `ModelPruning` under `PACIStrategy` needs one "
+                                                     r"stage per process and no data-parallel replicas"):
+        fit(SequentialMLP(), regression_loader(), devices=2, virtual_stages=2, schedule="interleaved",
+            callbacks=[ModelPruning("l1_unstructured", amount=0.2)])
 
 
 @pytest.mark.parametrize("callback", [EMAWeightAveraging(), StochasticWeightAveraging(swa_lrs=0.01)],
@@ -109,12 +148,6 @@ def test_weight_averaging_of_a_model_built_in_configure_model_is_refused_naming_
     with pytest.raises(ValueError, match=rf"`{type(callback).__name__}` with a model built in `configure_model` is "
                                          r"not supported .* Build the model in `__init__`"):
         check_callbacks(trainer, LaterLoopTransformer())
-
-
-def test_a_refused_callback_stops_fit_at_setup_with_its_sentence():
-    with pytest.raises(ProcessRaisedException, match=r"ValueError: `ModelPruning` is not supported by "
-                                                     r"`PACIStrategy`: `torch.nn.utils.prune` renames"):
-        fit(SequentialMLP(), regression_loader(), devices=2, callbacks=[ModelPruning("l1_unstructured", amount=0.2)])
 
 
 def test_every_stage_gets_one_devices_batch_loss_under_1f1b_in_float64(tmp_path, capfd):

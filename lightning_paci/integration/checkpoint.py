@@ -34,6 +34,7 @@ from torch import nn
 from lightning_paci.engine.activity import activity
 from lightning_paci.engine.pickle_guard import check_no_tensors
 from lightning_paci.integration.lightning_callbacks import load_callback_state
+from lightning_paci.integration.pruning import parameter_names
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 
 __all__ = [
@@ -75,7 +76,7 @@ def stage_optimizer_state(optimizer: StageOptimizer, module: nn.Module,
     """This stage's optimizer state keyed by parameter name (its own parameters only), with the gradients of the
     accumulation window still open (a checkpoint inside a window resumes exactly) -- also those of tied-weight
     ``replicas``, which the stage's optimizer never steps (see [Note: tied weights])."""
-    names = {id(p): n for n, p in module.named_parameters()}
+    names = parameter_names(module)  # a pruned weight by its one-device name (pruning.py)
     group_of = {id(alias): group for group in optimizer.optimizer.param_groups for alias in group["params"]}
     out: dict[str, Any] = {}
     for alias, real in optimizer.pairs:
@@ -98,7 +99,7 @@ def load_stage_optimizer_state(optimizer: StageOptimizer, module: nn.Module, par
     Raises:
         ValueError: a parameter of this stage has no entry (the checkpoint is of another model).
     """
-    names = {id(p): n for n, p in module.named_parameters()}
+    names = parameter_names(module)  # a pruned weight by its one-device name (pruning.py)
     missing = [names[id(real)] for _, real in optimizer.pairs if names[id(real)] not in params]
     if missing:
         raise ValueError(

@@ -1,5 +1,5 @@
 """Lightning's own callbacks under a pipeline: what ``on_train_batch_end`` hands them as the batch's outputs, and
-the ones a stage cannot run, refused at setup naming the callback, the rule and the fix.
+the settings a stage cannot run, refused at setup naming the callback, the rule and the fix.
 
 Why the outputs need care: a stage before the last has not seen batch ``k``'s loss when its Lightning call ``k``
 ends (the loss comes back with the gradients, calls later under ``"paci"``), so it hands ``on_train_batch_end``
@@ -12,19 +12,11 @@ callback the loss one device would, at the same batch, and the decision is one d
 no rank waits for another per batch, and the stages before the last keep the newest loss they have, labelled
 with its mini-batch (``paci_minibatch``).
 
-Which run per stage, and why one is refused: a callback that keeps its own copy of the module
-(``EMAWeightAveraging``, weight_averaging.py; ``StochasticWeightAveraging``, stochastic_weight_averaging.py) or adds
-parameter groups to the optimizer (fine-tuning schedules, finetuning.py) meets a stage's carved module, whose other
-stages' parameters are placeholders on the meta device, and each is made to work on the stage's own parameters at
-setup. Pruning is refused before the run, with what to do instead. ``torch.nn.utils.prune`` keeps the
-``Parameter`` object (re-registered as ``weight_orig``, so a stage's aliases would still step it), but renames it and
-adds a ``weight_mask`` buffer and a forward pre-hook on the stage's own layers only: the end of ``fit`` loads every
-stage's tensors by name into each rank's whole module, whose other stages' layers were never pruned, and the main
-process of a fork/spawn run loads rank 0's whole state into its own unpruned module; one device's optimizer layout
-and the checkpoint's name-keyed optimizer state carry the names carving saw (``weight``); the callback's own
-``setup`` lists every layer of the whole module, the other stages' then on the meta device; and a global amount
-(``use_global_unstructured``) ranks the weights of every stage together. One device does not resume its own
-unpermanent masks either (the fresh module has no ``weight_orig``).
+Which run per stage: a callback that keeps its own copy of the module (``EMAWeightAveraging``,
+weight_averaging.py; ``StochasticWeightAveraging``, stochastic_weight_averaging.py), adds parameter groups to the
+optimizer (fine-tuning schedules, finetuning.py) or prunes the module's layers (``ModelPruning``, pruning.py) meets a
+stage's carved module, whose other stages' parameters are placeholders on the meta device, and each is made to work
+on the stage's own parameters at setup; the settings a stage cannot run as one device does are refused here.
 The batch statistics ``StochasticWeightAveraging`` recomputes in an extra epoch (a model with batch normalization)
 and a model built in ``configure_model`` (the averaging callbacks copy the whole module in their ``setup``) are
 refused too.
@@ -45,25 +37,14 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-__all__ = ["REFUSED_CALLBACKS", "batch_outputs", "check_callbacks", "load_callback_state", "needs_every_stage_loss"]
+from lightning_paci.integration.pruning import check_pruning
 
-# each refused family, and why a stage cannot run it / what to do instead
-REFUSED_CALLBACKS: dict[type, str] = {
-    ModelPruning: (
-        "`torch.nn.utils.prune` renames each pruned weight to `weight_orig` and adds a `weight_mask` on the "
-        "stage's own layers only, while the end of `fit`, the checkpoints' optimizer state and the main process "
-        "load the stages' tensors by the names carving saw into whole modules never pruned (and on each stage "
-        "the other stages' layers are placeholders on the meta device)"),
-}
-
-_FIXES: dict[type, str] = {
-    ModelPruning: "prune the trained model after `fit` (every rank holds the whole model then), or train this run "
-                  "on one device",
-}
+__all__ = ["batch_outputs", "check_callbacks", "load_callback_state", "needs_every_stage_loss"]
 
 
 def check_callbacks(trainer: Trainer, module: LightningModule) -> None:
-    """Refuse, at setup, a Lightning callback a stage cannot run: ``ValueError`` naming it, the rule and the fix."""
+    """Refuse, at setup, a Lightning callback (or its setting) a stage cannot run: ``ValueError`` naming it, the rule
+    and the fix."""
     for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set in Trainer.__init__
         averages = isinstance(callback, (WeightAveraging, StochasticWeightAveraging))
         if averages and is_overridden("configure_model", module):
@@ -78,11 +59,8 @@ def check_callbacks(trainer: Trainer, module: LightningModule) -> None:
                 "callback recomputes the batch statistics in an extra epoch without backwards or updates, which a "
                 "pipeline's schedule does not run. Use GroupNorm or LayerNorm, recompute the statistics after "
                 "`fit`, or use `EMAWeightAveraging`.")
-        for family, reason in REFUSED_CALLBACKS.items():
-            if isinstance(callback, family):
-                raise ValueError(
-                    f"`{type(callback).__name__}` is not supported by `PACIStrategy`: {reason}. Instead, "
-                    f"{_FIXES[family]}.")
+        if isinstance(callback, ModelPruning):
+            check_pruning(callback, module)
 
 
 def needs_every_stage_loss(trainer: Trainer) -> bool:

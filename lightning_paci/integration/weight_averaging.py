@@ -13,7 +13,8 @@ holds the averaged weights of every stage, gathered to rank 0 as the model's are
 current ones under ``current_model_state``, Lightning's own format, so it resumes here and on one device.
 
 ``average_per_stage`` is the strategy's one setup hook for Lightning's callbacks that act per stage: it also sets
-up ``StochasticWeightAveraging`` (stochastic_weight_averaging.py) and the fine-tuning callbacks (finetuning.py).
+up ``StochasticWeightAveraging`` (stochastic_weight_averaging.py), the fine-tuning callbacks (finetuning.py) and
+``ModelPruning`` (pruning.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from lightning_paci.integration.checkpoint import gather_to_first
 from lightning_paci.integration.finetuning import finetune_per_stage
+from lightning_paci.integration.pruning import pruning_per_stage
 from lightning_paci.integration.stochastic_weight_averaging import stochastic_averaging_per_stage
 
 __all__ = ["average_per_stage"]
@@ -54,8 +56,9 @@ def _stage_average(callback: WeightAveraging, module: torch.nn.Module) -> Averag
 def average_per_stage(trainer: Trainer, strategy: Any) -> list[Callable[[], None]]:
     """At setup, for fitting: every ``WeightAveraging`` callback averages this stage's own parameters at its
     updates, a ``StochasticWeightAveraging`` its own at its epochs, a fine-tuning callback's new param groups reach
-    the stage's optimizer; returns the undos for teardown."""
-    undos = stochastic_averaging_per_stage(trainer, strategy) + finetune_per_stage(trainer, strategy)
+    the stage's optimizer, a ``ModelPruning`` prunes the stage's own layers; returns the undos for teardown."""
+    undos = (stochastic_averaging_per_stage(trainer, strategy) + finetune_per_stage(trainer, strategy)
+             + pruning_per_stage(trainer, strategy))
     callbacks = [c for c in trainer.callbacks if isinstance(c, WeightAveraging)]  # type: ignore[attr-defined]
     if not callbacks:
         return undos
