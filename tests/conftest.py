@@ -14,7 +14,14 @@ def _temporary_files_in_the_sessions_directory(tmp_path_factory):
     """The tests' temporary files, and those of the ranks and scripts they start, go under the session's pytest
     directory (which pytest prunes to the last three sessions), not loose into the system's: among them torch's
     error file of every rank that fails on purpose (``torch.multiprocessing`` writes the traceback there and never
-    removes it) and multiprocessing's ``pymp-*`` directories."""
+    removes it) and multiprocessing's ``pymp-*`` directories.
+
+    Inductor's caches stay where torch placed them: its compiled kernels go under ``TORCHINDUCTOR_CACHE_DIR``, fixed
+    when ``torch._dynamo`` is first imported (before this fixture), and its precompiled C++ header under the
+    temporary directory of the moment its code cache is imported -- imported here, first, so the header (150 MB,
+    seconds of CPU to build) is kept with the kernels instead of being built again in every session's directory."""
+    import torch._inductor.codecache  # noqa: F401
+
     directory = str(tmp_path_factory.mktemp("tmp"))
     previous, previous_env = tempfile.tempdir, os.environ.get("TMPDIR")
     tempfile.tempdir = os.environ["TMPDIR"] = directory

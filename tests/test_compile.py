@@ -2,8 +2,11 @@
 
 Compiled against eager: the nanoGPT-style model under "1f1b" equals one device after 5 steps within fp32
 tolerance, with inductor (generated kernels); a tied transformers GPT-2 under "paci" with the weight prediction on
-equals the run without compilation, and a checkpoint of it resumes. The quick ``aot_eager`` backend (traced, no code
-generated) runs where what is checked is the pipeline around the compiled region, not the kernels.
+equals the run without compilation, and a checkpoint of compiled blocks resumes. The quicker backends run where what
+is checked is the pipeline around the compiled region, not the kernels: ``aot_eager`` (forward and backward traced
+by AOTAutograd as inductor's are, no code generated) where the weight prediction moves weights that a compiled
+forward and its backward read; ``eager`` (Dynamo's captured graph run as it is) where what matters is the compiled
+blocks' names, hooks and checkpoints.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from lightning_paci.engine.block_compile import BlockCompile
 from helpers import assert_same_weights, fit, one_device
 from models import HFCausalLM, LoopTransformer, token_loader
 
-COMPILED = {"compile": "blocks", "compile_backend": "aot_eager"}
+AOT = {"compile": "blocks", "compile_backend": "aot_eager"}
+CAPTURED = {"compile": "blocks", "compile_backend": "eager"}
 
 
 def test_the_compiled_blocks_keep_their_names_hooks_outside_and_come_back_eager():
@@ -30,7 +34,7 @@ def test_the_compiled_blocks_keep_their_names_hooks_outside_and_come_back_eager(
     names = [n for n, _ in model.named_parameters()]
     calls = []
     model.blocks[0].register_forward_pre_hook(lambda *_: calls.append("hook"))
-    compiled = BlockCompile(list(model.blocks), backend="aot_eager")
+    compiled = BlockCompile(list(model.blocks), backend="eager")
     assert all("forward" in vars(b) for b in model.blocks)
     idx = next(iter(token_loader(num_batches=1)))[0]
     with torch.no_grad():
@@ -75,7 +79,7 @@ def test_a_tied_gpt2_compiled_under_paci_with_the_prediction_equals_the_eager_re
     torch.manual_seed(1)
     compiled = HFCausalLM("gpt2", layers=2, tied=True)
     eager = copy.deepcopy(compiled)
-    _trainer(tmp_path, 1, **COMPILED).fit(compiled, loader)
+    _trainer(tmp_path, 1, **AOT).fit(compiled, loader)
     # eager: the one-process reference executor, the same lists and the same weight prediction
     reference = ReferencePipeline(eager, plan_partition(eager, 2, partition="parameters"), compensation="predict")
     reference.run(build_schedule("paci", 2, 2, 2, 3, tied=True), list(loader))
@@ -88,9 +92,9 @@ def test_compiled_blocks_resume_from_a_checkpoint_as_the_uninterrupted_eager_run
     full = _SGDLoopTransformer()
     first = copy.deepcopy(full)
     _trainer(tmp_path / "full", 2).fit(full, loader)  # eager, uninterrupted
-    _trainer(tmp_path / "part", 1, **COMPILED).fit(first, loader)
+    _trainer(tmp_path / "part", 1, **CAPTURED).fit(first, loader)
     resumed = copy.deepcopy(first)
-    _trainer(tmp_path / "part", 2, **COMPILED).fit(resumed, loader, ckpt_path=str(tmp_path / "part" / "epoch=0.ckpt"))
+    _trainer(tmp_path / "part", 2, **CAPTURED).fit(resumed, loader, ckpt_path=str(tmp_path / "part" / "epoch=0.ckpt"))
     assert_same_weights(resumed, full)
 
 

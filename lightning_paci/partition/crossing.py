@@ -208,7 +208,9 @@ class CrossingCheck:
             handles.append(self.module.get_submodule(plan.block_names[blocks.stop]).register_forward_pre_hook(
                 egress, with_kwargs=True, prepend=True))
         try:
-            with _Taint(self):
+            # compiled blocks (compile="blocks") run eagerly under the check: the taint mode sees each op, and the
+            # compiler does not trace the mode's Python (a dozen recompiles) for a forward that runs once
+            with torch.compiler.set_stance("force_eager"), _Taint(self):
                 yield
         finally:
             for handle in handles:
