@@ -23,6 +23,8 @@ __all__ = [
     "StageMismatchError",
     "TensorPickleError",
     "WeightsError",
+    "is_setup_error",
+    "mark_setup_error",
 ]
 
 
@@ -91,3 +93,19 @@ class NcclRuleError(RuntimeError):
     def __init__(self, rule: int, message: str) -> None:
         super().__init__(f"NCCL emulation, rule {rule} ({NCCL_RULES[rule]}): {message}")
         self.rule = rule
+
+
+# -- the same error on every rank ------------------------------------------------------------------------------------
+_SETUP_MARK = "_lightning_paci_setup_error"
+
+
+def mark_setup_error(error: BaseException) -> BaseException:
+    """Mark an error raised by the checks at setup: every rank runs the same checks and raises the same error, so
+    rank 0 prints it in full and the others in one line, and no rank takes another's for the first failure."""
+    setattr(error, _SETUP_MARK, True)
+    return error
+
+
+def is_setup_error(error: BaseException) -> bool:
+    """Whether ``error`` was marked by :func:`mark_setup_error`."""
+    return bool(getattr(error, _SETUP_MARK, False))

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import multiprocessing
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
 from datetime import timedelta
@@ -72,6 +71,7 @@ from lightning_paci.integration.processes import (
     reduce_over,
     start_process_groups,
 )
+from lightning_paci.integration.shutdown import end_teardown, ends_together, finish_fit, report_failure
 from lightning_paci.integration.stage_build import StageBuilder, meta_stays_on_meta
 from lightning_paci.integration.trainer_checks import check_trainer
 from lightning_paci.integration.weight_averaging import average_per_stage
@@ -541,52 +541,35 @@ class PACIStrategy(ParallelStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         self._checkpoints.remove(filepath)
 
-    # -- failures and teardown -----------------------------------------------------------------------------------------
+    # -- failures and teardown (integration/shutdown.py, [Note: ending a run]) -----------------------------------------
+    @property
+    @override
+    def launcher(self) -> Any:
+        """Lightning's launcher, each run ending on every rank together."""
+        self._launcher = ends_together(self._launcher)
+        return self._launcher
+
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Tell every other stage (through the store) which stage failed and why, before Lightning unwinds."""
+        """Tell every other stage which stage failed and why, before Lightning unwinds."""
         self._failed = True
-        watchdog = self._groups.watchdog if self._groups is not None else None
-        if watchdog is not None:
-            watchdog.fail(f"{type(exception).__name__}: {exception}")  # beats on until this process ends
+        report_failure(self._groups, exception)
 
     @override
     def teardown(self) -> None:
         if self._froze_gc:
             gc.unfreeze()
             self._froze_gc = False
-        watchdog = self._groups.watchdog if self._groups is not None else None
-        if watchdog is not None and not self._failed:
-            watchdog.stop(done=True)  # before the final gather: a clean exit is not a failure
-        elif watchdog is not None and multiprocessing.parent_process() is None:
-            watchdog.stop(done=False)  # a launched child ends right after and beats until then; this one may not
-        if not self._failed:  # after a failure neighbours may be gone: no drain, no gather, no restore
-            self._finish()
+        if not self._failed:  # still watched: a failure here stops every rank as one in training does
+            self._after_fit = finish_fit(
+                self._stage, drain=self._drain, undo=self._undo_patches, checkpoints=lambda: self._checkpoints,
+                schedulers=[cfg.scheduler for cfg in self.lr_scheduler_configs], replicas=self.data_parallel_size,
+                built_on_meta=self._builder.built is not None, group=self._groups and self._groups.host,
+            ) or self._after_fit
         activity.source, self._stage = None, None  # the runtime goes with the stage
+        end_teardown(self._groups, failed=self._failed)
         with meta_stays_on_meta(self.lightning_module):
             super().teardown()
-
-    def _finish(self) -> None:
-        """Drain, undo the patches, keep what ``save_checkpoint`` after ``fit`` needs, and give every rank's module
-        the complete trained weights again (a model built on meta: each rank keeps only its stage's)."""
-        try:
-            self._drain()
-        except (RuntimeError, ConnectionError) as err:  # a failing neighbour: do not mask the original error
-            log.warning(f"lightning_paci: drain at teardown failed: {err}")
-        for undo in reversed(self._undo_patches):
-            undo()
-        self._undo_patches.clear()
-        stage = self._stage
-        if stage is None:
-            return
-        if stage.runtime is not None and api.distributed_is_initialized():
-            self._after_fit = {"optimizer_states": [stage.optimizer_state(self._checkpoints)],
-                               "lr_schedulers": [cfg.scheduler.state_dict() for cfg in self.lr_scheduler_configs]}
-        if self._builder.built is not None:  # no full gather: other stages' parameters stay on the meta device
-            stage.restore_full_model(gather=False, materialize=False)
-            return
-        stage.restore_full_model(gather=api.distributed_is_initialized(), replicas=self.data_parallel_size,
-                                 group=self.process_groups.host)
 
     @classmethod
     @override

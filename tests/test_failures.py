@@ -3,8 +3,11 @@ where they appear; bad input fails at setup with the argument, the value, the ru
 
 from __future__ import annotations
 
+import atexit
+import os
 import re
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -13,7 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.multiprocessing import ProcessRaisedException
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_paci import PACIStrategy
 from lightning_paci.engine.supervision import StageWatchdog
@@ -146,7 +149,8 @@ assert timedelta
 
 def test_a_setup_error_is_printed_in_full_by_rank_0_and_in_one_line_by_the_others(capsys, monkeypatch):
 
-    from lightning_paci.engine.supervision import mark_setup_error, print_setup_errors_once
+    from lightning_paci.errors import mark_setup_error
+    from lightning_paci.integration.processes import print_setup_errors_once
 
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     print_setup_errors_once(0)
@@ -226,3 +230,169 @@ def test_a_rank_held_at_setup_is_named_by_the_others(capfd):
     err = capfd.readouterr().err
     assert re.search(r"lightning_paci: stage 1 failed: made no progress for \d+ s: inside setup while stage [02] "
                      r"waits for it at a barrier #\d+ .*past the patience given to setup", err), err[-2000:]
+
+
+# -- the end of a run: the last drain, teardown, leaving together ([Note: ending a run]) -----------------------------
+
+class _ShiftedOnRank0AfterBatch0(Dataset):
+    """The same samples on every rank for Lightning batch 0 (the first-batch check passes), then shifted on global
+    rank 0 (the last stage): what a dataset reading a per-process source gives."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(32, 8, generator=generator), torch.randn(32, 4, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index):
+        shifted = index >= 8 and torch.distributed.is_initialized() and torch.distributed.get_rank() == 0
+        return self.x[index] + float(shifted), self.y[index]
+
+
+class _RecordPids(L.Callback):
+    def __init__(self, directory, *, fail_in_teardown_on: int | None = None) -> None:
+        self.directory, self.fail_on = directory, fail_in_teardown_on
+
+    def setup(self, trainer, pl_module, stage):
+        (self.directory / f"pid{trainer.global_rank}").write_text(str(os.getpid()))
+
+    def teardown(self, trainer, pl_module, stage):
+        if trainer.global_rank == self.fail_on:  # after the strategy's teardown: the other ranks wait at the end
+            raise RuntimeError("boom in the user's teardown hook")
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _stopping_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines()
+            if line.startswith("lightning_paci: ") and (" -- stopping " in line or " stopped (" in line)]
+
+
+def test_a_failure_at_the_last_drain_ends_every_stage_each_saying_one_line(tmp_path, capfd):
+    # 3 stages, forked: the last stage (global rank 0) loads other samples from batch 1 on; the data check of the
+    # last batch's drain raises on it while stages 0 and 1, past the check, wait for it in the end of fit's
+    # gathers. Each of them says one line naming stage 2 and its error, and ends; the launcher raises stage 2's own
+    # exception (its traceback is the only one)
+    with pytest.raises(ProcessRaisedException, match=r"DataMismatchError: stage 2 trained on other batches than "
+                                                     r"stage 0 \(fingerprints of the batches since Lightning batch 1"):
+        fit(SequentialMLP(depth=6), DataLoader(_ShiftedOnRank0AfterBatch0(), batch_size=8), devices=3, max_steps=3,
+            partition="parameters", failure_timeout=3.0, callbacks=[_RecordPids(tmp_path)])
+    pids = [int(path.read_text()) for path in tmp_path.glob("pid*")]
+    assert len(pids) == 3 and not [pid for pid in pids if _running(pid)]
+    err = capfd.readouterr().err
+    lines = _stopping_lines(err)
+    assert len(lines) == 2, err[-3000:]
+    for line, survivor in zip(sorted(lines, key=lambda line: line[-1]), (0, 1)):
+        assert re.fullmatch(rf"lightning_paci: stage 2 failed: DataMismatchError: stage 2 trained on other batches "
+                            rf"than stage 0 .* -- stopping stage {survivor}", line), line
+    assert "Traceback" not in err and "Connection closed" not in err, err[-3000:]
+
+
+def test_a_failure_in_a_teardown_hook_ends_every_stage_each_saying_one_line(tmp_path, capfd):
+    # the user's teardown hook raises on global rank 1 (stage 1 of 3) after the strategy's teardown: the other
+    # ranks, done with their run, wait for it at the end of the run, say their line and end; the run fails
+    with pytest.raises(ProcessRaisedException, match=r"RuntimeError: boom in the user's teardown hook"):
+        fit(SequentialMLP(depth=6), regression_loader(), devices=3, max_steps=3, partition="parameters",
+            failure_timeout=3.0, callbacks=[_RecordPids(tmp_path, fail_in_teardown_on=1)])
+    pids = [int(path.read_text()) for path in tmp_path.glob("pid*")]
+    assert len(pids) == 3 and not [pid for pid in pids if _running(pid)]
+    err = capfd.readouterr().err
+    assert sorted(_stopping_lines(err)) == [
+        f"lightning_paci: stage 1 failed: RuntimeError: boom in the user's teardown hook -- stopping stage {s}"
+        for s in (0, 2)], err[-3000:]
+
+
+def test_watchdogs_end_a_run_together_and_a_failure_reaches_one_waiting_at_the_end(capfd):
+    # stage 0 is done with its run and waits at its end; stage 1 then fails (a teardown hook): stage 0 says its
+    # line and ends, and stage 1's report returns once stage 0 heard it. Then a clean end: both leave, no exit
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    exits: list[int] = []
+    waiting, failing = (StageWatchdog(s, 2, store, interval=0.1, dead_after=2.0, exit_fn=exits.append, run=1)
+                        for s in (0, 1))
+    waiting.start()
+    failing.start()
+    end = threading.Thread(target=waiting.leave)
+    end.start()
+    time.sleep(0.5)
+    assert end.is_alive() and exits == []  # stage 1 is not done: stage 0 stays
+    failing.fail("RuntimeError: boom in a teardown hook")
+    assert waiting.said  # before stage 1's report returned
+    end.join(timeout=10)
+    atexit.unregister(failing._at_exit)
+    failing.stop(done=False)
+    assert exits == [1]
+    assert capfd.readouterr().err == ("lightning_paci: stage 1 failed: RuntimeError: boom in a teardown hook -- "
+                                      "stopping stage 0\n")
+    together = [StageWatchdog(s, 2, store, interval=0.1, dead_after=2.0, exit_fn=exits.append, run=2)
+                for s in (0, 1)]
+    for watchdog in together:
+        watchdog.start()
+    ends = [threading.Thread(target=watchdog.leave) for watchdog in together]
+    for thread in ends:
+        thread.start()
+    for thread in ends:
+        thread.join(timeout=10)
+    assert exits == [1] and not any(thread.is_alive() for thread in ends)
+    assert store.check(["paci/2/left/1"])  # stage 0, which hosts the store, waited for stage 1's last read
+
+
+def test_a_process_done_with_its_run_is_never_judged_hung_nor_held():
+    # stage 0 waits at the end of the run (done) while stage 1 waits in the end of fit's gather: different labels,
+    # each waiting for everyone, but no cycle -- stage 0's part is over; stage 1 working that long would be judged
+    from lightning_paci.engine.activity import ALL
+    from lightning_paci.engine.supervision import judge_progress
+
+    doing = {0: ("the end of the run", ALL, 9.0, False), 1: ("the end of fit's gather of the weights #1", ALL, 9.0,
+                                                              False)}
+    assert judge_progress(doing, set(), 2, 3.0, "stage {}".format) is not None  # without knowing 0 is done
+    assert judge_progress(doing, {0}, 2, 3.0, "stage {}".format) is None
+    working = {**doing, 1: ("teardown", None, 31.0, True)}  # a hook inside teardown, past the patience
+    assert judge_progress(working, {0}, 2, 3.0, "stage {}".format) == (1, (
+        "made no progress for 31 s: inside teardown while stage 0 waits for it at the end of the run (hung in a "
+        "kernel, a collective or a host read, past the patience given to setup and first steps)"))
+
+
+def test_each_run_is_wrapped_once_to_end_together_whatever_started_the_processes():
+    # the strategy's launcher wraps the run's function once (the end of the run, [Note: ending a run]), however
+    # often Lightning reads it: Lightning's own launcher, or one that runs the function in place where torchrun,
+    # SLURM or Lightning's launcher started this process
+    from lightning_paci.integration.shutdown import InPlaceLauncher, ends_together
+
+    in_place = ends_together(None)
+    assert isinstance(in_place, InPlaceLauncher) and ends_together(in_place) is in_place
+    ran: list[int] = []
+    assert in_place.launch(lambda step: ran.append(step) or "result", 3, trainer=None) == "result" and ran == [3]
+    strategy = L.Trainer(strategy="paci", accelerator="cpu", devices=2, logger=False).strategy
+    launcher = strategy.launcher
+    assert strategy.launcher is launcher and type(launcher).__name__ == "_SubprocessScriptLauncher"
+    assert vars(launcher)["launch"].launcher is launcher  # Lightning's launch, wrapped once
+
+
+def test_a_launcher_whose_run_failed_before_the_store_opened_ends_after_the_ranks_it_started():
+    # no rank it started could have learned the failure (no store, no watchdog yet): they are terminated and waited
+    # for, so none outlives the launcher; ranks that joined are only waited for (they stop by themselves)
+    import subprocess
+
+    from lightning_paci.engine.supervision import LAUNCHED
+    from lightning_paci.integration.shutdown import wait_for_launched
+
+    started = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    LAUNCHED[:] = started
+    try:
+        wait_for_launched(0.1, joined=True)  # they do not stop by themselves: waited for 1 s only
+        assert [process.poll() for process in started] == [None, None]
+        wait_for_launched(3.0, joined=False)
+        assert [process.poll() for process in started] == [-15, -15]
+    finally:
+        LAUNCHED.clear()
+        for process in started:
+            process.kill()
+            process.wait()

@@ -15,36 +15,46 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 
-TORCHRUN_SCRIPT = Path(__file__).parent / "scripts" / "torchrun_script.py"
+LAUNCHING = Path(__file__).parents[1] / "docs" / "launching.md"
 
 
-def _two_torchrun_nodes(out: Path, *args: str) -> tuple[list[subprocess.CompletedProcess], float]:
-    """The two commands of docs/launching.md, one per "node", on this machine: c10d rendezvous on
-    localhost at a free port, 2 processes each."""
+def _docs_torchrun_nodes() -> list[str]:
+    """The torchrun command lines of docs/launching.md, one per "node" (``# node 1``, ``# node 2``), as written."""
+    found = re.findall(r"^\s*(torchrun .+?)\s+# node (\d)\s*$", LAUNCHING.read_text(), flags=re.MULTILINE)
+    assert [node for _, node in found] == ["1", "2"], found
+    return [command for command, _ in found]
+
+
+def _two_torchrun_nodes(workdir: Path, *args: str) -> tuple[list[subprocess.CompletedProcess], float]:
+    """docs/launching.md's two torchrun commands verbatim (``args`` appended), one per "node" at once, run by bash
+    in ``workdir``: a fresh directory where ``tests`` is the only entry (a link to this directory), ``PORT`` a free
+    port and ``torchrun`` the one of this interpreter. Their ``OUT`` is ``workdir/OUT``."""
+    workdir.joinpath("tests").symlink_to(Path(__file__).parent, target_is_directory=True)
     with socket.socket() as probe:
         probe.bind(("localhost", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", str(TORCHRUN_SCRIPT), str(out), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PORT=str(port),
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     start = time.monotonic()
-    nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]
+    commands = [" ".join([command, *args]) for command in _docs_torchrun_nodes()]
+    nodes = [subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=workdir) for command in commands]
     done = []
-    for node in nodes:
+    for command, node in zip(commands, nodes):
         stdout, stderr = node.communicate(timeout=150)
         done.append(subprocess.CompletedProcess(command, node.returncode, stdout, stderr))
     return done, time.monotonic() - start
 
 
 def test_two_torchrun_nodes_train_checkpoint_and_resume_as_pp2_dp2_and_pp4_dp1(tmp_path):
+    # the docs' commands as a user pastes them, from a fresh directory
     nodes, _ = _two_torchrun_nodes(tmp_path)
     for node in nodes:
         assert node.returncode == 0, node.stderr[-3000:]
     said = "".join(node.stdout for node in nodes)
     for rank in range(4):
         assert f"OK rank {rank}: pipeline 2 x data 2 and pipeline 4 x data 1 trained, saved, resumed" in said
-    suggestions = {float(tmp_path.joinpath(f"lr{rank}").read_text()) for rank in range(4)}
+    suggestions = {float(tmp_path.joinpath("OUT", f"lr{rank}").read_text()) for rank in range(4)}
     assert len(suggestions) == 1 and 1e-3 < suggestions.pop() < 1.0  # lr_find: one learning rate on every rank
 
 
@@ -54,10 +64,9 @@ def test_sigkill_of_one_rank_under_torchrun_brings_every_rank_down_naming_it(tmp
     assert all(node.returncode != 0 for node in nodes)
     said = "".join(node.stderr for node in nodes)
     assert "stage 1 (replica 1)" in said  # the killed rank, named by the others
-    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    pids = [int(p.read_text()) for p in tmp_path.glob("OUT/pid*")]
     assert len(pids) == 4
-    for pid in pids:
-        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    assert not [pid for pid in pids if _running(pid)]
 
 
 def test_a_refused_crossing_leaves_the_failing_stages_traceback_last_and_one_line_per_other_stage(tmp_path):
@@ -71,3 +80,73 @@ def test_a_refused_crossing_leaves_the_failing_stages_traceback_last_and_one_lin
     lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in out.stderr.splitlines()]  # torch's rank prefix
     others = [line for line in lines if line.startswith("lightning_paci: stage") and "stage 0 failed" in line]
     assert others and all("stage 1" in line for line in others)  # stage 1 says in one line who failed
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+END_OF_FIT = Path(__file__).parent / "scripts" / "end_of_fit_failure_script.py"
+
+
+@pytest.mark.parametrize("mode, failed, error, survivor", [
+    ("drain", "stage 1", "DataMismatchError: stage 1 trained on other batches than stage 0", "stage 0"),
+    ("teardown", "stage 0", "RuntimeError: boom in a strategy subclass's teardown", "stage 1"),
+])
+def test_a_failure_at_the_end_of_fit_ends_every_rank_with_the_launcher_and_one_line_from_the_other(
+        tmp_path, mode, failed, error, survivor):
+    # the default launcher, each rank its own process: global rank 0 (stage 1) fails the last drain's data check,
+    # or rank 1 (stage 0) raises in the strategy's teardown, while the other waits for it in the end of fit's
+    # gathers. The other rank says one line and ends; the launcher (rank 0) ends last: no rank is left running
+    # when it returns, and the failing rank's traceback is the only one, without the lost connection's
+    out = subprocess.run([sys.executable, str(END_OF_FIT), str(tmp_path), mode], capture_output=True, text=True,
+                         timeout=150, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
+    ended = time.time()
+    pids = [int(path.read_text()) for path in tmp_path.glob("pid*")]
+    assert out.returncode != 0 and len(pids) == 2, out.stderr[-3000:]
+    assert not [pid for pid in pids if _running(pid)]  # none outlives the launcher
+    seconds = ended - float(tmp_path.joinpath("failed_at").read_text())
+    assert seconds < 30, seconds  # measured 1-3 s with failure_timeout=3
+    err = "\n".join(re.sub(r"^\[rank\d+\]: ", "", line) for line in out.stderr.splitlines())
+    assert err.count("Traceback (most recent call last)") == 1, err[-4000:]
+    assert error in err[err.index("Traceback (most recent call last)"):]
+    assert "Connection closed" not in err and "frame #" not in err, err[-4000:]
+    said = [line for line in err.splitlines()
+            if line.startswith("lightning_paci: ") and (" -- stopping " in line or " stopped (" in line)]
+    assert len(said) == 1 and said[0].startswith(f"lightning_paci: {failed} failed: {error}"), said
+    assert said[0].endswith(f" -- stopping {survivor}")
+
+
+def test_ranks_whose_launcher_was_killed_stop_each_saying_one_line(tmp_path):
+    # the main process of a fork launch is SIGKILLed mid-training (it cannot tell anyone): its ranks, orphans that
+    # would otherwise train on to the end, each notice their launcher is gone, say so in one line and stop. The
+    # ranks hold the script's stderr: the run returns once every rank has closed it, that is, ended
+    script = Path(__file__).parent / "scripts" / "killed_launcher_script.py"
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
+    assert out.returncode == -9, out.stderr[-3000:]
+    pids = [int(path.read_text()) for path in tmp_path.glob("pid*")]
+    assert len(pids) == 2 and not [pid for pid in pids if _running(pid)]
+    said = sorted(line for line in out.stderr.splitlines() if " -- stopping " in line)
+    assert [re.sub(r"pid \d+", "pid N", line) for line in said] == [
+        f"lightning_paci: the launcher that started this process (pid N) is gone -- stopping stage {s}"
+        for s in (0, 1)], out.stderr[-3000:]
+
+
+def test_a_rank_whose_launcher_died_before_the_rendezvous_stops_instead_of_waiting_for_the_store(tmp_path):
+    # global rank 0 is killed right after starting rank 1, before it opens the rendezvous store: rank 1 stops as
+    # soon as it finds the store closed and its launcher gone (not after the 120 s process-group timeout), saying
+    # so in one line. The run returns once rank 1, which holds its stderr, has ended
+    script = Path(__file__).parent / "scripts" / "early_failure_script.py"
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
+    pids = [int(path.read_text()) for path in tmp_path.glob("pid*")]
+    assert out.returncode == -9 and len(pids) == 2, out.stderr[-3000:]
+    assert not [pid for pid in pids if _running(pid)]
+    said = r"^lightning_paci: rank 1 stopped: the rendezvous store at \S+ is not open and the launcher that started "
+    assert re.search(said + r"this process \(pid \d+\) is gone", out.stderr, flags=re.MULTILINE), out.stderr[-3000:]

@@ -1,192 +1,243 @@
-"""No stage waits forever for a dead one: heartbeats and failure reports through the process group's store.
+"""No stage waits forever for a dead one, and none outlives a failed run: heartbeats, failure reports and the end
+of every run through the rendezvous store.
 
-A pipeline stage blocked in a receive from a neighbour that died (killed, out of memory) or raised would wait until
-the process-group timeout (30 minutes by default). Every stage therefore runs a small watchdog thread that talks to
-the rendezvous store (its own TCP connection, never the training communicators):
+A stage blocked in a receive from a neighbour that died or raised would wait for the process-group timeout (30
+minutes by default). Every process therefore runs a watchdog thread that talks to the rendezvous store (its own
+connection), from the start of setup (the store is made first) to the end of the run, teardown hooks included:
 
-* it bumps ``paci/<run>/heartbeat/<stage>`` every ``interval`` seconds; a stage whose counter has not moved for
-  ``dead_after`` seconds is declared dead ("stopped responding: killed or hung");
-* it publishes what the process's main thread is doing (``paci/<run>/activity/<stage>``, [Note: judging progress]):
-  a phase of setup, a collective, a gather, a pipeline action, with whom it waits for and for how long. A process
-  that has worked inside one phase past its limit while another waits for it, or that waits for a process which
-  waits for it in something else, is declared hung. A heartbeat comes from this thread, which goes on beating
-  while the main thread is stuck in a kernel, a collective, a group's creation or a host read that never returns
-  (an NCCL hang): judging the progress catches that. A process outside any phase (Lightning's loop, the
-  dataloader) is never judged so;
-* a stage whose code raises (the user's step, a non-finite loss, a lost neighbour) writes ``paci/<run>/failed`` with
-  its stage index and exception before Lightning unwinds it;
-* on either, every other stage prints one line naming the failed stage and its reason and exits the process with
-  status 1 -- it may be blocked inside a receive that no exception can interrupt. A stage that reported its own
-  exception goes on beating while it unwinds, and the others exit only once its heartbeat stops (or after
-  ``dead_after``): its process ends first, so a launcher that joins its children (fork, spawn) raises the failed
-  stage's own exception, not "process N exited with code 1" of a stage that stopped because of it. A stage whose
-  own exception came after another stage's reported failure (a neighbour's lost connection) reports it in one line
-  too, not as a traceback: the failed stage's traceback stays the last one on the screen, the cause last.
+* it bumps ``paci/<run>/heartbeat/<id>`` every ``interval`` seconds; a process silent for ``dead_after`` seconds
+  is declared dead, one that has not beaten yet (starting, importing) after ``PATIENCE * dead_after``;
+* it publishes what the process's main thread is doing (``paci/<run>/activity/<id>``, [Note: judging progress]):
+  the heartbeat comes from this thread, which goes on beating while the main thread is stuck in a kernel, a
+  collective or a host read that never returns (an NCCL hang): judging the progress catches that;
+* a process whose code raises (the user's step, a non-finite loss, the last drain's data check, a teardown hook)
+  writes ``paci/<run>/failed`` with its id and exception before Lightning unwinds it ([Note: ending a run]).
 
-The watchdog starts before the world's process group exists (:func:`rendezvous_store` makes the store first), so a
-rank held anywhere in setup is named too; a rank that has not beaten yet (still starting, importing) is given
-``PATIENCE * dead_after`` to join.
+Keys are per run (counted alike on every rank); heartbeats are counters, not timestamps (no clock agreement).
 
 [Note: judging progress]
 Each process publishes its innermost phase: a label, what it waits for (nothing while it works; a set of watched
 processes, or all of them, while it waits in a receive or a collective), the seconds since it began, and whether
 it is patient. Another process is declared hung when
 
-* it has *worked* inside one phase for ``dead_after`` seconds (``10 * dead_after`` for patient work: setup's
-  building and loading, and every action before a stage's first update, where compilation and autotuning run)
-  while a process has waited for it at least ``dead_after`` seconds; or
+* it has *worked* inside one phase for ``dead_after`` seconds (``PATIENCE * dead_after`` for patient work: setup,
+  every action before a stage's first update, where compilation and autotuning run, and teardown) while a process
+  has waited for it at least ``dead_after`` seconds; or
 * it has *waited* ``dead_after`` seconds in a phase that needs a process which waits for it, as long, in a
   phase with another label (two ranks in different collectives, a receive and a collective): neither can go on.
 
 Labels of one collective are the same text on every rank (the group creations are numbered), so ranks waiting
-together in one collective never name each other.
+together in one collective never name each other. A process outside any phase (Lightning's loop, the dataloader)
+is never judged so, nor one done with its run, and one done waits for the others' work only.
 
-A watchdog that finds a failure publishes it too before it stops its process, so every other stage stops at once.
-Keys are per run (``run``: the how-many-th fit of these processes, counted alike on every rank), so a later fit
-in the same processes (a resume after torchrun's first fit) never reads an earlier one's records.
+[Note: ending a run]
+On a failure every other process prints one line, ``lightning_paci: <failed> failed: <reason> -- stopping
+<itself>``, at once, says in the store that it heard it, and exits with status 1 -- it may be blocked in a
+receive or a gather that no exception can interrupt. A process that raised waits (at most ``dead_after``) until
+every other has heard it before it unwinds, so every line is said while the store it may host runs; the others
+exit once its process has ended (its pid on the same machine, else its ``ended`` key or heartbeat), so a launcher
+that joins its children (fork, spawn) raises its exception, the only traceback. An exception that follows another
+process's failure (a neighbour's connection closed) is its consequence: one line too. A process found hung or
+dead is named the same way, and stops itself. A launcher waits for the processes it started before it exits, and
+a launched process whose launcher is gone stops: no process outlives its launcher.
 
-Stages that finished cleanly set ``paci/<run>/done/<stage>`` and stop their watchdog before the final gather, so a
-normal shutdown is never mistaken for a failure. Heartbeats are counters, not timestamps: no clock agreement is
-needed across machines.
+Without a failure each process sets ``done/<id>`` when its run returned and stays, watched and watching, until
+every process is done; the store's host (global rank 0) then waits until the others read it for the last time
+(``left/<id>``). So a failure in the last drain or a teardown hook reaches every process.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 from lightning_paci.engine.activity import Doing, decode_doing, encode_doing
-from lightning_paci.errors import StageFailure
+from lightning_paci.errors import is_setup_error, mark_setup_error
 
-__all__ = ["StageWatchdog", "connect_store", "mark_setup_error", "print_setup_errors_once", "rendezvous_store"]
+__all__ = ["LAUNCHED", "PATIENCE", "StageWatchdog", "is_setup_error", "judge_progress", "mark_setup_error"]
 
-_ENDED_AFTER_BEATS = 3  # a reporting stage whose heartbeat has not moved for this many intervals has ended
+_ENDED_AFTER_BEATS = 3  # a process whose heartbeat has not moved for this many intervals has ended
+_POLL = 0.02  # seconds between a waiting end's looks at the store (a run's end waits for the slowest rank only)
 PATIENCE = 10  # patient work is judged after PATIENCE * dead_after ([Note: judging progress])
 
 
-
-
-def rendezvous_store(environment: Any, rank: int, world: int, timeout: timedelta) -> Any:
-    """The world's TCP store, made before the process group so the watchdog can run from the start of setup.
-    Global rank 0 hosts it (a launcher's agent store when torchelastic provides one) and waits for no one: a rank
-    that never arrives is named by the others' watchdogs, not by a store timeout. Sets MASTER_ADDR/MASTER_PORT as
-    Lightning's own process-group start does."""
-    import torch.distributed as dist
-
-    os.environ["MASTER_ADDR"] = environment.main_address
-    os.environ["MASTER_PORT"] = str(environment.main_port)
-    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    return dist.TCPStore(environment.main_address, int(environment.main_port), world, is_master=hosts,
-                         timeout=timeout, wait_for_workers=False, multi_tenant=True)
-
-
-def connect_store(timeout: float = 10.0) -> Any | None:
-    """A new client connection to the rendezvous TCP store (MASTER_ADDR / MASTER_PORT), or ``None``."""
-    import torch.distributed as dist
-
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not host or not port:
-        return None
-    try:
-        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout),
-                             wait_for_workers=False)
-    except Exception:
-        return None
-
-
 class StageWatchdog:
-    """Heartbeat and failure watcher of one stage (see the module docstring)."""
+    """Heartbeat and failure watcher of one process (see the module docstring)."""
 
     def __init__(self, stage: int, num_stages: int, store: Any, *, interval: float = 1.0, dead_after: float = 20.0,
                  exit_fn: Callable[[int], None] = os._exit, name: Callable[[int], str] = "stage {}".format,
-                 store_host: int = 0, run: int = 0) -> None:
+                 store_host: int | None = 0, launcher: int | None = None, run: int = 0) -> None:
         # ``stage``/``num_stages``: this process's index among the watched ones and their count -- the stage index
         # of a pure pipeline, the global rank under data parallelism (``name`` then says "stage s (replica r)")
         self.stage = stage
         self.num_stages = num_stages
         self.name = name
-        self.store_host = store_host  # the index of global rank 0, whose process hosts the store
-        self.store = store
+        self.store_host = store_host  # the process hosting the store (global rank 0's); None: a launcher's agent
+        self.launcher = launcher  # the pid of the launcher that started this process, if one did
+        self.store = _OnceLost(store)
         self.prefix = f"paci/{run}/"  # the run's own keys (see the module docstring)
         self.interval = interval
         self.dead_after = dead_after
         self._exit = exit_fn
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"paci-watchdog-{stage}", daemon=True)
+        self._lock = threading.Lock()
         self._beats = 0
         self._seen: dict[int, tuple[int, float]] = {}  # stage -> (last counter, local time it last moved)
-        # what this process is doing ([Note: judging progress]); ``activity.now`` for a stage process
         self.activity: Callable[[], Doing | None] | None = None
         self._unwinding = False  # this process reported its own failure: beat until it ends, judge no one
-        self._heard: tuple[int, str] | None = None  # another stage's reported failure, waiting for it to end
-        self._heard_at = 0.0
+        self._heard: tuple[int, str] | None = None  # the failure this process stops for ([Note: ending a run])
+        self._heard_at, self._ending = 0.0, False
+        self._await_end = False  # whether the failed process raised itself (its end is waited for) or was judged
+        self._where: tuple[str, int] = ("", 0)  # the failed process's host and pid
 
     def start(self) -> None:
+        self.store.set(f"{self.prefix}process/{self.stage}", f"{socket.gethostname()}\n{os.getpid()}")
         self._beat()
         self._thread.start()
-        self._report_secondary_failures_in_one_line()
 
-    def _report_secondary_failures_in_one_line(self) -> None:
-        """An uncaught exception in this process after another stage reported its failure is a consequence of
-        that failure (the neighbour's connection closed): one line naming the cause instead of a traceback."""
-        previous = sys.excepthook
+    @property
+    def said(self) -> bool:
+        """Whether this process printed its line about another's failure ([Note: ending a run])."""
+        return self._heard is not None
 
-        def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
-            try:
-                reported = self._reported()
-                failure = reported if reported is not None and reported[0] != self.stage else None
-            except Exception:  # the store is gone with rank 0's process: a lost message is its consequence
-                failure = (self.store_host, "exited (its message is above)") \
-                    if isinstance(value, (StageFailure, ConnectionError)) else None
-            if failure is None:
-                previous(kind, value, traceback)
-                return
-            stage, reason = failure
-            first_line = str(value).splitlines()[0] if str(value) else ""
-            print(f"lightning_paci: {self.name(self.stage)} stopped ({kind.__name__}: {first_line[:200]}) because "
-                  f"{self.name(stage)} failed first: {reason.splitlines()[0][:300] if reason else ''}",
-                  file=sys.stderr, flush=True)
-
-        sys.excepthook = hook
+    def _text(self, key: str) -> str:  # the run's ``key`` in the store, "" where not set
+        key = self.prefix + key
+        return self.store.get(key).decode() if self.store.check([key]) else ""
 
     def _reported(self) -> tuple[int, str] | None:
         """The first failure any stage published (this one's included), or None."""
-        if not self.store.check([self.prefix + "failed"]):
-            return None
-        stage, _, reason = self.store.get(self.prefix + "failed").decode().partition("\n")
-        return int(stage), reason
+        stage, _, reason = self._text("failed").partition("\n")
+        return (int(stage), reason) if stage else None
 
     def stop(self, *, done: bool = True) -> None:
+        self._stop.set()  # first: the thread never reads a store that ends after this
         if done:
-            try:
+            with contextlib.suppress(Exception):
                 self.store.set(f"{self.prefix}done/{self.stage}", "1")
-            except Exception:
-                pass
-        self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5 * self.interval)
 
     def report(self, stage: int, reason: str) -> None:
         """Publish the first failure (later reports, e.g. neighbours that lost it, keep the original)."""
-        try:
+        with contextlib.suppress(Exception):
             if not self.store.check([self.prefix + "failed"]):
                 self.store.set(self.prefix + "failed", f"{stage}\n{reason}")
-        except Exception:
-            pass
 
-    def fail(self, reason: str) -> None:
-        """This process raised: publish it (unless another stage failed first) and keep beating while it unwinds,
-        so the others exit after it (see the module docstring)."""
+    def fail(self, reason: str, *, may_follow: bool = True) -> None:
+        """This process raised. Where another stage failed first (``may_follow``: not the same setup error on
+        every rank), this exception is its consequence: say the one line and end the process. Otherwise publish
+        it, keep beating while it unwinds, and return once every other process has heard it ([Note: ending a
+        run]): the others end after this one, each with its line said."""
+        first, raised = self._orphaned(), False  # after its launcher died (torch's SIGINT to a fork's ranks)
+        if first is None:
+            first, raised = (self._heard, self._await_end) if self._heard is not None else self.failed_elsewhere()
+        if first is not None and (may_follow or first[0] == _NO_ONE):
+            self._follow(first, await_end=raised)
+            return
+        self._unwinding = True  # before the report: the thread must not read it as a judgement of this process
         self.report(self.stage, reason)
         with contextlib.suppress(Exception):
             self.store.set(f"{self.prefix}unwinding/{self.stage}", "1")
-        self._unwinding = True
+        self._await_others("heard/", "unwinding/", "left/", silent_ended=True)  # who raised too hears no one
+        atexit.register(self._at_exit)
+
+    def failed_elsewhere(self) -> tuple[tuple[int, str] | None, bool]:
+        """Another stage's published failure, and whether it raised it itself (None where the store is lost)."""
+        with contextlib.suppress(Exception):
+            if (reported := self._reported()) is not None and reported[0] != self.stage:
+                return reported, self.store.check([f"{self.prefix}unwinding/{reported[0]}"])
+        return None, False
+
+    def _orphaned(self) -> tuple[int, str] | None:
+        if self.launcher is None or os.getppid() == self.launcher:
+            return None
+        return _NO_ONE, f"the launcher that started this process (pid {self.launcher}) is gone"
+
+    def _store_lost(self) -> tuple[int, str]:
+        return (_NO_ONE, _AGENT_LOST) if self.store_host is None else (self.store_host, _HOST_LOST)
+
+    def _follow(self, failure: tuple[int, str], *, await_end: bool) -> None:
+        """(The main thread) end this process for ``failure``, after the failed process where it raised itself."""
+        self._hear(failure, await_end=await_end)
+        while self._await_end and not _has_ended(self) and time.monotonic() - self._heard_at < self.dead_after:
+            time.sleep(self.interval / 2)
+        self._end_process()
+
+    def _hear(self, failure: tuple[int, str], *, await_end: bool) -> None:
+        """Say the one line at once and tell the failed process this one heard it (it waits for that)."""
+        with self._lock:
+            if self._heard is not None:
+                return
+            stage, reason = failure
+            failed = f"{self.name(stage)} failed: " if stage != _NO_ONE else ""
+            cause = reason.partition("\n")[0]  # one line: a schedule's grid, a long message's rest, stay out
+            print(f"lightning_paci: {failed}{cause} -- stopping {self.name(self.stage)}",
+                  file=sys.stderr, flush=True)
+            self._heard, self._heard_at, self._await_end = failure, time.monotonic(), await_end
+            if self.store.lost or stage == _NO_ONE:  # no one to tell
+                return
+            with contextlib.suppress(Exception):
+                self.store.set(f"{self.prefix}heard/{self.stage}", "1")
+                host, _, pid = self._text(f"process/{stage}").partition("\n")
+                self._where = (host, int(pid))
+
+    def _end_process(self) -> None:
+        with self._lock:
+            if self._ending:
+                return
+            self._ending = True
+        _wait_for(LAUNCHED, 2 * self.dead_after)  # each ends by itself within that
+        self._exit(1)
+
+    def _at_exit(self) -> None:
+        """A failed process's last act: say it ended, then wait for the processes it launched."""
+        with contextlib.suppress(Exception):
+            self.store.set(f"{self.prefix}ended/{self.stage}", "1")
+        _wait_for(LAUNCHED, 2 * self.dead_after)
+
+    def _await_others(self, *keys: str, silent_ended: bool) -> None:
+        """Until every other process has set one of ``keys`` (the run's, each ending with the id) or left the run
+        (or, with ``silent_ended``, stopped beating), for at most ``dead_after``."""
+        waiting, deadline = set(range(self.num_stages)) - {self.stage}, time.monotonic() + self.dead_after
+        while waiting and time.monotonic() < deadline:
+            try:
+                waiting = {other for other in waiting if not any(self._text(f"{key}{other}") for key in keys)
+                           and not (silent_ended and
+                           self._silence(other, time.monotonic())[1] >= _ENDED_AFTER_BEATS * self.interval)}
+            except Exception:
+                return
+            time.sleep(_POLL)
+
+    def leave(self) -> None:
+        """The end of a run without error ([Note: ending a run]); a failure reported meanwhile ends this process
+        with its line, as during training."""
+        if self._unwinding:
+            return
+        everyone = [f"{self.prefix}done/{other}" for other in range(self.num_stages)]
+        try:
+            self.store.set(everyone[self.stage], "1")
+            while self._heard is None and not self.store.check(everyone):
+                time.sleep(_POLL)
+        except Exception:
+            self._follow(self._store_lost(), await_end=False)
+            return
+        if self._heard is not None:
+            self._follow(self._heard, await_end=self._await_end)
+            return
+        self.stop(done=False)
+        if self.stage == self.store_host:
+            self._await_others("left/", silent_ended=False)
+        else:
+            with contextlib.suppress(Exception):
+                self.store.set(f"{self.prefix}left/{self.stage}", "1")
 
     def _beat(self) -> None:
         self._beats += 1
@@ -200,120 +251,150 @@ class StageWatchdog:
                 with contextlib.suppress(Exception):
                     self._beat()
                 continue
-            try:
-                self._beat()
-                failure = self._failure()
-                if failure is not None and self._heard == failure and self._still_unwinding(failure[0]):
-                    continue
-            except Exception as err:  # the store lives in rank 0's process: unreachable means rank 0 is gone
-                failure = self._heard or (
-                    self.store_host, f"exited or died: the rendezvous store it hosts is unreachable ({err}); "
-                                     f"if another stage failed first, its message is above")
-            if failure is not None and not self._stop.is_set():
-                stage, reason = failure
-                self.report(stage, reason)  # the others stop on it at once (a no-op if one was reported first)
-                print(f"lightning_paci: {self.name(stage)} failed: {reason} -- stopping {self.name(self.stage)}",
-                      file=sys.stderr, flush=True)
-                self._exit(1)
-                return
-
-    def _still_unwinding(self, stage: int) -> bool:
-        """Whether ``stage``, which reported its own failure, still beats (its process has not ended), for at most
-        ``dead_after`` after the report was first seen. A stage named by another's report (hung, dead) is not
-        waited for."""
-        if not self.store.check([f"{self.prefix}unwinding/{stage}"]):
-            return False
-        now = time.monotonic()
-        _, silent = self._silence(stage, now)
-        return silent < _ENDED_AFTER_BEATS * self.interval and now - self._heard_at < self.dead_after
+            if self._heard is not None:  # the main thread follows it, or this thread does
+                if not self._await_end or _has_ended(self) or time.monotonic() - self._heard_at > self.dead_after:
+                    self._end_process()
+                    return
+                continue
+            raised, failure = False, self._orphaned()
+            lost = failure is not None
+            if not lost:  # first: the store may have gone with the launcher
+                try:
+                    self._beat()
+                    failure, raised = self._failure()
+                except Exception:  # the store lives in rank 0's process: unreachable means rank 0 is gone
+                    failure, lost = (None if self._stop.is_set() else self._store_lost()), True
+            if failure is None or self._stop.is_set():
+                continue
+            if not lost and failure[0] != _NO_ONE:
+                self.report(*failure)  # the others stop on it at once (a no-op if one was reported first)
+            self._hear(failure, await_end=raised)
+            if raised:  # its process ends by itself, after this one heard it: wait for that (above)
+                continue
+            if failure[0] == self.stage and not lost:  # judged by the others: they read the store until they heard
+                self._await_others("heard/", "unwinding/", "left/", silent_ended=True)
+            self._end_process()
+            return
 
     def _silence(self, stage: int, now: float) -> tuple[int, float]:
         """``stage``'s heartbeat counter and the seconds since it last moved (0 when it moved since the last look)."""
-        key = f"{self.prefix}heartbeat/{stage}"
-        count = int(self.store.get(key)) if self.store.check([key]) else 0
+        count = int(self._text(f"heartbeat/{stage}") or 0)
         last, since = self._seen.get(stage, (-1, now))
         if count != last:
             self._seen[stage] = (count, now)
             return count, 0.0
         return count, now - since
 
-    def _failure(self) -> tuple[int, str] | None:
+    def _failure(self) -> tuple[tuple[int, str] | None, bool]:
+        """A failure to stop for, and whether the failed process raised it itself (and so ends by itself)."""
         if (reported := self._reported()) is not None:
-            if reported[0] == self.stage:
-                return None
-            if self._heard is None:
-                self._heard, self._heard_at = reported, time.monotonic()
-            return reported
-        if (hung := self._hung()) is not None:
-            return hung
+            return reported, self.store.check([f"{self.prefix}unwinding/{reported[0]}"])
+        done = {other for other in range(self.num_stages) if self.store.check([f"{self.prefix}done/{other}"])}
+        doing = {other: decode_doing(text) for other in range(self.num_stages)
+                 if (text := self._text(f"activity/{other}"))}
+        if (hung := judge_progress(doing, done, self.num_stages, self.dead_after, self.name)) is not None:
+            return hung, False
         now = time.monotonic()
         for other in range(self.num_stages):
-            if other == self.stage or self.store.check([f"{self.prefix}done/{other}"]):
+            if other == self.stage or other in done:
                 continue
             count, silent = self._silence(other, now)
             if count == 0 and silent > self.dead_after * PATIENCE:  # started, imports, joins: patient
-                return other, (f"never joined: no heartbeat in {silent:.0f} s since this process started "
-                               f"watching (it did not start, or failed before setup)")
+                return (other, f"never joined: no heartbeat in {silent:.0f} s since this process started "
+                               f"watching (it did not start, or failed before setup)"), False
             if count > 0 and silent > self.dead_after:
-                return other, (f"stopped responding (no heartbeat for {silent:.0f} s: "
-                               f"killed, out of memory or hung)")
-        return None
+                return (other, f"stopped responding (no heartbeat for {silent:.0f} s: "
+                               f"killed, out of memory or hung)"), False
+        return None, False
 
 
-    def _hung(self) -> tuple[int, str] | None:
-        """A process that keeps another waiting ([Note: judging progress]), with the reason, or None."""
-        doing: dict[int, Doing] = {}
-        for other in range(self.num_stages):
-            key = f"{self.prefix}activity/{other}"
-            text = self.store.get(key).decode() if self.store.check([key]) else ""
-            if text:
-                doing[other] = decode_doing(text)
-        for waiter, (waits_at, waits, waited, _) in doing.items():
-            if waits is None or waited < self.dead_after:
+def _has_ended(watchdog: StageWatchdog) -> bool:
+    """Whether the failed process has ended; its own pid where it runs on this machine, so that a store it
+    hosts is not read after it ended (unless it is this process's launcher, which waits for it)."""
+    stage = watchdog._heard[0] if watchdog._heard is not None else watchdog.stage
+    host, pid = watchdog._where
+    if host == socket.gethostname():
+        if not _running(pid):
+            return True
+        if stage == watchdog.store_host and pid != os.getppid():
+            return False
+    try:
+        return watchdog.store.check([f"{watchdog.prefix}ended/{stage}"]) or \
+            watchdog._silence(stage, time.monotonic())[1] >= _ENDED_AFTER_BEATS * watchdog.interval
+    except Exception:
+        return True
+
+
+def judge_progress(doing: dict[int, Doing], done: set[int], num: int, dead_after: float,
+                   name: Callable[[int], str]) -> tuple[int, str] | None:
+    """Of ``num`` processes doing ``doing``, one that keeps another waiting ([Note: judging progress]), with the
+    reason, or None. A process ``done`` with its run is never held; waiting at its end, it judges only work."""
+    for waiter, (waits_at, waits, waited, _) in doing.items():
+        if waits is None or waited < dead_after:
+            continue
+        for held in (waits if isinstance(waits, frozenset) else range(num)):  # a set, or ALL
+            if held == waiter or held not in doing or held in done:
                 continue
-            for held in (waits if isinstance(waits, frozenset) else range(self.num_stages)):  # a set, or ALL
-                if held == waiter or held not in doing:
-                    continue
-                label, its_waits, inside, patient = doing[held]
-                if its_waits is None and inside >= self.dead_after * (PATIENCE if patient else 1):
-                    grace = ", past the patience given to setup and first steps" if patient else ""
-                    return held, (f"made no progress for {inside:.0f} s: inside {label} while "
-                                  f"{self.name(waiter)} waits for it at {waits_at} (hung in a kernel, a collective "
-                                  f"or a host read{grace})")
-                if its_waits is not None and label != waits_at and inside >= self.dead_after and \
-                        (not isinstance(its_waits, frozenset) or waiter in its_waits):
-                    return held, (f"waits at {label} for {inside:.0f} s while {self.name(waiter)} waits for it at "
-                                  f"{waits_at}: each waits for the other")
-        return None
+            label, its_waits, inside, patient = doing[held]
+            if its_waits is None and inside >= dead_after * (PATIENCE if patient else 1):
+                grace = ", past the patience given to setup and first steps" if patient else ""
+                return held, (f"made no progress for {inside:.0f} s: inside {label} while {name(waiter)} waits "
+                              f"for it at {waits_at} (hung in a kernel, a collective or a host read{grace})")
+            if its_waits is not None and label != waits_at and inside >= dead_after and waiter not in done and \
+                    (not isinstance(its_waits, frozenset) or waiter in its_waits):
+                return held, (f"waits at {label} for {inside:.0f} s while {name(waiter)} waits for it at "
+                              f"{waits_at}: each waits for the other")
+    return None
 
 
-_SETUP_MARK = "_lightning_paci_setup_error"
+_HOST_LOST = ("exited or died: the rendezvous store it hosts is unreachable; if another stage failed first, its "
+              "message is above")
+_AGENT_LOST = "the rendezvous store of the launcher's agent (torchrun) is unreachable: the launcher exited or died"
+_NO_ONE = -1  # a failure of no watched process (the launcher's)
+LAUNCHED: list[Any] = []  # the processes this one started (Lightning's script launcher's): it ends after them
 
 
-def mark_setup_error(error: BaseException) -> BaseException:
-    """Mark an error raised by the checks at setup: every rank runs the same checks and raises the same error."""
-    setattr(error, _SETUP_MARK, True)
-    return error
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` of this machine runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:  # ended, or no procfs here (where a zombie reads as running)
+        if os.path.isdir("/proc/self"):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
 
 
-def print_setup_errors_once(rank: int) -> None:
-    """On ranks other than 0, report a marked setup error in one line instead of a full traceback.
+def _wait_for(processes: list[Any], seconds: float) -> None:
+    """Wait (at most ``seconds`` in all) for ``processes`` (``subprocess.Popen``) to end."""
+    deadline = time.monotonic() + seconds
+    for process in processes:
+        with contextlib.suppress(Exception):
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
 
-    A setup error is the same on every rank; with the default launcher each rank is its own Python process, and
-    8 stages printed 8 identical tracebacks (186 lines) for one bad option. Rank 0 prints the traceback; the others
-    print one line that names their rank and points at it. Any other uncaught exception is reported as before.
-    """
-    if rank == 0:
-        return
-    previous = sys.excepthook
 
-    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
-        if getattr(value, _SETUP_MARK, False):
-            first_line = str(value).splitlines()[0] if str(value) else ""
-            print(f"lightning_paci: rank {rank} stopped at setup with the error rank 0 reports in full: "
-                  f"{kind.__name__}: {first_line}", file=sys.stderr)
-        else:
-            previous(kind, value, traceback)
+class _OnceLost:
+    """A store that, once a call failed (its host is gone), fails at once: torch's client prints a C++ backtrace."""
 
-    sys.excepthook = hook
+    def __init__(self, store: Any) -> None:
+        self._store, self.lost = store, False
 
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._store, name)
+
+        def call(*args: Any) -> Any:
+            if self.lost:
+                raise ConnectionError("the rendezvous store is unreachable")
+            try:
+                return method(*args)
+            except Exception:
+                self.lost = True
+                raise
+
+        return call

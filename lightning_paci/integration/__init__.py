@@ -5,6 +5,8 @@
 * ``lightning_program.py``: one micro-batch of the user's unchanged step on a carved module (the engine's
   ``StageProgram``), and Lightning's backward/optimizer hooks at the stage's own backwards and updates;
 * ``processes.py``: the process groups, the device mesh, point-to-point communicators, the watchdog, collectives;
+* ``shutdown.py``: how a run ends on every rank, the teardown still watched, a failure reported once;
+* ``auto_plan.py``: ``plan="auto"`` at setup, and the check of its prediction against the run;
 * ``stage_build.py``, ``setup_probe.py``: the model's construction and partition plan; the setup's sample step;
 * ``trainer_checks.py``: what a pipeline refuses or warns about at setup;
 * ``fit_loop.py``: the same batches on every stage, the drain points, the fit loop's two patches;

@@ -10,13 +10,19 @@ engine/data_parallel.py). Ranks and stages: engine/topology.py, [Note: rank layo
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import socket
+import sys
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.environments import LightningEnvironment
 from torch import Tensor
 
 from lightning_paci.config import PACIConfig
@@ -24,20 +30,14 @@ from lightning_paci.engine import nccl_emulation
 from lightning_paci.engine.activity import ALL, activity
 from lightning_paci.engine.communicators import PipelineLinks, broadcast_objects, connections_warning
 from lightning_paci.engine.pickle_guard import check_no_tensors
-from lightning_paci.engine.supervision import (
-    StageWatchdog,
-    connect_store,
-    print_setup_errors_once,
-    rendezvous_store,
-)
+from lightning_paci.engine.supervision import StageWatchdog, is_setup_error
 from lightning_paci.engine.topology import Topology
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.schedules import Communicator, stage_devices
 
-__all__ = ["ProcessGroups", "broadcast_object", "check_launched_world", "collective_waits", "reduce_decision",
-           "reduce_over",
-           "share_cpu_cores",
-           "start_process_groups", "start_watchdog"]
+__all__ = ["LAUNCHER_PID", "ProcessGroups", "broadcast_object", "check_launched_world", "collective_waits",
+           "connect_store", "launcher_pid", "print_setup_errors_once", "reduce_decision", "reduce_over",
+           "rendezvous_store", "share_cpu_cores", "start_process_groups", "start_watchdog"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class ProcessGroups:
     pipeline: Any = None  # this rank's replica's stages (with data parallelism)
     mesh: Any = None  # torch DeviceMesh ("pp", "dp") with data parallelism, for users' code that reads it
     watchdog: StageWatchdog | None = None
+    leave_at_teardown: bool = False  # Lightning ended the run before its teardown (integration/shutdown.py)
 
 
 def check_launched_world(environment: ClusterEnvironment, devices: int, num_nodes: int) -> None:
@@ -86,10 +87,11 @@ def start_process_groups(environment: ClusterEnvironment, topology: Topology, *,
         nccl_emulation.install()
     backend = config.process_group_backend or ("nccl" if device.type == "cuda" or emulated else "gloo")
     kwargs: dict[str, Any] = {"timeout": config.timeout}
+    launcher = launcher_pid(environment)
     if not api.distributed_is_initialized():
-        kwargs["store"] = rendezvous_store(environment, rank, topology.world, config.timeout)
+        kwargs["store"] = rendezvous_store(environment, rank, topology.world, config.timeout, launcher=launcher)
     activity.begin("setup", patient=True)  # until the strategy's setup ends: building, loading, user hooks
-    watchdog = start_watchdog(topology, topology.watch_id(rank), config.failure_timeout)
+    watchdog = start_watchdog(topology, topology.watch_id(rank), config.failure_timeout, launcher=launcher)
     with activity.phase("setup: joining the world's process group", waits=ALL):
         if backend == "nccl":  # bound: NCCL connects the world eagerly
             kwargs["device_id"] = device
@@ -133,9 +135,74 @@ def share_cpu_cores(device: torch.device, local_processes: int, environ: Any = o
 
 
 _FITS = [0]  # watchdogs this process started
+_PARENT = os.getppid()  # the process that started this one, as this module was first imported
+LAUNCHER_PID = "LIGHTNING_PACI_LAUNCHER_PID"  # set by Lightning's script launcher for the ranks it starts
 
 
-def start_watchdog(topology: Topology, watch_id: int, failure_timeout: float) -> StageWatchdog | None:
+def launcher_pid(environment: ClusterEnvironment) -> int | None:
+    """The pid of the launcher that started this process, which it must not outlive: a fork/spawn worker's main
+    process, torchrun's agent, or Lightning's script launcher (local rank 0) for the ranks it starts. None for a
+    process started by hand or by a scheduler (SLURM), and for the launcher itself."""
+    if (parent := multiprocessing.parent_process()) is not None:
+        return parent.pid
+    if isinstance(environment, LightningEnvironment) and environment.local_rank() > 0:
+        return int(os.environ.get(LAUNCHER_PID, _PARENT))  # known even where it died before this one started
+    return _PARENT if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def rendezvous_store(environment: Any, rank: int, world: int, timeout: timedelta, *,
+                     launcher: int | None = None) -> Any:
+    """The world's TCP store, made before the process group so the watchdog can run from the start of setup.
+    Global rank 0 hosts it (a launcher's agent store when torchelastic provides one) and waits for no one: a rank
+    that never arrives is named by the others' watchdogs, not by a store timeout. Sets MASTER_ADDR/MASTER_PORT as
+    Lightning's own process-group start does. Another rank waits for the store to open (``timeout``) by probing
+    its port, never by torch's client retries, and stops at once where its launcher is gone ([Note: ending a run]
+    in supervision.py): a rank started by a launcher that failed never waits for a store that will not open."""
+    import torch.distributed as dist
+
+    address, port = environment.main_address, int(environment.main_port)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not hosts and not _listens(address, port):
+        if launcher is not None and (os.getppid() != launcher or launcher == 1):
+            print(f"lightning_paci: rank {rank} stopped: the rendezvous store at {address}:{port} is not open and "
+                  f"the launcher that started this process (pid {launcher}) is gone (its message is above)",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"lightning_paci: rank {rank} found no rendezvous store at {address}:{port} within "
+                               f"`timeout={timeout}`: global rank 0 hosts it; check that it started and that "
+                               f"MASTER_ADDR/MASTER_PORT reach it.")
+        time.sleep(0.25)
+    return dist.TCPStore(address, port, world, is_master=hosts, timeout=timeout, wait_for_workers=False,
+                         multi_tenant=True)
+
+
+def _listens(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
+
+
+def connect_store(timeout: float = 10.0) -> Any | None:
+    """A new client connection to the rendezvous TCP store (MASTER_ADDR / MASTER_PORT), or ``None``."""
+    import torch.distributed as dist
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout),
+                             wait_for_workers=False)
+    except Exception:
+        return None
+
+
+def start_watchdog(topology: Topology, watch_id: int, failure_timeout: float, *,
+                   launcher: int | None = None) -> StageWatchdog | None:
     """The failure watchdog of this process, from the start of setup (supervision.py): it judges the whole
     process, setup's group creations and collectives included, not only the pipeline's actions. None (with a
     warning) where no store is reachable."""
@@ -145,12 +212,58 @@ def start_watchdog(topology: Topology, watch_id: int, failure_timeout: float) ->
                     "will only be noticed after the process-group timeout")
         return None
     _FITS[0] += 1  # every rank starts one watchdog per fit: the same run number on every rank
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the store outlives every rank
     watchdog = StageWatchdog(watch_id, topology.world if topology.data > 1 else topology.pipeline, watched,
-                             dead_after=failure_timeout, store_host=0 if topology.data > 1 else topology.stage_of(0),
-                             name=topology.watch_name, run=_FITS[0], interval=min(1.0, failure_timeout / 4))
+                             dead_after=failure_timeout, store_host=None if agent else topology.watch_id(0),
+                             name=topology.watch_name, run=_FITS[0], interval=min(1.0, failure_timeout / 4),
+                             launcher=launcher)
     watchdog.activity = activity.now
     watchdog.start()
+    _report_consequences_in_one_line(watchdog)
     return watchdog
+
+
+def _report_consequences_in_one_line(watchdog: StageWatchdog) -> None:
+    """An uncaught exception after another stage reported its failure is a consequence of that failure (the
+    neighbour's connection closed): one line naming the cause instead of a traceback, or nothing where the
+    watchdog said this process's line already ([Note: ending a run] in supervision.py)."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        if watchdog.said:
+            return
+        failure = None if is_setup_error(value) else watchdog.failed_elsewhere()[0]
+        if failure is None:
+            previous(kind, value, traceback)
+            return
+        first_line = str(value).splitlines()[0][:200] if str(value) else ""
+        print(f"lightning_paci: {watchdog.name(watchdog.stage)} stopped ({kind.__name__}: {first_line}) because "
+              f"{watchdog.name(failure[0])} failed first: {failure[1].splitlines()[0] if failure[1] else ''}",
+              file=sys.stderr, flush=True)
+
+    sys.excepthook = hook
+
+
+def print_setup_errors_once(rank: int) -> None:
+    """On ranks other than 0, report a marked setup error in one line instead of a full traceback.
+
+    A setup error is the same on every rank; with the default launcher each rank is its own Python process, and
+    8 stages printed 8 identical tracebacks (186 lines) for one bad option. Rank 0 prints the traceback; the others
+    print one line that names their rank and points at it. Any other uncaught exception is reported as before.
+    """
+    if rank == 0:
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        if is_setup_error(value):
+            first_line = str(value).splitlines()[0] if str(value) else ""
+            print(f"lightning_paci: rank {rank} stopped at setup with the error rank 0 reports in full: "
+                  f"{kind.__name__}: {first_line}", file=sys.stderr)
+        else:
+            previous(kind, value, traceback)
+
+    sys.excepthook = hook
 
 
 def collective_waits(topology: Topology, group: Any) -> Any:

@@ -1,0 +1,176 @@
+"""How a run ends on every rank: together when it succeeds, with one line per other rank when one fails.
+
+A pipeline's stages stop working at different times: the last drain, the teardown's gathers and the user's
+teardown hooks run on each rank after its last step, and a failure in any of them used to reach the other ranks as
+a lost connection (a traceback of the gather that lost its peer, C++ stack dumps) or not at all (a rank that
+had already exited with status 0). So the failure watchdog (engine/supervision.py) stays on from setup to the very
+end of a run -- the point where Lightning's launcher gets the run's function back, every teardown hook behind it --
+and the run ends there on every rank together ([Note: ending a run]):
+
+* ``ends_together`` makes Lightning's launcher (or, where torchrun or SLURM started the processes, a launcher that
+  runs the function in place) wrap each run's function: when it returns, ``leave`` waits until every rank's has;
+* ``finish_fit`` is the strategy's teardown work (the drain, the patches undone, the end of fit's gathers), still
+  watched: a rank that fails there is reported as in training, and the others, waiting in its gather, stop;
+* ``report_failure`` is ``Strategy.on_exception``'s: the failing rank publishes its exception and waits until every
+  other rank has printed its line, or, where another rank failed first, ends with its own line;
+* ``end_teardown`` stops the watchdog of a failed rank that may outlive its run (a script that catches the error),
+  and ends a run that Lightning ended itself before teardown (the tuner's early exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lightning_paci.engine.activity import ALL, activity
+from lightning_paci.engine.supervision import LAUNCHED, PATIENCE, is_setup_error
+from lightning_paci.integration import lightning_api as api
+from lightning_paci.integration.processes import LAUNCHER_PID, ProcessGroups
+
+__all__ = ["InPlaceLauncher", "end_teardown", "ends_together", "finish_fit", "leave", "report_failure",
+           "wait_for_launched"]
+
+
+def ends_together(launcher: Any) -> Any:
+    """``launcher`` (Lightning's; None where the processes were started outside Lightning), made to end each run on
+    every rank together. Idempotent."""
+    if launcher is None:
+        return InPlaceLauncher()
+    if isinstance(launcher, InPlaceLauncher) or isinstance(vars(launcher).get("launch"), _LaunchEndingTogether):
+        return launcher  # already
+    api.patch_method(launcher, "launch", _LaunchEndingTogether(launcher),
+                     parameters=("function", "args", "trainer", "kwargs"))
+    return launcher
+
+
+class InPlaceLauncher:
+    """For processes started outside Lightning (torchrun, SLURM, Lightning's script launcher's children): the run's
+    function runs in this process, as without a launcher, and ends together with the other ranks'."""
+
+    is_interactive_compatible = True
+
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        return _RunThenLeave(function, trainer)(*args, **kwargs)
+
+    def kill(self, signum: Any) -> None:
+        """Nothing to forward a signal to: no process was started here."""
+
+
+class _LaunchEndingTogether:
+    """Lightning's ``launch`` of ``launcher`` with the run's function wrapped (an object, not a closure: a spawn
+    launcher is pickled with it)."""
+
+    def __init__(self, launcher: Any) -> None:
+        self.launcher = launcher
+
+    def __call__(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks it starts know whom not to outlive (launcher_pid)
+        launch = type(self.launcher).launch
+        return launch(self.launcher, _RunThenLeave(function, trainer), *args, trainer=trainer, **kwargs)
+
+
+class _RunThenLeave:
+    """The run's function on one rank (``trainer._fit_impl`` and the like), then the run's common end."""
+
+    def __init__(self, function: Callable[..., Any], trainer: Any) -> None:
+        self.function, self.trainer = function, trainer
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        strategy = getattr(self.trainer, "strategy", None)
+        LAUNCHED[:] = getattr(getattr(strategy, "launcher", None), "procs", [])  # Lightning's script launcher's
+        try:
+            result = self.function(*args, **kwargs)
+        except BaseException:
+            # a failure is reported by `on_exception`; Lightning's own early exit (the tuner's) tears down after
+            # this and ends the run there
+            if (groups := _groups(strategy)) is not None:
+                groups.leave_at_teardown = True
+            raise
+        leave(_groups(strategy))
+        return result
+
+
+def wait_for_launched(failure_timeout: float, *, joined: bool) -> None:
+    """At the exit of a launcher whose run failed: wait for the ranks it started, within ``PATIENCE *
+    failure_timeout`` at most. Where they ``joined`` (this rank's watchdog ran), they stop by themselves, each with
+    its line; where the run failed before (the store never opened), they never can learn it: they are terminated
+    (still starting, or waiting for the store: nothing of theirs is lost)."""
+    deadline = time.monotonic() + PATIENCE * failure_timeout
+    for process in list(LAUNCHED):
+        with contextlib.suppress(Exception):
+            if not joined:
+                process.terminate()
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _groups(strategy: Any) -> ProcessGroups | None:
+    with contextlib.suppress(AttributeError, RuntimeError):  # not a PACIStrategy, or its processes never started
+        groups = strategy.process_groups
+        return groups if isinstance(groups, ProcessGroups) else None
+    return None
+
+
+def leave(groups: ProcessGroups | None) -> None:
+    """This rank's run returned: wait, watched, until every rank's has ([Note: ending a run])."""
+    watchdog = None if groups is None else groups.watchdog
+    if watchdog is not None:
+        with activity.phase("the end of the run", waits=ALL):
+            watchdog.leave()
+    activity.end()  # the teardown's patient phase (finish_fit)
+
+
+def report_failure(groups: ProcessGroups | None, exception: BaseException) -> None:
+    """``Strategy.on_exception``: tell every other rank which stage failed and why, before Lightning unwinds; an
+    exception that follows another stage's failure ends this process with one line instead. A setup error is the
+    same on every rank: each reports its own (rank 0 prints it in full, the others in one line)."""
+    watchdog = None if groups is None else groups.watchdog
+    if LAUNCHED:  # this launcher ends after the ranks it started
+        atexit.register(wait_for_launched, 20.0 if watchdog is None else watchdog.dead_after,
+                        joined=watchdog is not None)
+    if watchdog is not None:
+        watchdog.fail(f"{type(exception).__name__}: {exception}", may_follow=not is_setup_error(exception))
+
+
+def finish_fit(stage: Any, *, drain: Callable[[], None], undo: list[Callable[[], None]],
+               checkpoints: Callable[[], Any], schedulers: list[Any], built_on_meta: bool, replicas: int,
+               group: Any) -> dict[str, list[Any]] | None:
+    """Drain, undo the patches, and give every rank's module the complete trained weights again (a model built on
+    meta: each rank keeps only its stage's). Returns what ``save_checkpoint`` after ``fit`` needs (the optimizer
+    and scheduler states), or None. Runs watched: the user's teardown hooks follow, patient, until ``leave``."""
+    activity.begin("teardown", patient=True)
+    try:
+        drain()
+    finally:  # a drain that fails is reported as one in training; the Trainer and the module are restored anyway
+        for patch in reversed(undo):
+            patch()
+        undo.clear()
+    if stage is None:
+        return None
+    after_fit = None
+    if stage.runtime is not None and api.distributed_is_initialized():
+        after_fit = {"optimizer_states": [stage.optimizer_state(checkpoints())],
+                     "lr_schedulers": [scheduler.state_dict() for scheduler in schedulers]}
+    if built_on_meta:  # no full gather: other stages' parameters stay on the meta device
+        stage.restore_full_model(gather=False, materialize=False)
+    else:
+        stage.restore_full_model(gather=api.distributed_is_initialized(), replicas=replicas, group=group)
+    return after_fit
+
+
+def end_teardown(groups: ProcessGroups | None, *, failed: bool) -> None:
+    """After the strategy's teardown: a failed rank started by hand or by torchrun may live on (a script that
+    catches the error), so its watchdog stops beating, which its peers read as its end; a launched fork/spawn
+    worker ends right after and beats until then. A run Lightning ended before teardown (the tuner's early exit)
+    ends here."""
+    watchdog = None if groups is None else groups.watchdog
+    if watchdog is None:
+        return
+    if failed and multiprocessing.parent_process() is None:
+        watchdog.stop(done=False)
+    elif not failed and groups is not None and groups.leave_at_teardown:
+        leave(groups)
