@@ -240,3 +240,12 @@ def run_forked_ranks(target: Any, world: int, rendezvous: Path, timeout: float =
         p.join(timeout)
     assert errors.empty(), errors.get()
     assert [p.exitcode for p in processes] == [0] * world
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from lightning_paci import PACIStrategy
 from lightning_paci.engine.supervision import StageWatchdog
 
-from helpers import fit
+from helpers import fit, running
 from models import LoopTransformer, SequentialMLP, regression_loader, token_loader
 
 pytestmark = pytest.mark.distributed
@@ -262,15 +262,6 @@ class _RecordPids(L.Callback):
             raise RuntimeError("boom in the user's teardown hook")
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _stopping_lines(err: str) -> list[str]:
     return [line for line in err.splitlines()
             if line.startswith("lightning_paci: ") and (" -- stopping " in line or " stopped (" in line)]
@@ -286,7 +277,7 @@ def test_a_failure_at_the_last_drain_ends_every_stage_each_saying_one_line(tmp_p
         fit(SequentialMLP(depth=6), DataLoader(_ShiftedOnRank0AfterBatch0(), batch_size=8), devices=3, max_steps=3,
             partition="parameters", failure_timeout=3.0, callbacks=[_RecordPids(tmp_path)])
     pids = [int(path.read_text()) for path in tmp_path.glob("pid*")]
-    assert len(pids) == 3 and not [pid for pid in pids if _running(pid)]
+    assert len(pids) == 3 and not [pid for pid in pids if running(pid)]
     err = capfd.readouterr().err
     lines = _stopping_lines(err)
     assert len(lines) == 2, err[-3000:]
@@ -303,7 +294,7 @@ def test_a_failure_in_a_teardown_hook_ends_every_stage_each_saying_one_line(tmp_
         fit(SequentialMLP(depth=6), regression_loader(), devices=3, max_steps=3, partition="parameters",
             failure_timeout=3.0, callbacks=[_RecordPids(tmp_path, fail_in_teardown_on=1)])
     pids = [int(path.read_text()) for path in tmp_path.glob("pid*")]
-    assert len(pids) == 3 and not [pid for pid in pids if _running(pid)]
+    assert len(pids) == 3 and not [pid for pid in pids if running(pid)]
     err = capfd.readouterr().err
     assert sorted(_stopping_lines(err)) == [
         f"lightning_paci: stage 1 failed: RuntimeError: boom in the user's teardown hook -- stopping stage {s}"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import running
+
 pytestmark = pytest.mark.distributed
 
 
@@ -66,7 +68,7 @@ def test_sigkill_of_one_rank_under_torchrun_brings_every_rank_down_naming_it(tmp
     assert "stage 1 (replica 1)" in said  # the killed rank, named by the others
     pids = [int(p.read_text()) for p in tmp_path.glob("OUT/pid*")]
     assert len(pids) == 4
-    assert not [pid for pid in pids if _running(pid)]
+    assert not [pid for pid in pids if running(pid)]
 
 
 def test_a_refused_crossing_leaves_the_failing_stages_traceback_last_and_one_line_per_other_stage(tmp_path):
@@ -82,22 +84,13 @@ def test_a_refused_crossing_leaves_the_failing_stages_traceback_last_and_one_lin
     assert others and all("stage 1" in line for line in others)  # stage 1 says in one line who failed
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _still_running(pids: list[int], within: float = 10.0) -> list[int]:
+def _stillrunning(pids: list[int], within: float = 10.0) -> list[int]:
     """The orphans of a killed launcher among ``pids`` still running after ``within`` seconds: one that has closed
     its stderr may still be exiting when the run returns, and nothing waits for an orphan."""
     deadline = time.monotonic() + within
-    while (running := [pid for pid in pids if _running(pid)]) and time.monotonic() < deadline:
+    while (alive := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return running
+    return alive
 
 
 END_OF_FIT = Path(__file__).parent / "scripts" / "end_of_fit_failure_script.py"
@@ -118,7 +111,7 @@ def test_a_failure_at_the_end_of_fit_ends_every_rank_with_the_launcher_and_one_l
     ended = time.time()
     pids = [int(path.read_text()) for path in tmp_path.glob("pid*")]
     assert out.returncode != 0 and len(pids) == 2, out.stderr[-3000:]
-    assert not [pid for pid in pids if _running(pid)]  # none outlives the launcher
+    assert not [pid for pid in pids if running(pid)]  # none outlives the launcher
     seconds = ended - float(tmp_path.joinpath("failed_at").read_text())
     assert seconds < 30, seconds  # measured 1-3 s with failure_timeout=3
     err = "\n".join(re.sub(r"^\[rank\d+\]: ", "", line) for line in out.stderr.splitlines())
@@ -140,7 +133,7 @@ def test_ranks_whose_launcher_was_killed_stop_each_saying_one_line(tmp_path):
                          env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
     assert out.returncode == -9, out.stderr[-3000:]
     pids = [int(path.read_text()) for path in tmp_path.glob("pid*")]
-    assert len(pids) == 2 and not _still_running(pids)
+    assert len(pids) == 2 and not _stillrunning(pids)
     said = sorted(line for line in out.stderr.splitlines() if " -- stopping " in line)
     assert [re.sub(r"pid \d+", "pid N", line) for line in said] == [
         f"lightning_paci: the launcher that started this process (pid N) is gone -- stopping stage {s}"
@@ -156,6 +149,6 @@ def test_a_rank_whose_launcher_died_before_the_rendezvous_stops_instead_of_waiti
                          env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
     pids = [int(path.read_text()) for path in tmp_path.glob("pid*")]
     assert out.returncode == -9 and len(pids) == 2, out.stderr[-3000:]
-    assert not _still_running(pids)
+    assert not _stillrunning(pids)
     said = r"^lightning_paci: rank 1 stopped: the rendezvous store at \S+ is not open and the launcher that started "
     assert re.search(said + r"this process \(pid \d+\) is gone", out.stderr, flags=re.MULTILINE), out.stderr[-3000:]
