@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 
 from lightning_paci.planner.costs import Fit, ModelCosts
 from lightning_paci.schedules import build_schedule
+from lightning_paci.schedules.virtual import stage_devices
 from lightning_paci.simulation import SimulationResult, simulate_schedule
 
 __all__ = ["Layout", "Link", "Plan", "Space", "search_plans", "simulate_plan"]
@@ -187,8 +188,7 @@ def _inputs(model: _Model, schedule: str, batch_size: int, layout: Layout, m: in
     costs = model.costs
     chunks = layout.stages * layout.virtual_stages
     samples = batch_size / m
-    devices = build_schedule(schedule, layout.stages, m, a, 1, virtual_stages=layout.virtual_stages,
-                             placement=layout.placement).devices
+    devices = stage_devices(layout.stages, layout.virtual_stages, layout.placement)
     fwd, bwd, memory, act, grads = [], [], [0.0] * layout.stages, [0.0] * layout.stages, [0.0] * layout.stages
     for c in range(chunks):
         first, last, process = c == 0, c == chunks - 1, devices[c]
@@ -273,7 +273,7 @@ def search_plans(costs: ModelCosts, space: Space, link: Link = Link()) -> list[P
                 continue
             samples = space.batch_size / m
             for k in ks:
-                recompute = [layout.stages > 0 and d < k for d in _chunk_devices(space, layout, m, a)]
+                recompute = [d < k for d in stage_devices(layout.stages, layout.virtual_stages, layout.placement)]
                 if space.bounds is not None:
                     bounds: tuple[int, ...] | None = (0, *space.bounds, n)
                 elif layout.virtual_stages == 1:
@@ -288,11 +288,6 @@ def search_plans(costs: ModelCosts, space: Space, link: Link = Link()) -> list[P
                     plans.append(replace(plan, drift=drift))
     plans.sort(key=lambda p: (not p.fits, -p.samples_per_s, p.recompute_stages, p.microbatches))
     return plans
-
-
-def _chunk_devices(space: Space, layout: Layout, m: int, a: int) -> tuple[int, ...]:
-    return build_schedule(space.schedule, layout.stages, m, a, 1, virtual_stages=layout.virtual_stages,
-                          placement=layout.placement).devices
 
 
 def _runs(schedule: str, layout: Layout) -> bool:
