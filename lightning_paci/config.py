@@ -76,6 +76,9 @@ class PACIConfig:
             torch, Lightning and transformers holds ~470k objects, and each full collection over them paused a
             stage for 1-1.5 s; in a pipeline every stage's pause stalls all the others (measured: 1.6-2.9 s steps
             instead of 0.8 s, several times per 200 steps). Objects created during training are still collected.
+            Under ``start_method="fork"`` the main process's objects are also frozen while the ranks start and run
+            ([Note: fork with a frozen heap] in integration/lightning_api.py), so a rank's collections during setup
+            leave its parent's heap alone too.
         compensation: staleness compensation by weight prediction (see [Note: weight prediction] in
             optim/weight_prediction.py). ``"auto"`` (default): a micro-batch that will cross ``k`` local updates
             between its forward and its backward is forwarded with the weights moved ``k`` predicted steps of the

@@ -290,10 +290,13 @@ class PACIStrategy(ParallelStrategy):
         _ = self.topology  # an impossible split fails here, in the main process, before any start
         if self.config.start_method != "popen":
             self._launcher = api.multiprocessing_launcher(
-                self, self.config.start_method, send=lambda trainer: after_fit_message(trainer, self._after_fit),
-                receive=self._receive_after_fit, on_exception=self.on_exception)
+                self, self.config.start_method, send=self._send_after_fit, receive=self._receive_after_fit,
+                on_exception=self.on_exception, freeze_heap=self.config.freeze_gc)
         elif not self.cluster_environment.creates_processes_externally:
             self._launcher = api.SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _send_after_fit(self, trainer: Trainer) -> dict[str, Any]:
+        return after_fit_message(trainer, self._after_fit)
 
     def _receive_after_fit(self, trainer: Trainer, sent: Mapping[str, Any]) -> None:
         self._after_fit = receive_after_fit(trainer, sent)

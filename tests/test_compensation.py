@@ -14,10 +14,10 @@ from torch import nn
 
 from lightning_paci import ReferencePipeline, plan_partition
 from lightning_paci.engine.driver import _crossings
+from lightning_paci.optim.prediction_quality import costly_regime
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 from lightning_paci.optim.weight_prediction import (
     WeightPrediction,
-    costly_regime,
     prediction_unsupported,
     weight_prediction_for,
 )
@@ -156,6 +156,37 @@ def test_with_nothing_known_sgd_follows_its_momentum_buffer() -> None:
     actual = _next_update(params, optimizer, [(1 - 0.9) * b for b in buffers])
     for d_pred, d in zip(predicted, actual):
         torch.testing.assert_close(d_pred, d, rtol=1e-5, atol=1e-6)  # differences of weights ~1: ulp 1.2e-7
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adamw"])
+def test_a_param_group_added_while_training_is_moved_as_if_it_had_been_there_from_the_start(name: str) -> None:
+    """A fine-tuning schedule's group joins the stage optimizer mid-run (``StageOptimizer.add_param_group``): the
+    prediction built at setup moves its parameter from the next move on, by the group's own learning rate, exactly
+    as a prediction built after the group joined does."""
+    params, optimizer = _stepped(name)
+    prediction = WeightPrediction(optimizer.optimizer, optimizer.pairs)
+    with prediction.moved(1):  # the setup's parameters only: the step counts are read for them
+        pass
+    gen = torch.Generator().manual_seed(3)
+    late = nn.Parameter(torch.randn(16, 8, generator=gen))
+    optimizer.add_param_group({"lr": 0.02}, [late])
+    for _ in range(2):  # the new group gets optimizer state
+        for p in [*params, late]:
+            p.grad = torch.randn(p.shape, generator=gen)
+        optimizer.step()
+    everything = [*params, late]
+    start = [p.detach().clone() for p in everything]
+    fresh = WeightPrediction(optimizer.optimizer, list(optimizer.pairs))
+    with fresh.moved(2):
+        expected = [p.detach().clone() for p in everything]
+    for p, s in zip(everything, start):
+        p.data.copy_(s)
+    with prediction.moved(2):
+        moved = [p.detach().clone() for p in everything]
+    assert not torch.equal(moved[-1], start[-1])  # the late parameter moved
+    for m, e in zip(moved, expected, strict=True):
+        assert torch.equal(m, e)
+    assert len(prediction.entries) == 3
 
 
 def test_no_state_no_move() -> None:

@@ -36,9 +36,13 @@ from lightning.pytorch.callbacks import (
     TQDMProgressBar,
 )
 from torch.multiprocessing import ProcessRaisedException
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_paci.integration.lightning_callbacks import check_callbacks
+from lightning_paci.integration.reference_pipeline import ReferencePipeline
+from lightning_paci.partition import plan_partition
+from lightning_paci.schedules import build_schedule
 
 from helpers import fit, one_device
 from models import LaterLoopTransformer, SequentialMLP, regression_loader
@@ -297,3 +301,31 @@ def test_ema_trains_under_paci_and_validates_with_the_averaged_weights(tmp_path)
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
     for key, value in model.state_dict().items():
         assert torch.isfinite(value).all() and not torch.equal(value, initial.state_dict()[key].to(value.dtype))
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_ema_under_paci_equals_the_reference_executor_averaging_each_stage_at_its_updates(stages):
+    """Under "paci" (m = a = stages, the default compensation) each stage's average is updated after each of its
+    own updates from the weights that update left: the reference executor of the same lists, with one
+    ``AveragedModel`` per carved stage updated by its runtime's update hook, ends with the same averaged weights,
+    bit for bit in float64 -- and they are not the trained weights."""
+    torch.manual_seed(8)
+    model = SequentialMLP(depth=4, lr=0.2).double()
+    initial = copy.deepcopy(model)
+    steps, decay = 4, 0.5
+    loader = regression_loader(num_batches=steps)
+    fit(model, loader, devices=stages, max_steps=steps, schedule="paci", microbatches=stages, partition="parameters",
+        callbacks=[EMAWeightAveraging(decay=decay)], trainer_kwargs={"precision": "64-true"})
+    reference = ReferencePipeline(copy.deepcopy(initial), plan_partition(initial, stages, partition="parameters"))
+    averages = [AveragedModel(module, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+                for module in reference.modules]
+    for runtime, average, module in zip(reference.runtimes, averages, reference.modules, strict=True):
+        runtime.update_hooks.append(lambda version, average=average, module=module: average.update_parameters(module))
+    reference.run(build_schedule("paci", stages, stages, stages, steps), [tuple(b.double() for b in batch)
+                                                                             for batch in loader])
+    trained = {k: v.clone() for k, v in reference.state_dict().items()}
+    for average, module in zip(averages, reference.modules, strict=True):
+        assert int(average.n_averaged) == steps  # every stage averaged after each of its updates
+        module.load_state_dict(average.module.state_dict())
+    _assert_same(model.state_dict(), reference.state_dict(), "averaged under paci")
+    assert not all(torch.equal(trained[k], v) for k, v in model.state_dict().items())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import pickle
 
 import lightning as L
 import pytest
@@ -40,6 +41,15 @@ def test_import_registers_strategy_names():
     for name in ("paci", "paci_fork", "paci_spawn"):
         assert name in registry
         assert isinstance(registry.get(name), PACIStrategy)
+
+
+def test_the_spawn_launcher_pickles_with_what_it_hands_back():
+    # "spawn" pickles the launcher's per-rank function with the launcher: a class defined inside a function, or a
+    # lambda among its callables, failed there before any rank started
+    trainer = L.Trainer(strategy="paci_spawn", accelerator="cpu", devices=2, logger=False)
+    function = pickle.loads(pickle.dumps(trainer.strategy.launcher._wrapping_function))
+    assert type(function.__self__) is type(trainer.strategy.launcher)
+    assert function.__self__._strategy.config.start_method == "spawn"
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

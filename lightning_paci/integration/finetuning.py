@@ -17,7 +17,8 @@ holds (the optimizer layout read at setup, optimizer_layout.py); when any are le
 with its own of them joining through aliases (``StageOptimizer.add_param_group``) -- an empty group on the other
 stages. The layout gains the group, so a consolidated checkpoint still holds one device's optimizer, and the
 callback's ``internal_optimizer_metadata`` is one device's (every group's names), which resumes here and on one
-device. The weight prediction, where it runs (``"paci"``), does not move the new group's parameters.
+device. The weight prediction, where it runs (``"paci"``), moves the new group's parameters from the next
+forward on (it follows the stage optimizer's pairs), by the group's own hyper-parameters.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ barrier again -- the very flush PACI exists to avoid. So:
 
 from __future__ import annotations
 
+import gc
 import importlib
 import inspect
 import os
@@ -90,42 +91,68 @@ def configured_optimizers(module: Any) -> list[Any]:
 
 def multiprocessing_launcher(strategy: Any, start_method: str, *, send: Callable[[Any], Any],
                              receive: Callable[[Any, Any], None],
-                             on_exception: Callable[[BaseException], None]) -> Any:
+                             on_exception: Callable[[BaseException], None], freeze_heap: bool = True) -> Any:
     """Lightning's fork/spawn launcher, also handing ``send(trainer)`` (called on rank 0 after the run) to
     ``receive(trainer, sent)`` in the main process, which never ran a stage or a loop: what ``save_checkpoint``
-    after ``fit`` needs there (the gathered optimizer state, the loops' progress, the callbacks' states).
+    after ``fit`` needs there (the gathered optimizer state, the loops' progress, the callbacks' states). Under
+    ``"spawn"`` the launcher and the three callables are pickled: pass functions or bound methods. ``freeze_heap``:
+    see [Note: fork with a frozen heap] (``PACIConfig.freeze_gc``).
 
     A worker's exception also reaches ``on_exception`` before it unwinds: Lightning calls ``Strategy.on_exception``
     only around the launch in the main process, so without it a failing forked stage was noticed by the others only
     when its heartbeat stopped (20 s), and named as "stopped responding" instead of by its error."""
+    return _PipelineLauncher(strategy, start_method=start_method, send=send, receive=receive,
+                             on_exception=on_exception, freeze_heap=freeze_heap)
 
-    class PipelineLauncher(MultiProcessingLauncher):
-        # through a file, as Lightning sends the weights: the main process reads the result queue only after the
-        # workers exit, so a message larger than the pipe's buffer would block rank 0 forever
-        def _wrapping_function(self, *args: Any, **kwargs: Any) -> Any:
+
+class _PipelineLauncher(MultiProcessingLauncher):
+    """``multiprocessing_launcher``'s launcher: at module level, so that ``"spawn"`` can pickle it."""
+
+    def __init__(self, strategy: Any, *, start_method: str, send: Callable[[Any], Any],
+                 receive: Callable[[Any, Any], None], on_exception: Callable[[BaseException], None],
+                 freeze_heap: bool) -> None:
+        super().__init__(strategy, start_method=start_method)
+        self._send, self._receive, self._on_exception = send, receive, on_exception
+        self._freeze_heap = freeze_heap
+
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        """[Note: fork with a frozen heap]: under ``"fork"`` every object alive in the main process is moved to the
+        collector's permanent generation while the ranks start and run, so a rank's collections never walk the
+        inherited heap. A full collection writes to every tracked object's header: in a forked rank that copies
+        each page of the parent's heap it touches (copy-on-write), which cost the ranks more system time than
+        their training on a CPU, and the walk itself a tenth of their user time."""
+        if self._start_method != "fork" or not self._freeze_heap:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        gc.freeze()
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            gc.unfreeze()
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._wrapping_function(*args, **kwargs)
+        except BaseException as err:
+            self._on_exception(err)
+            raise
+
+    # through a file, as Lightning sends the weights: the main process reads the result queue only after the
+    # workers exit, so a message larger than the pipe's buffer would block rank 0 forever
+    def get_extra_results(self, trainer: Any) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        path = os.path.join(tempfile.mkdtemp(), "lightning_paci_after_fit.pt")
+        torch.save(self._send(trainer), path)
+        extra["lightning_paci"] = path
+        return extra
+
+    def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        path = extra.get("lightning_paci")
+        if path is not None:
             try:
-                return super()._wrapping_function(*args, **kwargs)
-            except BaseException as err:
-                on_exception(err)
-                raise
-
-        def get_extra_results(self, trainer: Any) -> dict[str, Any]:
-            extra = super().get_extra_results(trainer)
-            path = os.path.join(tempfile.mkdtemp(), "lightning_paci_after_fit.pt")
-            torch.save(send(trainer), path)
-            extra["lightning_paci"] = path
-            return extra
-
-        def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
-            super().update_main_process_results(trainer, extra)
-            path = extra.get("lightning_paci")
-            if path is not None:
-                try:
-                    receive(trainer, torch.load(path, weights_only=False))
-                finally:
-                    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-
-    return PipelineLauncher(strategy, start_method=start_method)
+                self._receive(trainer, torch.load(path, weights_only=False))
+            finally:
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def patch_method(obj: Any, name: str, replacement: Callable[..., Any], *,

@@ -43,8 +43,9 @@ from lightning_paci.integration.lightning_program import LightningHooks, Lightni
 from lightning_paci.integration.logs import LogRelay
 from lightning_paci.integration.optimizer_layout import OptimizerLayout
 from lightning_paci.integration.setup_probe import Sample, find_relays
+from lightning_paci.optim.prediction_quality import costly_regime
 from lightning_paci.optim.stage_optimizer import StageOptimizer
-from lightning_paci.optim.weight_prediction import costly_regime, weight_prediction_for
+from lightning_paci.optim.weight_prediction import weight_prediction_for
 from lightning_paci.partition import PartitionPlan
 from lightning_paci.partition.chunks import DeviceCarve
 from lightning_paci.partition.relay import RelayPlan, install_relays

@@ -31,6 +31,8 @@ one host read per update]) of the update that decides. Everything is a function 
 the optimizer state, so the reference executor and the processes decide alike, at the same update. Each
 data-parallel replica measures its own forwards (its known gradient is its own until the step's average); a
 resumed run measures again from its first update (the figure is not in the checkpoint).
+
+``costly_regime`` names, at setup, the recipe where the prediction is known from measurements not to be enough.
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["QUALITY_MIN", "SAMPLE", "WINDOW", "PredictionQuality", "sampled"]
+__all__ = ["COSTLY_LR", "QUALITY_MIN", "SAMPLE", "WINDOW", "PredictionQuality", "costly_regime", "sampled"]
 
 WINDOW = 8  # updates whose compensated forwards are measured before the decision
 QUALITY_MIN = 0.1  # the least share of the drift's distance the prediction must remove to stay on
 SAMPLE = 1 << 18  # at most this many weight elements per stage are compared
+COSTLY_LR = 3e-3  # Adam(W) at a constant lr this high: compensated PACI measured +1.23% vs 1f1b (RESULTS.md)
 
 
 def sampled(weights: Sequence[torch.Tensor], limit: int = SAMPLE) -> list[tuple[torch.Tensor, int, int]]:
@@ -143,3 +146,21 @@ class PredictionQuality:
             return None
         self._said = True
         return self.value, self.keep
+
+
+def costly_regime(optimizer: torch.optim.Optimizer, schedulers: Sequence[object]) -> str | None:
+    """Why this configuration is in the regime where PACI, even compensated, loses loss per update (``None`` if
+    it is not): Adam/AdamW at a constant learning rate of at least ``COSTLY_LR`` with no step scheduler. Measured
+    (benchmarks/RESULTS.md, 3 seeds, 8 stages): AdamW at a constant 3e-3 ends +1.23% above 1f1b after 200
+    updates (uncompensated +6.48%), at a constant 1e-3 +0.11%, with a warm-up and a decay +0.17% or less: the
+    prediction's error grows with the step, which the step's size and the unseen part of the window set."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or schedulers:
+        return None
+    lr = max(float(group["lr"]) for group in optimizer.param_groups)
+    if lr < COSTLY_LR:
+        return None
+    return (f"lightning_paci: {type(optimizer).__name__} at a constant lr={lr:g} without a learning-rate "
+            f"scheduler: in this regime PACI loses loss per update to its drift even with compensation (measured "
+            f"at a constant 3e-3: +1.2% loss vs the flush schedule after 200 updates; at 1e-3: +0.1%; with a "
+            f"warm-up and a decay: +0.2% or less; benchmarks/RESULTS.md). Add a warm-up and a decay "
+            f"(a step-interval scheduler), use lr <= 1e-3, or `schedule='1f1b'` for this recipe.")

@@ -66,13 +66,11 @@ from torch import nn
 
 from lightning_paci.optim.prediction_quality import PredictionQuality
 
-__all__ = ["COMPENSATIONS", "COSTLY_LR", "WeightPrediction", "costly_regime", "prediction_unsupported",
-           "weight_prediction_for"]
+__all__ = ["COMPENSATIONS", "WeightPrediction", "prediction_unsupported", "weight_prediction_for"]
 
 COMPENSATIONS = ("auto", "predict", "none")
 
 _NOTHING = contextlib.nullcontext()
-COSTLY_LR = 3e-3  # Adam(W) at a constant lr this high: compensated PACI measured +1.23% vs 1f1b (RESULTS.md)
 _WEIGHT_DTYPES = (torch.float32, torch.float64)
 
 
@@ -126,7 +124,8 @@ class WeightPrediction:
 
     Args:
         optimizer: the stage optimizer (its ``param_groups`` hold the aliases, see [Note: alias optimizer]).
-        pairs: ``(alias, real)`` parameter pairs of the stage optimizer.
+        pairs: ``(alias, real)`` parameter pairs of the stage optimizer (its own list: pairs it gains later are
+            moved from the next move on).
         gradient: use the window's gradient accumulated so far in the prediction (else the momentum alone).
     """
 
@@ -137,11 +136,12 @@ class WeightPrediction:
             raise ValueError(f"compensation='predict': {reason}.")
         self.optimizer = optimizer
         self.adam = type(optimizer) is not torch.optim.SGD
-        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-        self.entries = [(alias, real, group_of[id(alias)]) for alias, real in pairs]
+        # the stage optimizer's own list: a param group added while training (a fine-tuning schedule's,
+        # ``StageOptimizer.add_param_group``) appends its pairs there, and the next move takes them in
+        self._pairs = pairs
+        self.entries: list[tuple[nn.Parameter, nn.Parameter, dict]] = []
         self.gradient = gradient
-        largest = max((alias.numel() * alias.element_size() for alias, _ in pairs), default=0)
-        self.bin_bytes = max(1024, largest // 2)  # two temporaries of a bin's size: the largest tensor's bytes
+        self.bin_bytes = 1024
         # the most the weight prediction held beyond the model (bytes): its temporaries
         self.peak_extra_bytes = 0
         self.moves = 0  # forwards run ahead
@@ -158,6 +158,17 @@ class WeightPrediction:
         self.timer: Any = None
         # under compensation="auto": measures how close the moves come ([Note: the prediction's quality])
         self.quality: PredictionQuality | None = None
+        self._follow_groups()
+
+    def _follow_groups(self) -> None:
+        """Take in the pairs joined since the last move (all of them at construction), each with its group."""
+        if len(self._pairs) == len(self.entries):
+            return
+        group_of = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
+        self.entries += [(alias, real, group_of[id(alias)]) for alias, real in self._pairs[len(self.entries):]]
+        largest = max((alias.numel() * alias.element_size() for alias, _, _ in self.entries), default=0)
+        self.bin_bytes = max(self.bin_bytes, largest // 2)  # two temporaries of a bin's size: the largest tensor's
+        self._step_tensors = []  # the step counts are read again, with the new entries', at the next move
 
     def moved(self, k: int, rest: float = 1.0) -> contextlib.AbstractContextManager[None]:
         """A context in which the weights are ``k`` predicted updates ahead (nothing happens for ``k == 0``);
@@ -243,6 +254,7 @@ class WeightPrediction:
     def _bins(self, scale: float, rest: float) -> list[_Bin]:
         """Every moved tensor's slices, packed into bins of at most ``bin_bytes`` per temporary, one kind of pass
         and one set of scalar hyperparameters per bin."""
+        self._follow_groups()
         steps = self._step_counts()
         open_bins: dict[tuple, _Bin] = {}
         bins: list[_Bin] = []
@@ -379,21 +391,3 @@ def weight_prediction_for(compensation: str, optimizer: torch.optim.Optimizer, p
              f"update to its drift (see docs/semantics.md); pass `compensation='none'` to "
              f"silence this warning.")
     return None
-
-
-def costly_regime(optimizer: torch.optim.Optimizer, schedulers: Sequence[object]) -> str | None:
-    """Why this configuration is in the regime where PACI, even compensated, loses loss per update (``None`` if
-    it is not): Adam/AdamW at a constant learning rate of at least ``COSTLY_LR`` with no step scheduler. Measured
-    (benchmarks/RESULTS.md, 3 seeds, 8 stages): AdamW at a constant 3e-3 ends +1.23% above 1f1b after 200
-    updates (uncompensated +6.48%), at a constant 1e-3 +0.11%, with a warm-up and a decay +0.17% or less: the
-    prediction's error grows with the step, which the step's size and the unseen part of the window set."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or schedulers:
-        return None
-    lr = max(float(group["lr"]) for group in optimizer.param_groups)
-    if lr < COSTLY_LR:
-        return None
-    return (f"lightning_paci: {type(optimizer).__name__} at a constant lr={lr:g} without a learning-rate "
-            f"scheduler: in this regime PACI loses loss per update to its drift even with compensation (measured "
-            f"at a constant 3e-3: +1.2% loss vs the flush schedule after 200 updates; at 1e-3: +0.1%; with a "
-            f"warm-up and a decay: +0.2% or less; benchmarks/RESULTS.md). Add a warm-up and a decay "
-            f"(a step-interval scheduler), use lr <= 1e-3, or `schedule='1f1b'` for this recipe.")
