@@ -46,3 +46,10 @@ def _no_seed_leaks(monkeypatch):
     for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
         monkeypatch.delenv(name, raising=False)
     yield
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests marked ``heavy`` first, in their order, then the rest: the workers' last minutes are then short
+    tests that the idle worker can take over, so both end together (a heavy test last kept one worker alone for
+    up to a minute)."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)

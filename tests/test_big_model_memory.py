@@ -11,7 +11,7 @@ from memory_peaks import MB, run_peaks
 
 from models import WideMLP
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.heavy]
 
 def test_each_rank_holds_only_its_stage_from_fit_start_to_the_end_of_the_process(tmp_path) -> None:
     full = WideMLP(2048)  # built later: nothing allocated here

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy
+
 SCRIPT = Path(__file__).parent / "scripts" / "cli_script.py"
 QUIET = ["--trainer.accelerator", "cpu", "--trainer.max_steps", "3", "--trainer.logger", "false",
          "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",

@@ -79,7 +79,7 @@ def test_ci_runs_the_readmes_two_set_up_commands() -> None:
     block = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
     readme = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
     assert ci[0] == readme[0].replace("pip install", "python3 -m pip install")
-    assert ci[1] == readme[1] == "python3 -m pytest -n 2 --dist worksteal && python3 -m ruff check . && python3 -m mypy"
+    assert ci[1] == readme[1] == "python3 -m pytest -n 3 --dist worksteal && python3 -m ruff check . && python3 -m mypy"
 
 
 def test_every_test_the_support_table_names_exists() -> None:

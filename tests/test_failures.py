@@ -217,6 +217,7 @@ class _HoldRank1InSetup(L.Callback):
             time.sleep(120)  # held inside setup (a user hook); the others wait at Lightning's post-setup barrier
 
 
+@pytest.mark.heavy
 def test_a_rank_held_at_setup_is_named_by_the_others(capfd):
     # the watchdog runs from the store's creation on and judges setup too: rank 1 (stage 1 of 3) stays inside its
     # setup while stages 0 and 2 wait for it at the barrier; setup work is patient (10 x failure_timeout = 10 s)

@@ -45,6 +45,7 @@ def test_without_a_device_it_says_so_and_exits_at_once_from_any_directory(tmp_pa
 
 
 @pytest.mark.distributed
+@pytest.mark.heavy
 @pytest.mark.timeout(360)
 def test_rehearsal_without_the_package_installed_runs_the_cpu_checks_and_writes_their_figures(tmp_path):
     command, env = bare_python(tmp_path)

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import running
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.heavy]
 
 
 LAUNCHING = Path(__file__).parents[1] / "docs" / "launching.md"
