@@ -159,18 +159,23 @@ class KeepVersion(Callback):
 
 
 class RecordFreezeCount(Callback):
-    """Every rank writes ``gc.get_freeze_count()`` seen during training and at its teardown."""
+    """Every rank writes ``gc.get_freeze_count()`` seen at its setup (what it inherited frozen: a forked rank its
+    parent's heap), during training and at its teardown."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
-        self.during = -1
+        self.at_setup = self.during = -1
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.at_setup = gc.get_freeze_count()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.during = gc.get_freeze_count()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         path = self.directory / f"freeze{trainer.strategy.stage_index}.json"
-        path.write_text(json.dumps({"during": self.during, "teardown": gc.get_freeze_count()}))
+        path.write_text(json.dumps({"at_setup": self.at_setup, "during": self.during,
+                                   "teardown": gc.get_freeze_count()}))
 
 
 # -- comparisons with one device and the reference executor (tests/test_one_device*.py) --------------------

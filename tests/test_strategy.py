@@ -275,8 +275,10 @@ def test_gc_is_frozen_during_training_and_restored(tmp_path, freeze_gc):
         freeze_gc=freeze_gc, callbacks=[RecordFreezeCount(tmp_path)])
     for stage in range(2):
         record = json.loads((tmp_path / f"freeze{stage}.json").read_text())
-        assert (record["during"] > 10_000) if freeze_gc else (record["during"] == 0)
-        assert record["teardown"] == 0
+        if freeze_gc:  # what setup made is frozen too, and all of it is let go at teardown
+            assert record["during"] > max(10_000, record["at_setup"]) and record["teardown"] == 0
+        else:  # nothing beyond what the rank inherited frozen (the test process's heap), which only dies off
+            assert record["teardown"] <= record["during"] <= record["at_setup"], record
     with pytest.raises(ValueError, match="`freeze_gc` must be True or False, got 'yes'"):
         PACIStrategy(freeze_gc="yes")  # type: ignore[arg-type]
 

@@ -123,11 +123,13 @@ class _PipelineLauncher(MultiProcessingLauncher):
         their training on a CPU, and the walk itself a tenth of their user time."""
         if self._start_method != "fork" or not self._freeze_heap:
             return super().launch(function, *args, trainer=trainer, **kwargs)
+        frozen_before = gc.get_freeze_count() > 0  # the caller's own freeze is left as it is (unfreeze is global)
         gc.freeze()
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         finally:
-            gc.unfreeze()
+            if not frozen_before:
+                gc.unfreeze()
 
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> Any:
         try:
