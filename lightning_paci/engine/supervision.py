@@ -264,8 +264,7 @@ class StageWatchdog:
                     failure, raised = self._failure()
                 except Exception:  # the store lives in rank 0's process: unreachable means rank 0 is gone
                     failure, lost = (None if self._stop.is_set() else self._store_lost()), True
-            # unwinding since the look at the top: the failure read may be this process's own report (fail())
-            if failure is None or self._stop.is_set() or self._unwinding:
+            if failure is None or self._stop.is_set() or self._unwinding:  # unwinding: maybe its own report read
                 continue
             if not lost and failure[0] != _NO_ONE:
                 self.report(*failure)  # the others stop on it at once (a no-op if one was reported first)
