@@ -239,12 +239,8 @@ def run_forked_ranks(target: Any, world: int, rendezvous: Path, timeout: float =
     context = mp.get_context("fork")
     errors = context.Queue()
     processes = [context.Process(target=target, args=(r, str(rendezvous), errors)) for r in range(world)]
-    gc.freeze()  # as the strategy's fork launcher does ([Note: fork with a frozen heap])
-    try:
-        for p in processes:
-            p.start()
-    finally:
-        gc.unfreeze()
+    for p in processes:  # with the heap conftest.py froze: [Note: fork with a frozen heap]
+        p.start()
     for p in processes:
         p.join(timeout)
     assert errors.empty(), errors.get()
