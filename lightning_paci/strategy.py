@@ -363,6 +363,7 @@ class PACIStrategy(ParallelStrategy):
                 links=StageLinks.of(self), broadcast=self.pipeline_broadcast,
                 eval_context=self.precision_plugin.val_step_context, index=self.stage_index)
         super().setup(trainer)
+        self.undo_at_teardown([api.sigterm_without_a_collective(trainer)])
         self._stage.prepare_relays(self, self._builder.take_sample())  # on the device, in the step's precision
         if trainer.state.fn == TrainerFn.FITTING:
             owned = [cfg.scheduler for cfg in self.lr_scheduler_configs if cfg.interval == "step"]

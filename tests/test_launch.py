@@ -65,7 +65,13 @@ def test_sigkill_of_one_rank_under_torchrun_brings_every_rank_down_naming_it(tmp
     assert seconds < 60
     assert all(node.returncode != 0 for node in nodes)
     said = "".join(node.stderr for node in nodes)
-    assert "stage 1 (replica 1)" in said  # the killed rank, named by the others
+    # the killed rank, named by each other rank in one line, its data-parallel peer (whose reduction broke first)
+    # and its neighbour (whose receive did) included; no rank prints a traceback
+    lines = [line for line in said.splitlines() if line.startswith("lightning_paci: stage 1 (replica 1) failed: ")]
+    assert sorted(line.rpartition(" -- stopping ")[2] for line in lines) == [
+        "stage 0 (replica 0)", "stage 0 (replica 1)", "stage 1 (replica 0)"], said[-4000:]
+    assert all("ended without reporting an error: killed (SIGKILL" in line for line in lines), lines
+    assert "]: Traceback" not in said and "frame #" not in said, said[-4000:]
     pids = [int(p.read_text()) for p in tmp_path.glob("OUT/pid*")]
     assert len(pids) == 4
     assert not [pid for pid in pids if running(pid)]

@@ -17,7 +17,8 @@ A stage is a :class:`~lightning_paci.engine.runtime.StageRuntime` executing its 
 * ``reference.py``: the one-process executor of all stages' lists and its in-process mailboxes;
 * ``data_parallel.py``: the replicas' gradient and parameter averages;
 * ``recompute.py``: activation recomputation of a stage's blocks;
-* ``topology.py``: stages x replicas over the ranks; ``supervision.py``: the failure watchdog and setup errors.
+* ``topology.py``: stages x replicas over the ranks; ``supervision.py``: the failure watchdog and setup errors;
+  ``lost_peers.py``: who is gone when a connection is lost.
 
 The rule of this package: nothing in it imports ``lightning`` (or ``pytorch_lightning``), directly or through
 another module; ``tests/test_layout.py`` walks the imports to keep it so. The Lightning integration

@@ -12,6 +12,8 @@ connection), from the start of setup (the store is made first) to the end of the
   collective or a host read that never returns (an NCCL hang): judging the progress catches that;
 * a process whose code raises (the user's step, a non-finite loss, the last drain's data check, a teardown hook)
   writes ``paci/<run>/failed`` with its id and exception before Lightning unwinds it ([Note: ending a run]).
+* a process of this machine that ended without a word (killed) is named within an interval, and an exception
+  that is a lost connection waits for the failure it follows from before reporting itself (lost_peers.py).
 
 Keys are per run (counted alike on every rank); heartbeats are counters, not timestamps (no clock agreement).
 
@@ -59,6 +61,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_paci.engine.activity import Doing, decode_doing, encode_doing
+from lightning_paci.engine.lost_peers import OnceLost, PeerProcesses, running_here
 from lightning_paci.errors import is_setup_error, mark_setup_error
 
 __all__ = ["LAUNCHED", "PATIENCE", "StageWatchdog", "is_setup_error", "judge_progress", "mark_setup_error"]
@@ -81,7 +84,7 @@ class StageWatchdog:
         self.name = name
         self.store_host = store_host  # the process hosting the store (global rank 0's); None: a launcher's agent
         self.launcher = launcher  # the pid of the launcher that started this process, if one did
-        self.store = _OnceLost(store)
+        self.store = OnceLost(store)
         self.prefix = f"paci/{run}/"  # the run's own keys (see the module docstring)
         self.interval = interval
         self.dead_after = dead_after
@@ -97,6 +100,7 @@ class StageWatchdog:
         self._heard_at, self._ending = 0.0, False
         self._await_end = False  # whether the failed process raised itself (its end is waited for) or was judged
         self._where: tuple[str, int] = ("", 0)  # the failed process's host and pid
+        self._peers = PeerProcesses(self._text, num_stages, stage)  # those of this machine (lost_peers.py)
 
     def start(self) -> None:
         self.store.set(f"{self.prefix}process/{self.stage}", f"{socket.gethostname()}\n{os.getpid()}")
@@ -131,14 +135,17 @@ class StageWatchdog:
             if not self.store.check([self.prefix + "failed"]):
                 self.store.set(self.prefix + "failed", f"{stage}\n{reason}")
 
-    def fail(self, reason: str, *, may_follow: bool = True) -> None:
+    def fail(self, reason: str, *, may_follow: bool = True, lost: bool = False) -> None:
         """This process raised. Where another stage failed first (``may_follow``: not the same setup error on
-        every rank), this exception is its consequence: say the one line and end the process. Otherwise publish
-        it, keep beating while it unwinds, and return once every other process has heard it ([Note: ending a
-        run]): the others end after this one, each with its line said."""
+        every rank), this exception is its consequence: say the one line and end the process; a ``lost``
+        connection waits for its cause first (lost_peers.py). Otherwise publish it, keep beating while it
+        unwinds, and return once every other process has heard it ([Note: ending a run]): the others end after
+        this one, each with its line said."""
         first, raised = self._orphaned(), False  # after its launcher died (torch's SIGINT to a fork's ranks)
         if first is None:
             first, raised = (self._heard, self._await_end) if self._heard is not None else self.failed_elsewhere()
+        if first is None and lost and may_follow:
+            first, raised = _cause_of_lost_connection(self)
         if first is not None and (may_follow or first[0] == _NO_ONE):
             self._follow(first, await_end=raised)
             return
@@ -182,10 +189,10 @@ class StageWatchdog:
             print(f"lightning_paci: {failed}{cause} -- stopping {self.name(self.stage)}",
                   file=sys.stderr, flush=True)
             self._heard, self._heard_at, self._await_end = failure, time.monotonic(), await_end
-            if self.store.lost or stage == _NO_ONE:  # no one to tell
+            if self.store.lost:  # no one to tell
                 return
             with contextlib.suppress(Exception):
-                self.store.set(f"{self.prefix}heard/{self.stage}", "1")
+                self.store.set(f"{self.prefix}heard/{self.stage}", "1")  # an orphan's too: it ends having said so
                 host, _, pid = self._text(f"process/{stage}").partition("\n")
                 self._where = (host, int(pid))
 
@@ -289,6 +296,8 @@ class StageWatchdog:
         """A failure to stop for, and whether the failed process raised it itself (and so ends by itself)."""
         if (reported := self._reported()) is not None:
             return reported, self.store.check([f"{self.prefix}unwinding/{reported[0]}"])
+        if (gone := self._peers.gone()) is not None:  # a death on this machine, at once (lost_peers.py)
+            return gone, False
         done = {other for other in range(self.num_stages) if self.store.check([f"{self.prefix}done/{other}"])}
         doing = {other: decode_doing(text) for other in range(self.num_stages)
                  if (text := self._text(f"activity/{other}"))}
@@ -308,13 +317,30 @@ class StageWatchdog:
         return None, False
 
 
+def _cause_of_lost_connection(watchdog: StageWatchdog) -> tuple[tuple[int, str] | None, bool]:
+    """Another process's failure that this process's lost connection follows from, found within ``dead_after``
+    (and two beats, for the thread's judgement of a silent one), or None (lost_peers.py)."""
+    deadline = time.monotonic() + watchdog.dead_after + 2 * watchdog.interval
+    while time.monotonic() < deadline and not watchdog.store.lost:
+        if watchdog._heard is not None:  # the thread found it
+            return watchdog._heard, watchdog._await_end
+        if (found := watchdog.failed_elsewhere())[0] is not None:
+            return found
+        with contextlib.suppress(Exception):
+            if (gone := watchdog._peers.gone()) is not None:
+                watchdog.report(*gone)
+                return gone, False
+        time.sleep(5 * _POLL)
+    return None, False
+
+
 def _has_ended(watchdog: StageWatchdog) -> bool:
     """Whether the failed process has ended; its own pid where it runs on this machine, so that a store it
     hosts is not read after it ended (unless it is this process's launcher, which waits for it)."""
     stage = watchdog._heard[0] if watchdog._heard is not None else watchdog.stage
     host, pid = watchdog._where
     if host == socket.gethostname():
-        if not _running(pid):
+        if not running_here(pid):
             return True
         if stage == watchdog.store_host and pid != os.getppid():
             return False
@@ -354,47 +380,9 @@ _NO_ONE = -1  # a failure of no watched process (the launcher's)
 LAUNCHED: list[Any] = []  # the processes this one started (Lightning's script launcher's): it ends after them
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` of this machine runs (a zombie, ended but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:  # ended, or no procfs here (where a zombie reads as running)
-        if os.path.isdir("/proc/self"):
-            return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        pass
-    return True
-
-
 def _wait_for(processes: list[Any], seconds: float) -> None:
     """Wait (at most ``seconds`` in all) for ``processes`` (``subprocess.Popen``) to end."""
     deadline = time.monotonic() + seconds
     for process in processes:
         with contextlib.suppress(Exception):
             process.wait(timeout=max(0.0, deadline - time.monotonic()))
-
-
-class _OnceLost:
-    """A store that, once a call failed (its host is gone), fails at once: torch's client prints a C++ backtrace."""
-
-    def __init__(self, store: Any) -> None:
-        self._store, self.lost = store, False
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self._store, name)
-
-        def call(*args: Any) -> Any:
-            if self.lost:
-                raise ConnectionError("the rendezvous store is unreachable")
-            try:
-                return method(*args)
-            except Exception:
-                self.lost = True
-                raise
-
-        return call

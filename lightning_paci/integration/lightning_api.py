@@ -45,6 +45,7 @@ __all__ = [
     "patch_class_method",
     "patch_method",
     "should_validate_after_batch",
+    "sigterm_without_a_collective",
     "step_dataloader",
     "training_dataloader",
     "whole_model_summaries",
@@ -221,6 +222,28 @@ def keep_user_samplers(trainer: Any) -> None:
         raise _missing("lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector"
                        ".use_distributed_sampler", "does not have")
     connector.use_distributed_sampler = False
+
+
+def sigterm_without_a_collective(trainer: Any) -> Callable[[], None]:
+    """Lightning's SIGTERM handler without its broadcast; return the function that undoes it.
+
+    Lightning's handler broadcasts a flag from rank 0 inside the signal handler: a collective that only the
+    signalled process joins when the others are not signalled too (torchrun signals the ranks of one node when one
+    of them died), so it fails or waits inside whatever that process was doing -- its failure report included. The
+    handler here forwards the signal to the processes this one launched and sets the flag the per-batch check
+    reads (fit_loop.py), as Lightning's does, with no collective. Lightning registers it after the strategy's
+    ``setup``.
+    """
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None:
+        raise _missing("lightning.pytorch.trainer.Trainer._signal_connector", "does not have")
+
+    def notify(signum: Any, _: Any) -> None:
+        if not connector.received_sigterm and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)
+        connector.received_sigterm = True
+
+    return patch_method(connector, "_sigterm_notifier_fn", notify, parameters=("signum", "_"))
 
 
 def training_dataloader(trainer: Any) -> Any:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_paci.engine.activity import ALL, activity
+from lightning_paci.engine.lost_peers import is_lost_connection
 from lightning_paci.engine.supervision import LAUNCHED, PATIENCE, is_setup_error
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.processes import LAUNCHER_PID, ProcessGroups
@@ -126,14 +127,16 @@ def leave(groups: ProcessGroups | None) -> None:
 
 def report_failure(groups: ProcessGroups | None, exception: BaseException) -> None:
     """``Strategy.on_exception``: tell every other rank which stage failed and why, before Lightning unwinds; an
-    exception that follows another stage's failure ends this process with one line instead. A setup error is the
-    same on every rank: each reports its own (rank 0 prints it in full, the others in one line)."""
+    exception that follows another stage's failure ends this process with one line instead (a lost connection
+    waits for that failure to be found). A setup error is the same on every rank: each reports its own (rank 0
+    prints it in full, the others in one line)."""
     watchdog = None if groups is None else groups.watchdog
     if LAUNCHED:  # this launcher ends after the ranks it started
         atexit.register(wait_for_launched, 20.0 if watchdog is None else watchdog.dead_after,
                         joined=watchdog is not None)
     if watchdog is not None:
-        watchdog.fail(f"{type(exception).__name__}: {exception}", may_follow=not is_setup_error(exception))
+        watchdog.fail(f"{type(exception).__name__}: {exception}", may_follow=not is_setup_error(exception),
+                      lost=is_lost_connection(exception))
 
 
 def finish_fit(stage: Any, *, drain: Callable[[], None], undo: list[Callable[[], None]],
