@@ -10,8 +10,8 @@ stream driver, [Note: no flush per Lightning batch]), the Trainer's checks (inte
 loop's data, drain points and patches (integration/fit_loop.py), checkpoints (integration/checkpoint.py), failures
 (engine/supervision.py) and Lightning's private API (integration/lightning_api.py). Two per-batch synchronisations
 would turn PACI into a flush and are avoided: Lightning's per-batch SIGTERM broadcast from rank 0 (a full barrier on
-gloo) is replaced by a local check (Lightning's launchers deliver the signal to every process), and logged values
-travel upstream with the gradients instead of being broadcast (logs.py)."""
+gloo) is replaced by a local check (Lightning's launchers deliver the signal to every process; the handler itself
+runs no collective), and logged values travel upstream with the gradients instead of being broadcast (logs.py)."""
 
 from __future__ import annotations
 
