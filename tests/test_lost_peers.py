@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from torch.multiprocessing import ProcessExitedException
 
-from lightning_paci.engine.lost_peers import is_lost_connection
+from lightning_paci.engine.lost_peers import PeerProcesses, is_lost_connection, machine
 from lightning_paci.engine.supervision import StageWatchdog
 from lightning_paci.errors import StageFailure
 
@@ -129,3 +130,18 @@ def test_a_sigterm_to_one_rank_ends_the_run_through_its_report_with_no_collectiv
     err = capfd.readouterr().err
     assert "lightning_paci: stage 1 failed: SIGTERMException:  -- stopping stage 0" in err, err[-3000:]
     assert "broadcast" not in err, err[-3000:]
+
+
+def test_only_pids_of_this_machine_and_pid_namespace_are_looked_up():
+    # a container sharing the host name (host networking) has its own pids: one of them is never judged here
+    dead = mp.get_context("fork").Process(target=os._exit, args=(0,))
+    dead.start()
+    dead.join()  # reaped: the pid runs nothing
+    host = socket.gethostname()
+    keys = {"process/1": f"{machine()}\n{dead.pid}", "process/2": f"{host}/another boot/pid:[1]\n{dead.pid}",
+            "process/3": f"{machine()}\n{os.getpid()}", "done/4": "1", "process/4": f"{machine()}\n{dead.pid}"}
+    peers = PeerProcesses(lambda key: keys.get(key, ""), 6, 0)  # 5: not started yet
+    assert peers.gone() == (1, f"its process (pid {dead.pid}) ended without reporting an error: killed (SIGKILL, "
+                               f"the out-of-memory killer) or exited abruptly")
+    keys["heard/1"] = "1"  # it said it ended after all
+    assert peers.gone() is None

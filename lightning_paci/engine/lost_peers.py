@@ -2,12 +2,12 @@
 
 A process killed without a word (SIGKILL, the out-of-memory killer) leaves its neighbours with a lost connection:
 gloo's "Connection closed by peer" in a receive, a data-parallel reduction or a collective. The neighbour's
-exception is only the consequence, and whichever process raises first is the one the run's failure report would
-name -- so under torchrun (``tests/scripts/torchrun_script.py``) the dead rank's data-parallel peer, whose
-reduction failed first, used to be named instead of the rank that was killed. Two looks name the dead one instead:
+exception is only the consequence; reported as it comes, the first neighbour to raise would be named as the failed
+process (under torchrun, the dead rank's data-parallel peer, whose reduction breaks first). Two looks name the dead
+one instead:
 
-* every process published its host and pid at the start (``process/<id>``): a process of this machine that is no
-  longer running, and that never said it ended (``done``, ``left``, ``heard``, ``unwinding`` or ``ended``), was
+* every process publishes its machine (:func:`machine`) and pid at the start (``process/<id>``): a process of this
+  machine that no longer runs and never said it ended (``done``, ``left``, ``heard``, ``unwinding``, ``ended``) was
   killed or exited abruptly; the watchdog's thread looks at every interval (one ``/proc`` read per process of the
   machine, the store read once per process and again only for one found gone), so a death on this machine is named
   within an interval, not after ``dead_after`` seconds of silence;
@@ -21,9 +21,10 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["OnceLost", "PeerProcesses", "is_lost_connection", "running_here"]
+__all__ = ["OnceLost", "PeerProcesses", "is_lost_connection", "machine", "running_here"]
 
 # what gloo, NCCL and the store say when the process at the other end is gone (lower case)
 _LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
@@ -43,6 +44,20 @@ def is_lost_connection(exception: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+def machine() -> str:
+    """Where this process's pids mean something: the host name, and, where procfs tells them, the boot and the pid
+    namespace. Two containers of one machine may share its host name (host networking) but not their pids: a pid
+    of the other's is never looked up here."""
+    parts = [socket.gethostname()]
+    for read in (lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                 lambda: os.readlink("/proc/self/ns/pid")):
+        try:
+            parts.append(read())
+        except OSError:
+            parts.append("")
+    return "/".join(parts)
 
 
 def running_here(pid: int) -> bool:
@@ -70,7 +85,7 @@ class PeerProcesses:
 
     def __init__(self, read: Callable[[str], str], num: int, me: int) -> None:
         self._read, self._num, self._me = read, num, me
-        self._host = socket.gethostname()
+        self._host = machine()
         self._pids: dict[int, int | None] = {}  # id -> its pid where it runs here; None: elsewhere, or said it ended
 
     def _pid(self, other: int) -> int | None:

@@ -53,7 +53,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import socket
 import sys
 import threading
 import time
@@ -61,7 +60,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_paci.engine.activity import Doing, decode_doing, encode_doing
-from lightning_paci.engine.lost_peers import OnceLost, PeerProcesses, running_here
+from lightning_paci.engine.lost_peers import OnceLost, PeerProcesses, machine, running_here
 from lightning_paci.errors import is_setup_error, mark_setup_error
 
 __all__ = ["LAUNCHED", "PATIENCE", "StageWatchdog", "is_setup_error", "judge_progress", "mark_setup_error"]
@@ -103,7 +102,7 @@ class StageWatchdog:
         self._peers = PeerProcesses(self._text, num_stages, stage)  # those of this machine (lost_peers.py)
 
     def start(self) -> None:
-        self.store.set(f"{self.prefix}process/{self.stage}", f"{socket.gethostname()}\n{os.getpid()}")
+        self.store.set(f"{self.prefix}process/{self.stage}", f"{machine()}\n{os.getpid()}")
         self._beat()
         self._thread.start()
 
@@ -339,7 +338,7 @@ def _has_ended(watchdog: StageWatchdog) -> bool:
     hosts is not read after it ended (unless it is this process's launcher, which waits for it)."""
     stage = watchdog._heard[0] if watchdog._heard is not None else watchdog.stage
     host, pid = watchdog._where
-    if host == socket.gethostname():
+    if host == machine():
         if not running_here(pid):
             return True
         if stage == watchdog.store_host and pid != os.getppid():
