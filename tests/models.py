@@ -490,3 +490,42 @@ def planned_mlp() -> tuple[LightningModule, DataLoader]:
     """A module and its data for ``python -m lightning_paci.plan tests.models:planned_mlp``-style runs."""
     torch.manual_seed(0)
     return SequentialMLP(width=32, depth=8), regression_loader(num_batches=2, batch_size=16)
+
+
+class TwoTower(LightningModule):
+    """Two towers of ``depth`` blocks each (a query and a document encoder), a learned temperature held by the
+    module itself, and a loss that is a mean over samples: each sample's own pair, no in-batch negatives, so one
+    device's plain step on the whole batch is the reference. The towers run one after the other (one row of
+    ``2 * depth`` blocks); the query's embedding is read by the loss on the last stage (relayed)."""
+
+    def __init__(self, depth: int = 3, width: int = 8) -> None:
+        super().__init__()
+        self.query_in, self.doc_in = nn.Linear(6, width), nn.Linear(5, width)
+        self.query = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        self.doc = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        self.query_out, self.doc_out = nn.Linear(width, 4), nn.Linear(width, 4)
+        self.temperature = nn.Parameter(torch.tensor(0.5))
+
+    def training_step(self, batch, batch_idx):
+        queries, docs, targets = batch
+        q = self.query_in(queries)
+        for block in self.query:
+            q = block(q)
+        d = self.doc_in(docs)
+        for block in self.doc:
+            d = block(d)
+        score = (self.query_out(q) * self.doc_out(d)).sum(-1) * self.temperature.exp()  # (B,)
+        loss = ((score - targets) ** 2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def two_tower_batch(size: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One float64 batch for :class:`TwoTower`: queries (B, 6), documents (B, 5), target scores (B,)."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(size, 6, generator=generator, dtype=torch.float64),
+            torch.randn(size, 5, generator=generator, dtype=torch.float64),
+            torch.randn(size, generator=generator, dtype=torch.float64))

@@ -194,14 +194,16 @@ def test_a_plan_without_a_traced_step_refuses_parameters_held_on_the_path():
 
 def test_an_encoder_decoder_on_virtual_stages_equals_one_device(tmp_path):
     # 2 processes x 2 chunks in a V: device 0 holds stages 0 and 3 (the tied head with the shared embedding), and
-    # its stage 0 makes the decoder's input embedding after its own part for stage 1 on the other device
+    # its stage 0 makes the decoder's input embedding after its own part for stage 1 on the other device. The cut
+    # puts the decoder's first layer on stage 1: stage 2 reads the encoder's output through placeholders of its
+    # sibling chunk's layers, relayed from stage 1 (tests/test_every_cut.py runs every cut in one process)
     model, _ = _seq2seq("bart")
     torch.manual_seed(63)
     batches = [{"input_ids": torch.randint(3, 64, (4, 10)), "labels": torch.randint(3, 64, (4, 7))} for _ in range(2)]
     module = HFModel(model)
     reference = copy.deepcopy(module).double()
     fit(module, dict_loader(batches), devices=2, max_steps=-1, schedule="bfs", placement="v", virtual_stages=2,
-        microbatches=2, trainer_kwargs={"max_epochs": 1, "precision": "64-true"})
+        microbatches=2, partition=[2, 5, 7], trainer_kwargs={"max_epochs": 1, "precision": "64-true"})
     hf_model_reference(reference, batches, num_microbatches=2)
     state = module.double().state_dict()
     for key, value in reference.state_dict().items():

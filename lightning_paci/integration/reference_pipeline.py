@@ -31,6 +31,7 @@ from lightning_paci.integration.setup_probe import Sample, run_sample, without_s
 from lightning_paci.optim.stage_optimizer import StageOptimizer, optimizer_and_step_schedulers
 from lightning_paci.optim.weight_prediction import weight_prediction_for
 from lightning_paci.partition import PartitionPlan, StageCarve, carve_stage, share_tied_weights
+from lightning_paci.partition.chunks import carve_chunks
 from lightning_paci.partition.relay import RelayPlan, install_relays, plan_relays, probe_crossings
 from lightning_paci.schedules import ActionKind, Schedule, static_drift
 
@@ -47,7 +48,10 @@ class ReferencePipeline:
     ``Trainer(gradient_clip_val=...)`` does under ``"paci"``, by the norm over every stage's latest squared norms
     that the messages carry ([Note: norm table] in engine/norm_table.py), whatever the lists (under the flush
     schedules the Trainer clips by the exact global norm instead: compare those with one device); None: no clipping
-    (the reference runs no Lightning hooks).
+    (the reference runs no Lightning hooks). ``device_stages``: the stages each process holds (e.g. ``[[0, 3], [1,
+    2]]`` for 2 devices x 2 chunks in a V, :attr:`Schedule.devices`): each process's stages are carved into one
+    copy as the strategy carves a device ([Note: chunks of one device] in partition/chunks.py), one optimizer
+    stepped per chunk; None: one copy per stage.
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class ReferencePipeline:
         recompute: str = "off",
         recompute_stages: int | None = None,
         gradient_clip_val: float | None = None,
+        device_stages: Sequence[Sequence[int]] | None = None,
     ) -> None:
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"`recompute` must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}.")
@@ -75,6 +80,11 @@ class ReferencePipeline:
         self.relays: RelayPlan | None = None  # found at the first run, on its first micro-batch
         self._shared = False  # tied weights shared by the first and last stage's copies (virtual stages in a V)
         factory = optimizer_factory or _configured_optimizer
+        if device_stages is not None:
+            if replicas != 1 or recompute != "off" or gradient_clip_val is not None:
+                raise ValueError("`device_stages` runs one replica without recomputation or clipping")
+            self._carve_devices(module, plan, device_stages, factory, compensation)
+            return
         for replica in range(replicas):
             comms = LocalComm.network(plan.num_stages)
             modules, runtimes, carves = [], [], []
@@ -113,6 +123,43 @@ class ReferencePipeline:
             average = ReplicaParameterAverage(group, local_sgd_steps, last=stage == plan.num_stages - 1)
             group[-1].on_update(average)  # the last replica to step (run_lists steps them in order)
             self._parameter_averages.append(average)
+        self.modules, self.runtimes = self.replica_modules[0], self.replica_runtimes[0]
+
+    def _carve_devices(self, module: LightningModule, plan: PartitionPlan, device_stages: Sequence[Sequence[int]],
+                       factory: Callable[[LightningModule], tuple[torch.optim.Optimizer, list[Any]]],
+                       compensation: str) -> None:
+        """One copy per process, carved to its chunks, one optimizer viewed per chunk: what the strategy builds
+        (integration/local_stage.py), wired by in-process mailboxes."""
+        held = sorted(s for stages in device_stages for s in stages)
+        if held != list(range(plan.num_stages)):
+            raise ValueError(f"`device_stages` {device_stages} must hold each of the plan's {plan.num_stages} stages "
+                             f"once")
+        comms = LocalComm.network(plan.num_stages)
+        modules: dict[int, LightningModule] = {}
+        runtimes: dict[int, StageRuntime] = {}
+        carves: dict[int, StageCarve] = {}
+        for stages in device_stages:
+            copy_ = copy.deepcopy(module)
+            device = carve_chunks(copy_, plan, stages)
+            optimizer, schedulers = factory(copy_)
+            replicas = device.last.tied_params if device.holds_last else []  # the last stage's tied replicas
+            base = StageOptimizer(optimizer, list(copy_.parameters()), schedulers=schedulers, exclude=replicas)
+            owned = device.chunk_parameters(copy_)
+            for carve in device:
+                view = base if len(device.chunks) == 1 else base.chunk(owned[carve.stage], None)
+                prediction = weight_prediction_for(compensation, optimizer, view.pairs, warn=None)
+                if prediction is not None and len(device.chunks) > 1:
+                    prediction.before = view.own_hyperparameters
+                runtimes[carve.stage] = StageRuntime(carve.stage, plan.num_stages,
+                                                     LightningStageProgram(copy_, carve), comms[carve.stage], view,
+                                                     loss_scale=1.0, tied=carve.tied_params, prediction=prediction)
+                modules[carve.stage], carves[carve.stage] = copy_, carve
+            self._shared = self._shared or bool(device.shared_tied)
+        order = range(plan.num_stages)
+        self.replica_modules = [[modules[s] for s in order]]
+        self.replica_runtimes = [[runtimes[s] for s in order]]
+        self._carves = [[carves[s] for s in order]]
+        self._parameter_averages = []
         self.modules, self.runtimes = self.replica_modules[0], self.replica_runtimes[0]
 
     def run(self, schedule: Schedule, batches: Sequence[Any], *, accumulation_scale: int | None = None) -> None:
@@ -175,13 +222,14 @@ class ReferencePipeline:
         """The setup probe of every stage on ``sample`` ([Note: relayed crossings] in partition/relay.py)."""
         probes = {}
         for stage, (module, carve) in enumerate(zip(self.modules, self._carves[0])):
-            with without_side_effects(module, cuda_devices=[]):
+            with without_side_effects(module, cuda_devices=[]), carve.entered():
                 probes[stage] = probe_crossings(module, carve, run_sample(module, Sample(sample, 1, "training_step"),
                                                                          contextlib.nullcontext))
         self.relays = plan_relays(self.plan, probes)
         for modules, carves in zip(self.replica_modules, self._carves):
             for module, carve in zip(modules, carves):
-                install_relays(module, carve, self.relays)
+                with carve.entered():
+                    install_relays(module, carve, self.relays)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The union of the stages' state dicts: the full model's keys (a tied weight from stage 0, its owner). A

@@ -102,6 +102,18 @@ class StageCarve:
     # other names of removed modules (-> their first name), and removed direct parameters (on meta) by name
     aliased: dict[str, str] = field(default_factory=dict)
     removed_params: dict[str, nn.Parameter] = field(default_factory=dict)
+    # modules a sibling chunk of this process owns (chunks.py), by name: their meta copies, behind this stage's
+    # placeholders; the real ones stay in the module, so they are not ``removed``
+    shadowed: dict[str, nn.Module] = field(default_factory=dict)
+    # direct parameters a sibling chunk owns, by name: their meta form, shown in this stage's layout (the real ones
+    # stay at rest)
+    shadowed_params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def stand_ins(self) -> dict[str, nn.Module]:
+        """Every module this stage runs a placeholder for, by name -> its meta copy: the removed ones and a sibling
+        chunk's. What a placeholder returns is another stage's value, whichever of the two it stands for."""
+        return {**self.removed, **self.shadowed}
 
     def entered(self) -> contextlib.AbstractContextManager[Any]:
         """Around every forward of this stage (and every hook installed for it): its own modules in place."""
@@ -185,12 +197,15 @@ def untie(module: nn.Module, plan: PartitionPlan) -> None:
 
 
 def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int, *, untie_weights: bool = True,
-                shadows: Mapping[str, nn.Module] | None = None) -> StageCarve:
+                shadows: Mapping[str, nn.Module] | None = None,
+                shadowed_params: frozenset[str] = frozenset()) -> StageCarve:
     """Keep only ``stage``'s parameters in ``module`` (in place) and install the boundary hooks.
 
     Removed modules are moved to the meta device (their memory is freed) and kept for :meth:`StageCarve.restore`.
     ``shadows``: modules another stage of this process owns, by name, as meta copies for their placeholders: the
-    real ones stay (chunks.py puts them back after this carve); ``untie_weights``: False where the caller unties.
+    real ones stay (chunks.py puts them back after this carve); ``shadowed_params``: direct parameters another
+    stage of this process owns, left in place (chunks.py shows their meta form in this stage's layout);
+    ``untie_weights``: False where the caller unties.
     """
     last = plan.num_stages - 1
     removed: dict[str, nn.Module] = {}
@@ -221,7 +236,7 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int, *, untie_wei
     for alias, name in aliased.items():  # one placeholder under every name: its calls are counted once
         parent_name, _, child = alias.rpartition(".")
         (module.get_submodule(parent_name) if parent_name else module)._modules[child] = module.get_submodule(name)
-    removed_params = _remove_parameters(module, plan, stage)
+    removed_params, kept_params = _remove_parameters(module, plan, stage, shadowed_params)
 
     handles = []
     blocks = plan.blocks(stage)
@@ -259,22 +274,34 @@ def carve_stage(module: nn.Module, plan: PartitionPlan, stage: int, *, untie_wei
     tied_local = [names[first if stage == 0 else last_name] for first, last_name in firsts.items()
                   if stage in (0, last)]
     return StageCarve(plan=plan, stage=stage, boundary=boundary, removed=removed, handles=handles,
-                      tied_params=tied_local, aliased=aliased, removed_params=removed_params)
+                      tied_params=tied_local, aliased=aliased, removed_params=removed_params,
+                      shadowed={name: shadows[name] for name in removed_modules(plan, stage) if name in shadows},
+                      shadowed_params=kept_params)
 
 
-def _remove_parameters(module: nn.Module, plan: PartitionPlan, stage: int) -> dict[str, nn.Parameter]:
+def _remove_parameters(module: nn.Module, plan: PartitionPlan, stage: int, keep: frozenset[str] = frozenset()
+                       ) -> tuple[dict[str, nn.Parameter], dict[str, torch.Tensor]]:
     """Take the direct parameters another stage owns out of ``module`` (onto meta, kept for ``restore``); the
     attribute stays readable as a meta tensor, which the first forward's check refuses to compute with, naming it
-    (crossing.py)."""
+    (crossing.py). Those in ``keep`` (a sibling chunk's) stay: only their meta form is returned, for the chunk's
+    layout. One taken out by a sibling chunk's carve before this one is already a meta attribute."""
     out: dict[str, nn.Parameter] = {}
+    kept: dict[str, torch.Tensor] = {}
     for name in removed_parameters(plan, stage):
         holder_name, _, attr = name.rpartition(".")
         holder = module.get_submodule(holder_name) if holder_name else module
-        param = holder._parameters.pop(attr)
-        assert param is not None
+        param = holder._parameters.get(attr)
+        if param is None:  # a sibling chunk's carve took it out: the same meta attribute stands for it here
+            meta = holder.__dict__[attr]
+            out[name] = nn.Parameter(meta, requires_grad=True)
+            continue
+        if name in keep:
+            kept[name] = param.detach().to("meta")
+            continue
+        del holder._parameters[attr]
         out[name] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
         holder.__dict__[attr] = out[name].detach()
-    return out
+    return out, kept
 
 
 

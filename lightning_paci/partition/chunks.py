@@ -61,12 +61,14 @@ def _meta_copy(module: nn.Module) -> nn.Module:
 
 class _Layout:
     """A chunk's modules put in place for one forward: ``swaps`` are (parent, child name, the chunk's module, the
-    module at rest); a context manager without a generator frame (one per forward)."""
+    module at rest); ``hidden`` (holder, attribute, meta form) the direct parameters a sibling chunk owns, shown as
+    meta tensors while the chunk runs; a context manager without a generator frame (one per forward)."""
 
-    __slots__ = ("swaps",)
+    __slots__ = ("hidden", "swaps")
 
-    def __init__(self, swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]]) -> None:
-        self.swaps = swaps
+    def __init__(self, swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]],
+                 hidden: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+        self.swaps, self.hidden = swaps, hidden
 
     def __call__(self) -> _Layout:
         return self
@@ -74,10 +76,14 @@ class _Layout:
     def __enter__(self) -> None:
         for parent, child, mine, _ in self.swaps:
             parent._modules[child] = mine
+        for holder, attr, meta in self.hidden:
+            holder.__dict__[attr] = meta  # found before `_parameters`: nn.Module's __getattr__ is not reached
 
     def __exit__(self, *_: Any) -> None:
         for parent, child, _mine, rest in self.swaps:
             parent._modules[child] = rest
+        for holder, attr, _meta in self.hidden:
+            del holder.__dict__[attr]
 
 
 @dataclass
@@ -122,6 +128,7 @@ class DeviceCarve:
         for stage in self.stages:
             for name in owned_names(self.plan, stage):
                 owners.setdefault(name, stage)
+        owners.update((name, stage) for name, stage in self.plan.direct if stage in self.stages)
         owned = [(_owner(name, owners, self.stages[0]), param)
                  for name, param in module.named_parameters(remove_duplicate=False)]
         out: dict[int, list[nn.Parameter]] = {s: [] for s in self.stages}
@@ -144,7 +151,7 @@ class DeviceCarve:
 
 def _owner(name: str, owners: Mapping[str, int], default: int) -> int:
     parts = name.split(".")
-    for i in range(len(parts) - 1, 0, -1):
+    for i in range(len(parts), 0, -1):  # the name itself first: a parameter the model holds directly
         owner = owners.get(".".join(parts[:i]))
         if owner is not None:
             return owner
@@ -171,9 +178,13 @@ def carve_chunks(module: nn.Module, plan: PartitionPlan, stages: Sequence[int]) 
     rest = {name: _at(parent, child) for name, (parent, child) in place_of.items()}
     carves: dict[int, StageCarve] = {}
     layouts: dict[int, dict[str, nn.Module]] = {}
+    direct = dict(plan.direct)  # a parameter the model holds itself -> its stage
+    hidden: dict[int, list[tuple[nn.Module, str, torch.Tensor]]] = {}
     for stage in stages:
+        siblings = frozenset(name for name, owner in direct.items() if owner in stages and owner != stage)
         carve = carve_stage(module, plan, stage, untie_weights=False,
-                            shadows={name: shadows[name] for name in mine - own[stage]})
+                            shadows={name: shadows[name] for name in mine - own[stage]}, shadowed_params=siblings)
+        hidden[stage] = [(*_place(module, name), meta) for name, meta in carve.shadowed_params.items()]
         if shared:
             carve.tied_params = []  # one Parameter, stepped by stage 0's optimizer, nothing to exchange
         layouts[stage] = {name: _at(parent, child) for name, (parent, child) in place_of.items()}
@@ -185,7 +196,7 @@ def carve_chunks(module: nn.Module, plan: PartitionPlan, stages: Sequence[int]) 
     for stage, carve in carves.items():
         carve.enter = _Layout([(parent, child, layouts[stage][name], at_rest[name])
                                for name, (parent, child) in place_of.items()
-                               if layouts[stage][name] is not at_rest[name]])
+                               if layouts[stage][name] is not at_rest[name]], hidden[stage])
     return DeviceCarve(plan, carves, shared)
 
 

@@ -177,17 +177,18 @@ class CrossingCheck:
             return hook
 
         inside = {id(m) for container in self.containers for m in container.modules()}
-        for name, shadow in self.carve.removed.items():
+        stand_ins = self.carve.stand_ins  # a sibling chunk's modules too: their placeholders return its values
+        for name, shadow in stand_ins.items():
             owner = getattr(self.module.get_submodule(name), "owner", "another stage")
             for tensor_name, tensor in [*shadow.named_parameters(), *shadow.named_buffers()]:
                 self._foreign[id(tensor)] = (owner, f"{name}.{tensor_name}")
-        for name in self.carve.removed_params:
+        for name in [*self.carve.removed_params, *self.carve.shadowed_params]:  # read in the chunk's layout
             holder, _, attr = name.rpartition(".")
             meta = (self.module.get_submodule(holder) if holder else self.module).__dict__.get(attr)
             if isinstance(meta, torch.Tensor):
                 owner = f"stage {dict(self.carve.plan.direct)[name]}"
                 self._foreign[id(meta)] = (owner, name)
-        for name in self.carve.removed:
+        for name in stand_ins:
             handles.append(self.module.get_submodule(name).register_forward_hook(tainting(name)))
         for name, sub in self.module.named_modules():
             if id(sub) not in inside and any(True for _ in sub.buffers(recurse=False)):
