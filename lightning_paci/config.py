@@ -47,12 +47,12 @@ class PACIConfig:
             divide evenly are allowed (the first ``B mod m`` micro-batches get one sample more).
         accumulation: local backwards per optimizer step on every stage (default: ``microbatches``, i.e. one step
             per batch per stage). ``Trainer(accumulate_grad_batches=k)`` multiplies it.
-        partition: ``"balanced"`` (default): parameter counts, or the measured forward+backward time of each block
-            on a sample micro-batch when that split makes the slowest stage at least 10% faster (timing noise cannot
-            flip it); ``"parameters"``, ``"uniform"``, or the block indices where stages 1..N-1 start. The chosen
-            split is logged at setup; pin it with explicit indices to reproduce a run exactly. ``"balanced"`` draws
-            one sample batch from the training dataloader at setup (RNG state restored): a dataloader or
-            ``collate_fn`` with side effects sees one extra batch; use ``"parameters"`` to avoid that.
+        partition: ``"parameters"`` (default): the split balancing parameter counts, the same on every machine and
+            every run; ``"time"``: the measured forward+backward time of each block on a sample micro-batch when
+            that split makes the slowest stage at least 10% faster (timing noise cannot flip it), else parameters
+            -- the split then depends on the machine, so it is logged at setup, saved in checkpoints and reused
+            when a run resumes from one (``"balanced"``: the same, its name in 0.3.0); ``"uniform"``; or the block
+            indices where stages 1..N-1 start (the setup line prints the split as such a list).
         block_container: dotted path of the ``nn.Sequential``/``nn.ModuleList`` holding the repeated blocks, or
             a tuple of such paths (an encoder's and a decoder's layers), cut as one row in the order the step runs
             them (default: found automatically, every container that runs so; see [Note: several containers]).
@@ -156,7 +156,7 @@ class PACIConfig:
     schedule: ScheduleName = "paci"
     microbatches: int | None = None  # None: one per stage
     accumulation: int | None = None  # None: = microbatches (one step per batch per stage)
-    partition: PartitionSpec = "balanced"
+    partition: PartitionSpec = "parameters"
     block_container: str | Sequence[str] | None = None
     process_group_backend: str | None = None  # None: nccl on CUDA, gloo otherwise
     timeout: timedelta = timedelta(minutes=30)
@@ -294,11 +294,11 @@ def _check_partition_options(config: PACIConfig) -> None:
     """``partition``, ``block_container``, ``process_group_backend`` and ``timeout``, each by its rule."""
     partition = config.partition
     if isinstance(partition, str):
-        _choice("partition", partition, ("balanced", "parameters", "uniform"))
+        _choice("partition", partition, ("parameters", "time", "balanced", "uniform"))
     elif not isinstance(partition, Sequence) or not partition or any(
             isinstance(i, bool) or not isinstance(i, int) for i in partition) or any(
             b <= a for a, b in zip([0, *partition], partition)):
-        raise ValueError(f"`partition={partition!r}` must be 'balanced', 'parameters', 'uniform' or the strictly "
+        raise ValueError(f"`partition={partition!r}` must be 'parameters', 'time', 'uniform' or the strictly "
                          f"increasing block indices (>= 1) where stages 1..N-1 start, e.g. `partition=[6, 12, 18]` "
                          f"for 4 stages of 24 blocks.")
     container = config.block_container

@@ -45,6 +45,7 @@ from lightning_paci.engine.supervision import mark_setup_error
 from lightning_paci.engine.topology import Topology
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.checkpoint import (
+    PARTITION_KEY,
     PipelineCheckpoints,
     after_fit_message,
     cpu_state,
@@ -115,7 +116,7 @@ class PACIStrategy(ParallelStrategy):
         schedule: ScheduleName = "paci",
         microbatches: int | None = None,
         accumulation: int | None = None,
-        partition: PartitionSpec = "balanced",
+        partition: PartitionSpec = "parameters",
         block_container: str | Sequence[str] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -524,6 +525,8 @@ class PACIStrategy(ParallelStrategy):
         for key, states in (self._after_fit or {}).items():  # the main process of a fork/spawn run has no optimizer
             if key in checkpoint and not checkpoint[key]:
                 checkpoint[key] = states
+        if self._stage is not None:  # the split, reused by a resume of a measured one (partition="time")
+            checkpoint[PARTITION_KEY] = {"num_stages": self._stage.plan.num_stages, "cut": self._stage.plan.cut}
         self._checkpoints.save(checkpoint, filepath, storage_options)
 
     @override

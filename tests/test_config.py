@@ -26,7 +26,7 @@ from lightning_paci.config import PACIConfig
     ({"schedule": "1f1b", "virtual_stages": 2}, r"`schedule='1f1b'` runs one stage per device, got "
                                                 r"`virtual_stages=2`: use `schedule='interleaved'`"),
     ({"schedule": "layered", "virtual_stages": 2}, r"use `schedule='bfs'`"),
-    ({"partition": "even"}, r"`partition` must be one of 'balanced', 'parameters', 'uniform', got 'even'"),
+    ({"partition": "even"}, r"`partition` must be one of 'parameters', 'time', 'balanced', 'uniform', got 'even'"),
     ({"partition": [4, 2]}, r"`partition=\[4, 2\]` must be .* the strictly increasing block indices \(>= 1\)"),
     ({"partition": [0, 3]}, r"`partition=\[0, 3\]` must be"),
     ({"partition": [2.0]}, r"`partition=\[2\.0\]` must be"),

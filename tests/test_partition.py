@@ -225,7 +225,7 @@ def test_time_split_needs_a_millisecond_of_the_slowest_stage(block_ms, expected)
 def test_time_split_must_win_in_every_repetition(heads_ms, expected):
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
     median = _ms([10.0] * 4, heads_ms[0], repeats=tuple(_ms([10.0] * 4, h) for h in heads_ms))
-    assert plan_partition(model, 2, partition="balanced", measured=median).boundaries == expected
+    assert plan_partition(model, 2, partition="time", measured=median).boundaries == expected
     assert plan_partition(model, 2, partition="parameters", measured=median).boundaries == (0, 2, 4)
 
 
@@ -235,7 +235,7 @@ def test_time_balanced_split_gives_the_expensive_last_block_its_own_stage():
     measured = profile_block_costs(model, None, _ticking_step(model, clock), clock=clock)
     assert measured.blocks[-1] > 2 * max(measured.blocks[:-1])
     by_params = plan_partition(model, 4, partition="parameters")
-    plan = plan_partition(model, 4, measured=measured)
+    plan = plan_partition(model, 4, partition="time", measured=measured)
     assert by_params.boundaries == (0, 2, 4, 6, 8)
     assert plan.boundaries[-2] == 7  # the slow block alone on the last stage
     assert plan.boundaries == (0, 3, 6, 7, 8)  # stages filled from the front up to 5% over the optimum (24 ms)
@@ -255,7 +255,7 @@ def test_profiled_split_keeps_parameters_when_one_repetition_disagrees():
     script = [slow_last, slow_last, uniform, slow_last]
     measured = profile_block_costs(model, None, _ticking_step(model, clock, script=script), clock=clock)
     assert measured.blocks == pytest.approx((0.008,) * 7 + (0.024,), abs=1e-12)
-    plan = plan_partition(model, 4, measured=measured)
+    plan = plan_partition(model, 4, partition="time", measured=measured)
     assert plan.boundaries == (0, 2, 4, 6, 8)
     assert plan.note.endswith("-> using parameters")
 
@@ -265,4 +265,4 @@ def test_homogeneous_blocks_keep_the_parameter_split_despite_timing_noise():
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
     for _ in range(3):
         measured = profile_block_costs(model, None, _run_step(model))
-        assert plan_partition(model, 4, measured=measured).boundaries == (0, 2, 4, 6, 8)
+        assert plan_partition(model, 4, partition="time", measured=measured).boundaries == (0, 2, 4, 6, 8)

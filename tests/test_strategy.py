@@ -408,11 +408,56 @@ def test_setup_logs_the_time_balanced_split(tmp_path, monkeypatch):
             self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), *[TickBlock(16, clock, 0.004) for _ in range(6)],
                                            TickBlock(16, clock, 0.012), torch.nn.Linear(16, 4))
 
-    fit(Ticking(), regression_loader(num_batches=3), devices=4, max_steps=2, microbatches=4,
+    fit(Ticking(), regression_loader(num_batches=3), devices=4, max_steps=2, microbatches=4, partition="time",
         callbacks=[DumpStageRecords(tmp_path)])
     line = read_stage_records(tmp_path, 4)[0]["plan"]  # the text of the setup log line
     assert "by parameters [8.0, 16.0, 16.0, 32.0], by time [24.0, 24.0, 24.0, 0.0] -> using time" in line
     assert "stage 2: net[7:8]" in line  # the slow block alone on its stage
+    assert line.endswith("; split partition=[4, 7, 8]")  # what to pass to reproduce it
+
+
+def test_the_default_split_is_the_same_on_every_machine_and_a_measured_one_is_reused_on_resume(tmp_path,
+                                                                                                monkeypatch):
+    """``partition`` defaults to parameter counts: no block is timed, whatever the clock says. A measured split
+    (``"time"``) is saved in the checkpoint and reused by a resume, where a new measurement would cut elsewhere."""
+    from functools import partial
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_paci.integration import setup_probe
+    from lightning_paci.partition import profile_block_costs
+
+    from test_partition import FakeClock, TickBlock
+
+    clock = FakeClock()
+    monkeypatch.setattr(setup_probe, "profile_block_costs", partial(profile_block_costs, clock=clock))  # forked
+
+    class Ticking(SequentialMLP):
+        def __init__(self, last_seconds: float):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), *[TickBlock(16, clock, 0.004) for _ in range(6)],
+                                           TickBlock(16, clock, last_seconds), torch.nn.Linear(16, 4))
+
+    def plan_line(name, *, last_seconds=0.012, checkpoints=(), max_steps=2, ckpt_path=None, **kwargs):
+        directory = tmp_path / name
+        directory.mkdir()
+        fit(Ticking(last_seconds), regression_loader(num_batches=3), devices=4, max_steps=max_steps, microbatches=4,
+            callbacks=[DumpStageRecords(directory), *checkpoints], ckpt_path=ckpt_path,
+            trainer_kwargs={"enable_checkpointing": bool(checkpoints)}, **kwargs)
+        return read_stage_records(directory, 4)[0]["plan"]
+
+    default = plan_line("default")
+    assert "by time" not in default and default.endswith("; split partition=[2, 4, 6]")  # parameter counts
+    saved = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    first = plan_line("first", partition="time", checkpoints=[saved])
+    assert first.endswith("; split partition=[4, 7, 8]")
+    checkpoint = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert checkpoint["paci_partition"] == {"num_stages": 4, "cut": [4, 7, 8]}
+    # every block as fast as the others now: measured again, the split would be parameter counts' [2, 4, 6]
+    resumed = plan_line("resumed", partition="time", last_seconds=0.004, max_steps=4,
+                        ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert "by time" not in resumed and "the split the checkpoint recorded, partition=[4, 7, 8]" in resumed
+    assert resumed.endswith("; split partition=[4, 7, 8]")
 
 
 def test_torchmetrics_object_logged_in_validation_reaches_every_rank():

@@ -38,10 +38,21 @@ from lightning_paci.integration.pruning import parameter_names
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 
 __all__ = [
-    "PipelineCheckpoints", "Resumed", "after_fit_message", "atomic_save", "consolidate_checkpoint", "cpu_state",
-    "gather_everywhere", "gather_to_first", "load_sharded", "load_stage_optimizer_state", "merge_parts",
-    "receive_after_fit", "stage_optimizer_state"
+    "PARTITION_KEY", "PipelineCheckpoints", "Resumed", "after_fit_message", "atomic_save", "consolidate_checkpoint",
+    "cpu_state", "gather_everywhere", "gather_to_first", "load_sharded", "load_stage_optimizer_state", "merge_parts",
+    "receive_after_fit", "recorded_cut", "stage_optimizer_state"
 ]
+
+PARTITION_KEY = "paci_partition"  # {"num_stages": N, "cut": [block indices where stages 1..N-1 start]}
+
+
+def recorded_cut(checkpoint: Mapping[str, Any], num_stages: int) -> list[int] | None:
+    """The split a checkpoint of a ``num_stages``-stage run recorded (``PARTITION_KEY``), or None: none recorded,
+    or recorded for another number of stages (a resume on another layout splits anew)."""
+    record = checkpoint.get(PARTITION_KEY)
+    if not isinstance(record, Mapping) or record.get("num_stages") != num_stages:
+        return None
+    return [int(i) for i in record["cut"]]
 
 
 def atomic_save(checkpoint: dict[str, Any], path: str | Path) -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "distributed_is_initialized",
     "init_dist_connection",
     "keep_user_samplers",
+    "loaded_checkpoint",
     "multiprocessing_launcher",
     "ResultMetric",
     "patch_class_method",
@@ -266,6 +267,15 @@ def step_dataloader(trainer: Any, loop: str) -> Any:
 
 
 _warned_validation = False
+
+
+def loaded_checkpoint(trainer: Any) -> dict[str, Any]:
+    """The checkpoint ``fit(ckpt_path=...)`` loaded before ``strategy.setup`` (``{}`` without one, or where the
+    model is restored after setup). Fallback when the private attribute is gone: ``{}``, so a recorded split is
+    not reused and ``partition="time"`` measures again (said where it is read)."""
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    loaded = getattr(connector, "_loaded_checkpoint", None)
+    return loaded if isinstance(loaded, dict) else {}
 
 
 def should_validate_after_batch(trainer: Any) -> bool:

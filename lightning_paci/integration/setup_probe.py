@@ -22,6 +22,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.module_tracker import ModuleTracker
 
 from lightning_paci.engine.microbatch import microbatch_size, split_microbatches
 from lightning_paci.integration import lightning_api as api
@@ -74,6 +75,29 @@ def run_sample(module: LightningModule, sample: Sample, context: Callable[[], An
     return run
 
 
+class _ForwardTracker(ModuleTracker):
+    """The module tracking of a FLOP count for a step run without gradients: which modules an op runs inside,
+    from the forward hooks alone. torch's tracker also hooks the gradient of every module's inputs and outputs to
+    follow the backward; without gradients there is none, and a module input that is a view of a parameter made
+    under ``no_grad`` (Mamba's, Jamba's, Zamba's convolution weights) requires grad without a gradient node, where
+    that hook fails inside torch (``AssertionError: Expected gradient function to be set``)."""
+
+    def _fw_pre_hook(self, mod: Any, input: Any) -> None:
+        self._get_append_fn(self._get_mod_name(mod), False)()
+
+    def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
+        self._get_pop_fn(self._get_mod_name(mod), False)()
+
+
+def forward_flop_counter() -> FlopCounterMode:
+    """A ``FlopCounterMode`` for a step under ``torch.no_grad()`` (see ``_ForwardTracker``)."""
+    counter = FlopCounterMode(display=False)
+    if callable(getattr(ModuleTracker, "_fw_pre_hook", None)) and callable(getattr(ModuleTracker, "_fw_post_hook",
+                                                                                   None)):
+        counter.mod_tracker = _ForwardTracker()  # (a torch without these hooks keeps its own tracker)
+    return counter
+
+
 def trace_call_order(strategy: Any, module: LightningModule, sample: Sample | None
                      ) -> tuple[CallTrace | None, int]:
     """The order of the modules' first calls in one step of the whole model, and their counts (rank 0, no
@@ -83,7 +107,7 @@ def trace_call_order(strategy: Any, module: LightningModule, sample: Sample | No
     flops = 0
     if sample is not None and strategy.is_global_zero:
         try:
-            counter = FlopCounterMode(display=False)
+            counter = forward_flop_counter()
             with without_side_effects(module, cuda_devices=cuda_devices(strategy.root_device)), torch.no_grad():
                 with counter:
                     order = call_order(module, run_sample(module, sample, strategy.precision_plugin.train_step_context))

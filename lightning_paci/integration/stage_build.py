@@ -21,7 +21,7 @@ import logging
 import os
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from torch import nn
 
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.auto_plan import choose_plan, plan_meta_built
+from lightning_paci.integration.checkpoint import recorded_cut
 from lightning_paci.integration.setup_probe import (
     Sample,
     cuda_devices,
@@ -42,6 +43,7 @@ from lightning_paci.integration.trainer_checks import batch_norm_warning
 from lightning_paci.partition import PartitionPlan, plan_partition
 from lightning_paci.partition.carve import removed_modules
 from lightning_paci.partition.chunks import DeviceCarve
+from lightning_paci.partition.plan import TIMED_PARTITIONS as TIMED
 from lightning_paci.partition.stage_init import (
     Recording,
     generator_states,
@@ -186,8 +188,9 @@ class StageBuilder:
 
     def plan_stages(self, trainer: Any, module: Any) -> PartitionPlan:
         """The plan of a model built on the meta device, or one planned here from the whole model (timing blocks
-        for ``"balanced"``; a warning when every local rank holding the whole model nears the host's memory); the
-        setup's sample micro-batch is drawn here (setup_probe.py) and kept for the relays."""
+        for ``"time"``, unless the checkpoint resumed from recorded its split; a warning when every local rank
+        holding the whole model nears the host's memory); the setup's sample micro-batch is drawn here
+        (setup_probe.py) and kept for the relays."""
         strategy = self.strategy
         whole = trainer.state.fn == TrainerFn.FITTING and strategy.is_global_zero
         if whole and (warning := batch_norm_warning(module, strategy.num_microbatches)) is not None:
@@ -196,6 +199,9 @@ class StageBuilder:
         if built is None and self.on_meta(module):
             built = self.adopt(module, source="weights" if strategy.config.weights is not None else "empty")
         measured = trace = None
+        config = strategy.config
+        recorded = recorded_cut(api.loaded_checkpoint(trainer), len(strategy.stage_devices))
+        timed = config.partition in TIMED and recorded is None
         if self.sample is None:  # drawn already where plan="auto" planned a model built in `configure_model`
             self.sample = draw_sample(trainer, strategy.num_microbatches, cuda_devices(strategy.root_device))
         if built is None:
@@ -204,7 +210,7 @@ class StageBuilder:
             trace, self.flops = trace_call_order(strategy, module, self.sample)
             if strategy.config.plan == "auto" and trainer.state.fn == TrainerFn.FITTING:
                 choose_plan(strategy, trainer, module, self.sample, trace)  # replaces strategy.config
-            elif strategy.config.partition == "balanced":
+            elif timed:
                 measured = measure_block_costs(strategy, trainer, self.sample, trace)
         elif strategy.config.plan == "auto" and not self.planned:
             rank_zero_warn("lightning_paci: plan='auto' measures the whole model on a sample batch; this one is built "
@@ -212,10 +218,13 @@ class StageBuilder:
                            "measures it wherever it fits in one process, and prints the options to pass)")
         if whole:  # before carving: the whole model (on meta when built there)
             strategy.undo_at_teardown(api.whole_model_summaries(trainer, module, self.flops))
-        config = strategy.config
+        config = strategy.config  # (plan="auto" replaced it)
+        partition = recorded if config.partition in TIMED and recorded is not None else config.partition
         plan = built.plan if built is not None else plan_partition(
-            module, len(strategy.stage_devices), container=config.block_container, partition=config.partition,
+            module, len(strategy.stage_devices), container=config.block_container, partition=partition,
             measured=measured, trace=trace)
+        if partition is recorded:
+            plan = replace(plan, note=f"the split the checkpoint recorded, partition={recorded}")
         topology, v = strategy.topology, config.virtual_stages
         layout = topology.describe() if v == 1 else (
             f"{v * topology.pipeline} stages, {v} on each of {topology.pipeline} processes (placement="
@@ -228,9 +237,10 @@ class StageBuilder:
     def plan_on_meta(self, module: nn.Module) -> PartitionPlan:
         """The partition of a model built on the meta device (no forward to time: parameter counts)."""
         config = self.strategy.config
-        if config.partition == "balanced" and config.plan != "auto":  # (the plan replaces the split)
-            rank_zero_info("lightning_paci: the model is built on the meta device, so `partition='balanced'` splits "
-                           "by parameter count (no block can be timed before it is materialized)")
+        if config.partition in TIMED and config.plan != "auto":  # (the plan replaces the split)
+            rank_zero_info(f"lightning_paci: the model is built on the meta device, so `partition="
+                           f"{config.partition!r}` splits by parameter count (no block can be timed before it is "
+                           f"materialized)")
         return plan_partition(module, len(self.strategy.stage_devices), container=config.block_container,
                               partition=config.partition, measured=None)
 

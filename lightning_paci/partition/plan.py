@@ -30,9 +30,10 @@ from lightning_paci.partition.blocks import (
 from lightning_paci.partition.outside import OutsidePlacement, place_outside
 from lightning_paci.partition.profile import BlockCosts, prefer_time_split
 
-__all__ = ["CallTrace", "PartitionPlan", "PartitionSpec", "call_order", "plan_partition"]
+__all__ = ["TIMED_PARTITIONS", "CallTrace", "PartitionPlan", "PartitionSpec", "call_order", "plan_partition"]
 
-PartitionSpec = Literal["balanced", "parameters", "uniform"] | Sequence[int]
+PartitionSpec = Literal["parameters", "time", "balanced", "uniform"] | Sequence[int]
+TIMED_PARTITIONS = ("time", "balanced")  # the splits measured on the machine ("balanced": the name in 0.3.0)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,11 @@ class PartitionPlan:
     def block_stage(self, index: int) -> int:
         return next(s for s in range(self.num_stages) if index < self.boundaries[s + 1])
 
+    @property
+    def cut(self) -> list[int]:
+        """The block indices where stages 1..N-1 start: ``partition=`` pins this split."""
+        return list(self.boundaries[1:-1])
+
     def describe(self) -> str:
         parts = []
         for s in range(self.num_stages):
@@ -99,7 +105,8 @@ class PartitionPlan:
             count = f", {self.stage_params[s]:,} params" if self.stage_params else ""
             parts.append(f"stage {s}: {run}{extra}{count}")
         tied = f"; tied {', '.join(f'{a} = {b}' for a, b in self.tied)} (owned by stage 0)" if self.tied else ""
-        return "; ".join(parts) + tied + (f" ({self.note})" if self.note else "")
+        note = f" ({self.note})" if self.note else ""
+        return "; ".join(parts) + tied + note + f"; split partition={self.cut}"  # (what pins it)
 
 
 def plan_partition(
@@ -107,18 +114,19 @@ def plan_partition(
     num_stages: int,
     *,
     container: str | Sequence[str] | None = None,
-    partition: PartitionSpec = "balanced",
+    partition: PartitionSpec = "parameters",
     measured: BlockCosts | None = None,
     trace: CallTrace | None = None,
 ) -> PartitionPlan:
     """Plan the split of ``module`` into ``num_stages`` stages.
 
-    ``partition``: ``"balanced"`` (default) minimises the largest stage's parameter count, counting each outside
-    module on the stage that runs it; with ``measured`` block times it takes the time-balanced split instead
+    ``partition``: ``"parameters"`` (default) minimises the largest stage's parameter count, counting each outside
+    module on the stage that runs it: the same split on every machine. ``"time"`` (``"balanced"``, its name in
+    0.3.0) does the same without ``measured`` block times; with them it takes the time-balanced split instead
     when that lowers the slowest stage's time by at least ``TIME_BALANCE_MIN_GAIN`` and ``TIME_BALANCE_MIN_SECONDS``
-    in every measured repetition (``prefer_time_split``). ``"parameters"`` always
-    balances parameter counts; ``"uniform"`` gives equal block counts; a list gives the ``num_stages - 1`` block
-    indices where stages 1..N-1 start (over the blocks of every container, in the order the step runs them).
+    in every measured repetition (``prefer_time_split``). ``"uniform"`` gives equal block counts; a list gives the
+    ``num_stages - 1`` block indices where stages 1..N-1 start (over the blocks of every container, in the order
+    the step runs them).
     ``trace``: ``call_order`` of one step, which finds the containers after the largest ([Note: several
     containers] in blocks.py), places the modules outside them (see [Note: outside modules go where they run] in
     outside.py) and refuses blocks run more than once per step.
@@ -164,14 +172,14 @@ def plan_partition(
     if isinstance(partition, str):
         if partition == "uniform":
             bounds = [round(s * num_blocks / num_stages) for s in range(num_stages + 1)]
-        elif partition in ("balanced", "parameters"):
+        elif partition in ("parameters", "time", "balanced"):
             bounds = balanced_boundaries(attached, first_extra, last_extra, num_stages)
-            if partition == "balanced" and measured is not None:
+            if partition in ("time", "balanced") and measured is not None:
                 if len(measured.blocks) != num_blocks:
                     raise AssertionError("measured costs do not match the containers")
                 bounds, timing_note = prefer_time_split(bounds, measured, num_stages)
         else:
-            raise ValueError(f"`partition` must be 'balanced', 'parameters', 'uniform' or a list of {num_stages - 1} "
+            raise ValueError(f"`partition` must be 'parameters', 'time', 'uniform' or a list of {num_stages - 1} "
                              f"split indices, got {partition!r}.")
     else:
         splits = list(partition)
@@ -199,7 +207,7 @@ def plan_partition(
     if empty:
         raise ValueError(
             f"Stage(s) {empty} of the split {bounds} of `{where}` own no parameters (their blocks are parameter-free, "
-            f"e.g. activations), so their optimizer would be empty. Use `partition='balanced'` or give explicit "
+            f"e.g. activations), so their optimizer would be empty. Use `partition='parameters'` or give explicit "
             f"split indices that put at least one parameterized block on every stage."
         )
     plan = PartitionPlan(containers=paths, block_names=names, boundaries=tuple(bounds), outside=outside,
