@@ -388,3 +388,27 @@ def test_a_launcher_whose_run_failed_before_the_store_opened_ends_after_the_rank
         for process in started:
             process.kill()
             process.wait()
+
+
+def test_an_error_while_the_groups_are_made_is_reported_not_taken_for_a_killed_process(capfd, monkeypatch):
+    # rank 1 raises after its watchdog started, before its process groups exist: it reports its exception, and the
+    # others name it with that exception -- not as a process that ended without a word
+    from torch.multiprocessing import ProcessExitedException
+
+    from lightning_paci.integration import processes
+
+    setup = processes.PipelineLinks.setup
+
+    def failing_on_rank_1(*args, **kwargs):
+        if torch.distributed.get_rank() == 1:
+            raise RuntimeError("boom while the pipeline's groups were made")
+        return setup(*args, **kwargs)
+
+    monkeypatch.setattr(processes.PipelineLinks, "setup", failing_on_rank_1)  # the forked ranks inherit it
+    with pytest.raises((ProcessExitedException, ProcessRaisedException)):
+        fit(SequentialMLP(depth=6), regression_loader(), devices=3, partition="parameters", failure_timeout=2.0)
+    err = capfd.readouterr().err
+    lines = _stopping_lines(err)
+    assert lines and all("stage 1 failed: RuntimeError: boom while the pipeline's groups were made" in line
+                         for line in lines), err[-3000:]
+    assert "ended without reporting an error" not in err, err[-3000:]

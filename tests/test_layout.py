@@ -6,7 +6,9 @@
 * at most 8 modules directly in ``lightning_paci/``; no module over 400 lines, no class over 250 -- but
   ``strategy.py``, one class over Lightning's strategy interface (about 45 hooks and properties, each a few lines
   that delegate): splitting it into mixins over several files cost every reader the chain, so it is one class in one
-  file, as each of Lightning's strategies is, and its limits are 600 and 500 lines;
+  file, as each of Lightning's strategies is, and its limits are 600 and 500 lines; and ``engine/supervision.py``,
+  the failure watchdog: one protocol between the processes (heartbeats, reports, who is gone, the end of a run)
+  that a reader follows in one class, 450 and 300;
 * ``docs/architecture.md`` names every package and every module in a package;
 * no module writes a stage runtime's fields: its counters change through ``RuntimeState``'s methods.
 """
@@ -142,7 +144,7 @@ def test_at_most_eight_modules_at_the_top():
     assert len(top) <= 8, top
 
 
-_LARGER = {"lightning_paci.strategy": (600, 500)}  # (module, class) lines: see the module docstring
+_LARGER = {"lightning_paci.strategy": (600, 500), "lightning_paci.engine.supervision": (450, 300)}  # (module, class)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

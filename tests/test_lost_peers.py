@@ -145,3 +145,25 @@ def test_only_pids_of_this_machine_and_pid_namespace_are_looked_up():
                                f"the out-of-memory killer) or exited abruptly")
     keys["heard/1"] = "1"  # it said it ended after all
     assert peers.gone() is None
+
+
+def test_a_rank_waiting_for_the_cause_of_its_lost_connection_is_neither_judged_hung_nor_judging():
+    # inside the action that raised, the rank's published activity says it waits for no one: a peer waiting for
+    # it longer than dead_after does not name it hung, and it names no one
+    from lightning_paci.engine.activity import ProcessActivity, decode_doing, encode_doing
+    from lightning_paci.engine.supervision import judge_progress
+
+    now = [100.0]
+    activity = ProcessActivity(clock=lambda: now[0])
+    activity.source = lambda: ("0B3", None, 30.0, False)  # working inside its action for 30 s
+    peer = ("1RECV_F4", frozenset([0]), 30.0, False)  # waits for it as long
+    name = "stage {}".format
+    assert judge_progress({0: decode_doing(encode_doing(activity.now())), 1: peer}, set(), 2, 20.0, name) == (
+        0, "made no progress for 30 s: inside 0B3 while stage 1 waits for it at 1RECV_F4 (hung in a kernel, a "
+           "collective or a host read)")
+    with activity.aside("waiting for the failure its lost connection follows from"):
+        now[0] += 25.0
+        doing = decode_doing(encode_doing(activity.now()))
+        assert doing[1] == frozenset() and doing[2] == 25.0
+        assert judge_progress({0: doing, 1: peer}, set(), 2, 20.0, name) is None
+    assert activity.now() == ("0B3", None, 30.0, False)

@@ -41,6 +41,7 @@ class ProcessActivity:
         self._base: tuple[str, Waits, float, bool] | None = None
         self.source: Callable[[], Doing | None] | None = None
         self._numbers: dict[str, int] = {}
+        self._aside: tuple[str, Waits, float, bool] | None = None
 
     def begin(self, label: str, *, patient: bool = False) -> None:
         """The base phase, under the stack's: ``label`` (work) until :meth:`end`."""
@@ -61,6 +62,17 @@ class ProcessActivity:
             if self._stack and self._stack[-1] is entry:
                 self._stack.pop()
 
+    @contextlib.contextmanager
+    def aside(self, label: str) -> Iterator[None]:
+        """``label``, a wait for no watched process, over whatever the source says while the block runs: it
+        neither keeps anyone waiting nor is kept waiting (a rank that raised, waiting for the failure its lost
+        connection follows from, inside the action that raised)."""
+        previous, self._aside = self._aside, (label, frozenset(), self.clock(), False)
+        try:
+            yield
+        finally:
+            self._aside = previous
+
     def collective(self, label: str, waits: Waits = ALL) -> contextlib.AbstractContextManager[None]:
         """A wait in a collective, numbered per label: the n-th one reads the same on every member, and members
         in different ones read differently ([Note: judging progress])."""
@@ -68,6 +80,9 @@ class ProcessActivity:
         return self.phase(f"{label} #{number}", waits=waits)
 
     def now(self) -> Doing | None:
+        if self._aside is not None:
+            label, waits, start, patient = self._aside
+            return label, waits, self.clock() - start, patient
         if self.source is not None and (current := self.source()) is not None:
             return current
         top = self._stack[-1] if self._stack else self._base
@@ -82,13 +97,14 @@ activity = ProcessActivity()  # this process's (the watchdog of a stage process 
 
 def encode_doing(now: Doing) -> str:
     label, waits, seconds, patient = now
-    text = "" if waits is None else "*" if isinstance(waits, _Everyone) else ",".join(map(str, sorted(waits)))
+    text = "" if waits is None else "*" if isinstance(waits, _Everyone) else ",".join(map(str, sorted(waits))) or "-"
     return f"{label}\n{text}\n{seconds:.1f}\n{int(patient)}"
 
 
 def decode_doing(text: str) -> Doing:
     label, waits, seconds, patient = text.split("\n")
-    parsed: Waits = None if not waits else ALL if waits == "*" else frozenset(int(w) for w in waits.split(","))
+    parsed: Waits = None if not waits else ALL if waits == "*" else frozenset() if waits == "-" else frozenset(
+        int(w) for w in waits.split(","))
     return label, parsed, float(seconds), patient == "1"
 
 

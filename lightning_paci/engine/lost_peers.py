@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OnceLost", "PeerProcesses", "is_lost_connection", "machine", "running_here"]
+__all__ = ["OnceLost", "PeerProcesses", "is_lost_connection", "killed", "machine", "running_here"]
 
 # what gloo, NCCL and the store say when the process at the other end is gone (lower case)
 _LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
@@ -77,14 +77,23 @@ def running_here(pid: int) -> bool:
     return True
 
 
+def killed(pid: int) -> str:
+    """The reason given for a process of this machine that ended without a word."""
+    return (f"its process (pid {pid}) ended without reporting an error: killed (SIGKILL, the out-of-memory killer) "
+            f"or exited abruptly")
+
+
 class PeerProcesses:
     """The watched processes of this machine, by the pid each published at its start.
 
-    ``read(key)`` is the run's key in the store ("" where not set); ``num`` the watched processes, ``me`` this one.
+    ``read(key)`` is the run's key in the store ("" where not set); ``num`` the watched processes, ``me`` this one;
+    ``store_host`` the one whose process hosts the store (None: a launcher's agent does). A store host found gone is
+    named without a look at its store: every call to a store whose host is gone prints a C++ backtrace.
     """
 
-    def __init__(self, read: Callable[[str], str], num: int, me: int) -> None:
+    def __init__(self, read: Callable[[str], str], num: int, me: int, store_host: int | None = None) -> None:
         self._read, self._num, self._me = read, num, me
+        self._store_host = store_host
         self._host = machine()
         self._pids: dict[int, int | None] = {}  # id -> its pid where it runs here; None: elsewhere, or said it ended
 
@@ -96,29 +105,59 @@ class PeerProcesses:
             self._pids[other] = int(pid) if host == self._host else None
         return self._pids[other]
 
+    def learn(self) -> None:
+        """Read every other process's published pid now (once all have published: the world is joined)."""
+        for other in range(self._num):
+            if other != self._me:
+                self._pid(other)
+
+    def ended_here(self, other: int) -> bool:
+        """Whether ``other`` ran on this machine and runs no more (no store read)."""
+        pid = self._pids.get(other)
+        return pid is not None and not running_here(pid)
+
+    def known_pid(self, other: int) -> int | None:
+        """``other``'s pid on this machine as read before (no store read), or None."""
+        return self._pids.get(other)
+
+    def host_gone(self) -> tuple[int, str] | None:
+        """The store's host, where it ran on this machine and runs no more (its pid read while the store was up;
+        a store host ends normally only after every other process has left), and the reason; else None."""
+        host = self._store_host
+        if host is None or host == self._me:
+            return None
+        pid = self._pids.get(host)
+        return (host, killed(pid)) if pid is not None and not running_here(pid) else None
+
     def gone(self) -> tuple[int, str] | None:
         """A process of this machine that ended without saying so, and the reason to report, or None."""
+        if (host := self.host_gone()) is not None:
+            return host
         for other in range(self._num):
             if other == self._me or (pid := self._pid(other)) is None or running_here(pid):
                 continue
             if any(self._read(f"{key}{other}") for key in _SAID):
                 self._pids[other] = None  # it ended having said so: never judged again
                 continue
-            return other, (f"its process (pid {pid}) ended without reporting an error: killed (SIGKILL, the "
-                           f"out-of-memory killer) or exited abruptly")
+            return other, killed(pid)
         return None
 
 
 class OnceLost:
-    """A store that, once a call failed (its host is gone), fails at once: torch's client prints a C++ backtrace."""
+    """A store that, once a call failed (its host is gone), fails at once: torch's client prints a C++ backtrace
+    for every call to a store whose host is gone. ``host_ended`` (set where the host's pid is known on this
+    machine) is asked before every call, so that the backtrace is printed only where the host dies during one."""
 
     def __init__(self, store: Any) -> None:
         self._store, self.lost = store, False
+        self.host_ended: Callable[[], bool] | None = None
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         method = getattr(self._store, name)
 
         def call(*args: Any) -> Any:
+            if not self.lost and self.host_ended is not None and self.host_ended():
+                self.lost = True
             if self.lost:
                 raise ConnectionError("the rendezvous store is unreachable")
             try:

@@ -59,15 +59,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning_paci.engine.activity import Doing, decode_doing, encode_doing
-from lightning_paci.engine.lost_peers import OnceLost, PeerProcesses, machine, running_here
+from lightning_paci.engine.activity import Doing, activity, decode_doing, encode_doing
+from lightning_paci.engine.lost_peers import OnceLost, PeerProcesses, killed, machine, running_here
 from lightning_paci.errors import is_setup_error, mark_setup_error
 
-__all__ = ["LAUNCHED", "PATIENCE", "StageWatchdog", "is_setup_error", "judge_progress", "mark_setup_error"]
+__all__ = ["LAUNCHED", "PATIENCE", "StageWatchdog", "is_setup_error", "judge_progress", "mark_setup_error", "say"]
 
 _ENDED_AFTER_BEATS = 3  # a process whose heartbeat has not moved for this many intervals has ended
 _POLL = 0.02  # seconds between a waiting end's looks at the store (a run's end waits for the slowest rank only)
 PATIENCE = 10  # patient work is judged after PATIENCE * dead_after ([Note: judging progress])
+
+
+def say(line: str) -> None:
+    """``line`` to standard error in one write, flushed: the processes of a machine share the stream, and
+    ``print``'s two writes (the text, then the newline) interleave with theirs."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 class StageWatchdog:
@@ -75,7 +82,7 @@ class StageWatchdog:
 
     def __init__(self, stage: int, num_stages: int, store: Any, *, interval: float = 1.0, dead_after: float = 20.0,
                  exit_fn: Callable[[int], None] = os._exit, name: Callable[[int], str] = "stage {}".format,
-                 store_host: int | None = 0, launcher: int | None = None, run: int = 0) -> None:
+                 store_host: int | None = 0, launcher: int | None = None, run: int = 0, restart: int = 0) -> None:
         # ``stage``/``num_stages``: this process's index among the watched ones and their count -- the stage index
         # of a pure pipeline, the global rank under data parallelism (``name`` then says "stage s (replica r)")
         self.stage = stage
@@ -84,7 +91,8 @@ class StageWatchdog:
         self.store_host = store_host  # the process hosting the store (global rank 0's); None: a launcher's agent
         self.launcher = launcher  # the pid of the launcher that started this process, if one did
         self.store = OnceLost(store)
-        self.prefix = f"paci/{run}/"  # the run's own keys (see the module docstring)
+        # the run's own keys (see the module docstring); torchrun's restarts keep its agent's store: their own
+        self.prefix = f"paci/{run}/" if restart == 0 else f"paci/restart{restart}/{run}/"
         self.interval = interval
         self.dead_after = dead_after
         self._exit = exit_fn
@@ -96,15 +104,28 @@ class StageWatchdog:
         self.activity: Callable[[], Doing | None] | None = None
         self._unwinding = False  # this process reported its own failure: beat until it ends, judge no one
         self._heard: tuple[int, str] | None = None  # the failure this process stops for ([Note: ending a run])
-        self._heard_at, self._ending = 0.0, False
+        self._heard_at, self._ending, self._exited = 0.0, False, threading.Event()
         self._await_end = False  # whether the failed process raised itself (its end is waited for) or was judged
         self._where: tuple[str, int] = ("", 0)  # the failed process's host and pid
-        self._peers = PeerProcesses(self._text, num_stages, stage)  # those of this machine (lost_peers.py)
+        self._peers = PeerProcesses(self._text, num_stages, stage, store_host)  # those of this machine (lost_peers.py)
 
     def start(self) -> None:
         self.store.set(f"{self.prefix}process/{self.stage}", f"{machine()}\n{os.getpid()}")
         self._beat()
         self._thread.start()
+
+    def joined(self) -> None:
+        """The world's process group is joined: every process published its pid before joining; read them now,
+        so that one killed from here on is named by its pid (the store's host too, without a store call)."""
+        with contextlib.suppress(Exception):
+            self._peers.learn()
+        if self.store_host is not None and self.store_host != self.stage:
+            self.store.host_ended = lambda: self._peers.ended_here(self.store_host)
+
+    @property
+    def watching(self) -> bool:
+        """Whether its thread runs (from ``start`` until the run ended or this process is ending)."""
+        return self._thread.is_alive() and not self._stop.is_set()
 
     @property
     def said(self) -> bool:
@@ -141,10 +162,15 @@ class StageWatchdog:
         unwinds, and return once every other process has heard it ([Note: ending a run]): the others end after
         this one, each with its line said."""
         first, raised = self._orphaned(), False  # after its launcher died (torch's SIGINT to a fork's ranks)
+        if first is None and lost:  # its connection may close before the process that closed it is seen gone
+            first = _settled_host(self)
+        if first is None:
+            first = self._host_gone()
         if first is None:
             first, raised = (self._heard, self._await_end) if self._heard is not None else self.failed_elsewhere()
-        if first is None and lost and may_follow:
-            first, raised = _cause_of_lost_connection(self)
+        if first is None and lost and may_follow:  # waiting for no one: neither judged hung nor judging others
+            with activity.aside("waiting for the failure its lost connection follows from"):
+                first, raised = _cause_of_lost_connection(self)
         if first is not None and (may_follow or first[0] == _NO_ONE):
             self._follow(first, await_end=raised)
             return
@@ -163,9 +189,20 @@ class StageWatchdog:
         return None, False
 
     def _orphaned(self) -> tuple[int, str] | None:
+        """The launcher gone: named as the stage it ran where it was one (global rank 0 under Lightning's script
+        launcher, which hosts the store too), else as the launcher."""
         if self.launcher is None or os.getppid() == self.launcher:
             return None
+        if self.store_host is not None and self._peers.known_pid(self.store_host) == self.launcher:
+            self.store.lost = True  # its store went with it: never called again (a C++ backtrace per call)
+            return self.store_host, killed(self.launcher)
         return _NO_ONE, f"the launcher that started this process (pid {self.launcher}) is gone"
+
+    def _host_gone(self) -> tuple[int, str] | None:
+        """The store's host, killed on this machine (lost_peers.py); the store is then never called again."""
+        if (gone := self._peers.host_gone()) is not None:
+            self.store.lost = True
+        return gone
 
     def _store_lost(self) -> tuple[int, str]:
         return (_NO_ONE, _AGENT_LOST) if self.store_host is None else (self.store_host, _HOST_LOST)
@@ -185,8 +222,7 @@ class StageWatchdog:
             stage, reason = failure
             failed = f"{self.name(stage)} failed: " if stage != _NO_ONE else ""
             cause = reason.partition("\n")[0]  # one line: a schedule's grid, a long message's rest, stay out
-            print(f"lightning_paci: {failed}{cause} -- stopping {self.name(self.stage)}",
-                  file=sys.stderr, flush=True)
+            say(f"lightning_paci: {failed}{cause} -- stopping {self.name(self.stage)}")
             self._heard, self._heard_at, self._await_end = failure, time.monotonic(), await_end
             if self.store.lost:  # no one to tell
                 return
@@ -197,11 +233,15 @@ class StageWatchdog:
 
     def _end_process(self) -> None:
         with self._lock:
-            if self._ending:
-                return
-            self._ending = True
+            second, self._ending = self._ending, True
+        if second:  # the other thread ends it: wait for that, as an exit from here would
+            self._exited.wait(timeout=4 * self.dead_after)
+            return
+        if self.stage == self.store_host and not self.store.lost:  # the others read the store until they heard
+            self._await_others("heard/", "unwinding/", "left/", "ended/", silent_ended=True)
         _wait_for(LAUNCHED, 2 * self.dead_after)  # each ends by itself within that
         self._exit(1)
+        self._exited.set()  # (an ``exit_fn`` that returns: a test's)
 
     def _at_exit(self) -> None:
         """A failed process's last act: say it ended, then wait for the processes it launched."""
@@ -211,13 +251,13 @@ class StageWatchdog:
 
     def _await_others(self, *keys: str, silent_ended: bool) -> None:
         """Until every other process has set one of ``keys`` (the run's, each ending with the id) or left the run
-        (or, with ``silent_ended``, stopped beating), for at most ``dead_after``."""
+        (or, with ``silent_ended``, stopped beating or ended on this machine), for at most ``dead_after``."""
         waiting, deadline = set(range(self.num_stages)) - {self.stage}, time.monotonic() + self.dead_after
         while waiting and time.monotonic() < deadline:
             try:
                 waiting = {other for other in waiting if not any(self._text(f"{key}{other}") for key in keys)
-                           and not (silent_ended and
-                           self._silence(other, time.monotonic())[1] >= _ENDED_AFTER_BEATS * self.interval)}
+                           and not (silent_ended and (self._peers.ended_here(other) or
+                           self._silence(other, time.monotonic())[1] >= _ENDED_AFTER_BEATS * self.interval))}
             except Exception:
                 return
             time.sleep(_POLL)
@@ -262,9 +302,9 @@ class StageWatchdog:
                     self._end_process()
                     return
                 continue
-            raised, failure = False, self._orphaned()
+            raised, failure = False, self._orphaned() or self._host_gone()
             lost = failure is not None
-            if not lost:  # first: the store may have gone with the launcher
+            if not lost:  # first: the store may have gone with the launcher or its host
                 try:
                     self._beat()
                     failure, raised = self._failure()
@@ -316,13 +356,30 @@ class StageWatchdog:
         return None, False
 
 
+def _settled_host(watchdog: StageWatchdog) -> tuple[int, str] | None:
+    """The store's host or the launcher found gone within one interval (the kernel closes a dying process's
+    connections before it reports it ended), or None: no store call before that, one would print a C++ stack."""
+    deadline = time.monotonic() + watchdog.interval
+    while time.monotonic() < deadline:
+        if (gone := watchdog._orphaned() or watchdog._host_gone()) is not None:
+            return gone
+        if watchdog._peers.known_pid(watchdog.store_host if watchdog.store_host is not None else -1) is None:
+            return None  # the host runs elsewhere (or is this process): nothing to see here
+        time.sleep(_POLL)
+    return None
+
+
 def _cause_of_lost_connection(watchdog: StageWatchdog) -> tuple[tuple[int, str] | None, bool]:
     """Another process's failure that this process's lost connection follows from, found within ``dead_after``
     (and two beats, for the thread's judgement of a silent one), or None (lost_peers.py)."""
     deadline = time.monotonic() + watchdog.dead_after + 2 * watchdog.interval
-    while time.monotonic() < deadline and not watchdog.store.lost:
+    while time.monotonic() < deadline:
         if watchdog._heard is not None:  # the thread found it
             return watchdog._heard, watchdog._await_end
+        if (gone := watchdog._host_gone()) is not None:
+            return gone, False
+        if watchdog.store.lost:  # its host gone elsewhere, or the launcher's agent
+            return watchdog._store_lost(), False
         if (found := watchdog.failed_elsewhere())[0] is not None:
             return found
         with contextlib.suppress(Exception):
@@ -330,7 +387,9 @@ def _cause_of_lost_connection(watchdog: StageWatchdog) -> tuple[tuple[int, str] 
                 watchdog.report(*gone)
                 return gone, False
         time.sleep(5 * _POLL)
-    return None, False
+    if watchdog._heard is not None:  # judged by the thread as the wait ended
+        return watchdog._heard, watchdog._await_end
+    return watchdog.failed_elsewhere()
 
 
 def _has_ended(watchdog: StageWatchdog) -> bool:

@@ -33,6 +33,7 @@ from lightning_paci.errors import LightningAPIError
 __all__ = [
     "LIGHTNING_VERSION",
     "LightningAPIError",
+    "ChildProcessObserver",
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
     "all_gather_if_available",
@@ -77,6 +78,9 @@ all_gather_if_available: Callable[..., Any] = _require(
     "lightning.fabric.utilities.distributed", "_all_gather_ddp_if_available")
 MultiProcessingLauncher: type = _require("lightning.pytorch.strategies.launchers", "_MultiProcessingLauncher")
 SubprocessScriptLauncher: type = _require("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher")
+# the script launcher's thread that SIGKILLs every process, itself included, once a child ended with an error
+ChildProcessObserver: type = _require("lightning.fabric.strategies.launchers.subprocess_script",
+                                      "_ChildProcessObserver")
 for _method in ("get_extra_results", "update_main_process_results", "_wrapping_function"):
     if not callable(getattr(MultiProcessingLauncher, _method, None)):
         raise _missing(f"lightning.pytorch.strategies.launchers._MultiProcessingLauncher.{_method}", "does not have")

@@ -30,12 +30,12 @@ from lightning_paci.engine import nccl_emulation
 from lightning_paci.engine.activity import ALL, activity
 from lightning_paci.engine.communicators import PipelineLinks, broadcast_objects, connections_warning
 from lightning_paci.engine.pickle_guard import check_no_tensors
-from lightning_paci.engine.supervision import StageWatchdog, is_setup_error
+from lightning_paci.engine.supervision import StageWatchdog, is_setup_error, say
 from lightning_paci.engine.topology import Topology
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.schedules import Communicator, stage_devices
 
-__all__ = ["LAUNCHER_PID", "ProcessGroups", "broadcast_object", "check_launched_world", "collective_waits",
+__all__ = ["LAUNCHER_PID", "WATCHING", "ProcessGroups", "broadcast_object", "check_launched_world", "collective_waits",
            "connect_store", "launcher_pid", "print_setup_errors_once", "reduce_decision", "reduce_over",
            "rendezvous_store", "share_cpu_cores", "start_process_groups", "start_watchdog"]
 
@@ -96,6 +96,8 @@ def start_process_groups(environment: ClusterEnvironment, topology: Topology, *,
         if backend == "nccl":  # bound: NCCL connects the world eagerly
             kwargs["device_id"] = device
         api.init_dist_connection(environment, backend, **kwargs)
+    if watchdog is not None:
+        watchdog.joined()
     stage, replica = topology.stage_of(rank), topology.replica_of(rank)
     # pipeline messages on their own communicators, apart from Lightning's collectives: the layout the deadlock
     # model proves deadlock-free under NCCL, connected at setup (engine/communicators.py)
@@ -135,6 +137,7 @@ def share_cpu_cores(device: torch.device, local_processes: int, environ: Any = o
 
 
 _FITS = [0]  # watchdogs this process started
+WATCHING: list[StageWatchdog] = []  # the last watchdog this process started (a failed run's outlives its strategy)
 _PARENT = os.getppid()  # the process that started this one, as this module was first imported
 LAUNCHER_PID = "LIGHTNING_PACI_LAUNCHER_PID"  # set by Lightning's script launcher for the ranks it starts
 
@@ -166,9 +169,8 @@ def rendezvous_store(environment: Any, rank: int, world: int, timeout: timedelta
     deadline = time.monotonic() + timeout.total_seconds()
     while not hosts and not _listens(address, port):
         if launcher is not None and (os.getppid() != launcher or launcher == 1):
-            print(f"lightning_paci: rank {rank} stopped: the rendezvous store at {address}:{port} is not open and "
-                  f"the launcher that started this process (pid {launcher}) is gone (its message is above)",
-                  file=sys.stderr, flush=True)
+            say(f"lightning_paci: rank {rank} stopped: the rendezvous store at {address}:{port} is not open and "
+                f"the launcher that started this process (pid {launcher}) is gone (its message is above)")
             os._exit(1)
         if time.monotonic() > deadline:
             raise TimeoutError(f"lightning_paci: rank {rank} found no rendezvous store at {address}:{port} within "
@@ -216,9 +218,10 @@ def start_watchdog(topology: Topology, watch_id: int, failure_timeout: float, *,
     watchdog = StageWatchdog(watch_id, topology.world if topology.data > 1 else topology.pipeline, watched,
                              dead_after=failure_timeout, store_host=None if agent else topology.watch_id(0),
                              name=topology.watch_name, run=_FITS[0], interval=min(1.0, failure_timeout / 4),
-                             launcher=launcher)
+                             launcher=launcher, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
     watchdog.activity = activity.now
     watchdog.start()
+    WATCHING[:] = [watchdog]
     _report_consequences_in_one_line(watchdog)
     return watchdog
 
@@ -237,9 +240,8 @@ def _report_consequences_in_one_line(watchdog: StageWatchdog) -> None:
             previous(kind, value, traceback)
             return
         first_line = str(value).splitlines()[0][:200] if str(value) else ""
-        print(f"lightning_paci: {watchdog.name(watchdog.stage)} stopped ({kind.__name__}: {first_line}) because "
-              f"{watchdog.name(failure[0])} failed first: {failure[1].splitlines()[0] if failure[1] else ''}",
-              file=sys.stderr, flush=True)
+        say(f"lightning_paci: {watchdog.name(watchdog.stage)} stopped ({kind.__name__}: {first_line}) because "
+            f"{watchdog.name(failure[0])} failed first: {failure[1].splitlines()[0] if failure[1] else ''}")
 
     sys.excepthook = hook
 
@@ -258,8 +260,8 @@ def print_setup_errors_once(rank: int) -> None:
     def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
         if is_setup_error(value):
             first_line = str(value).splitlines()[0] if str(value) else ""
-            print(f"lightning_paci: rank {rank} stopped at setup with the error rank 0 reports in full: "
-                  f"{kind.__name__}: {first_line}", file=sys.stderr)
+            say(f"lightning_paci: rank {rank} stopped at setup with the error rank 0 reports in full: "
+                f"{kind.__name__}: {first_line}")
         else:
             previous(kind, value, traceback)
 

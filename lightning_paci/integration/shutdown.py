@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import multiprocessing
 import os
 import time
@@ -31,7 +32,7 @@ from lightning_paci.engine.activity import ALL, activity
 from lightning_paci.engine.lost_peers import is_lost_connection
 from lightning_paci.engine.supervision import LAUNCHED, PATIENCE, is_setup_error
 from lightning_paci.integration import lightning_api as api
-from lightning_paci.integration.processes import LAUNCHER_PID, ProcessGroups
+from lightning_paci.integration.processes import LAUNCHER_PID, WATCHING, ProcessGroups
 
 __all__ = ["InPlaceLauncher", "end_teardown", "ends_together", "finish_fit", "leave", "report_failure",
            "wait_for_launched"]
@@ -72,7 +73,50 @@ class _LaunchEndingTogether:
     def __call__(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks it starts know whom not to outlive (launcher_pid)
         launch = type(self.launcher).launch
+        if isinstance(self.launcher, api.SubprocessScriptLauncher):
+            _observe_patiently()
         return launch(self.launcher, _RunThenLeave(function, trainer), *args, trainer=trainer, **kwargs)
+
+
+_PATIENT: list[_TerminateAfterTheWatchdog] = []  # installed once per process
+
+
+def _observe_patiently() -> None:
+    """Lightning's child-process observer made to leave a failure to the watchdogs (``_TerminateAfterTheWatchdog``),
+    for this process's life: without a running watchdog it acts as Lightning's."""
+    if _PATIENT:
+        return
+    patient = _TerminateAfterTheWatchdog()
+    api.patch_class_method(api.ChildProcessObserver, "_terminate_all", patient, parameters=())
+    logging.getLogger(api.ChildProcessObserver.__module__).addFilter(patient)
+    _PATIENT.append(patient)
+
+
+class _TerminateAfterTheWatchdog:
+    """Lightning's script launcher watches its children: 5 s after one ended with an error it SIGKILLs every other
+    and itself, before they can say anything (the launcher is global rank 0, a stage: its line was lost, and the
+    others' were cut short). Once this process's watchdog runs (the world joined), the watchdogs name the ended
+    rank and end every process, each with its line, within ``4 * failure_timeout``: Lightning's termination waits
+    that long and more first, and happens only if a process is still there. Before, it runs at once, as Lightning's
+    (a child that failed to start). Its line ("Forcefully terminating all other processes") is held back
+    meanwhile (a logging filter): said only where the termination happens."""
+
+    def __init__(self) -> None:
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if WATCHING and WATCHING[-1].watching and "terminated with code" in record.getMessage():
+            self.held.append(record)
+            return False
+        return True
+
+    def __call__(self, terminate: Callable[[Any], None], observer: Any) -> None:
+        watchdog = WATCHING[-1] if WATCHING else None
+        if watchdog is not None and watchdog.watching:
+            time.sleep(4 * watchdog.dead_after + 10.0)  # this process ends meanwhile, taking this thread with it
+        for record in self.held:
+            logging.getLogger(record.name).handle(record)  # (handlers, not filters: said now)
+        terminate(observer)
 
 
 class _RunThenLeave:
@@ -130,7 +174,8 @@ def report_failure(groups: ProcessGroups | None, exception: BaseException) -> No
     exception that follows another stage's failure ends this process with one line instead (a lost connection
     waits for that failure to be found). A setup error is the same on every rank: each reports its own (rank 0
     prints it in full, the others in one line)."""
-    watchdog = None if groups is None else groups.watchdog
+    watchdog = groups.watchdog if groups is not None else (
+        WATCHING[-1] if WATCHING and WATCHING[-1].watching else None)  # failed while the groups were made
     if LAUNCHED:  # this launcher ends after the ranks it started
         atexit.register(wait_for_launched, 20.0 if watchdog is None else watchdog.dead_after,
                         joined=watchdog is not None)

@@ -1,10 +1,10 @@
 """One of two torchrun "nodes" (2 processes each): train, checkpoint and resume as pipeline 2 x data 2, then as
 pipeline 4 x data 1 from that checkpoint, checkpoint and resume again, then run the Tuner's ``lr_find`` as pipeline
-2 x data 2 (every rank writes its suggestion to ``OUT/lr<rank>``); or, with ``kill``, SIGKILL the rank running
-stage 1 of replica 1.
+2 x data 2 (every rank writes its suggestion to ``OUT/lr<rank>``); or, with ``kill RANK``, SIGKILL global rank
+``RANK`` at its third batch (rank 1 runs stage 1 of replica 1).
 
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint localhost:PORT \\
-        tests/scripts/torchrun_script.py OUT [kill]
+        tests/scripts/torchrun_script.py OUT [kill RANK]
 """
 
 import os
@@ -24,9 +24,11 @@ from models import SequentialMLP, regression_loader  # noqa: E402
 
 
 class KillOne(L.Callback):
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        strategy = trainer.strategy
-        if batch_idx == 2 and strategy.stage_index == 1 and strategy.replica_index == 1:
+        if batch_idx == 2 and trainer.global_rank == self.rank:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -43,8 +45,9 @@ if __name__ == "__main__":
     rank = int(os.environ["RANK"])
     out.joinpath(f"pid{rank}").write_text(str(os.getpid()))
     torch.manual_seed(0)
-    if sys.argv[2:] == ["kill"]:
-        trainer(2, 50, callbacks=[KillOne()]).fit(SequentialMLP(depth=6), regression_loader(num_batches=50))
+    if sys.argv[2:3] == ["kill"]:
+        killing = trainer(2, 50, callbacks=[KillOne(int(sys.argv[3]))])
+        killing.fit(SequentialMLP(depth=6), regression_loader(num_batches=50))
         raise SystemExit("not killed")
     loader = regression_loader(num_batches=8, batch_size=4)
     first = trainer(2, 3)
