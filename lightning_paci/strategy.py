@@ -72,7 +72,7 @@ from lightning_paci.integration.processes import (
     reduce_over,
     start_process_groups,
 )
-from lightning_paci.integration.shutdown import end_teardown, ends_together, finish_fit, report_failure
+from lightning_paci.integration.shutdown import end_teardown, ends_together, finish_fit, preempted, report_failure
 from lightning_paci.integration.stage_build import StageBuilder, meta_stays_on_meta
 from lightning_paci.integration.trainer_checks import check_trainer
 from lightning_paci.integration.weight_averaging import average_per_stage
@@ -364,14 +364,17 @@ class PACIStrategy(ParallelStrategy):
                 links=StageLinks.of(self), broadcast=self.pipeline_broadcast,
                 eval_context=self.precision_plugin.val_step_context, index=self.stage_index)
         super().setup(trainer)
-        self.undo_at_teardown([api.sigterm_without_a_collective(trainer)])
+        watchdog = self._groups.watchdog if self._groups is not None else None
+        stop = watchdog.preemption if watchdog is not None else None  # [Note: a preemption's stop]
+        self.undo_at_teardown([api.sigterm_without_a_collective(trainer, stop.request if stop else None)])
         self._stage.prepare_relays(self, self._builder.take_sample())  # on the device, in the step's precision
         if trainer.state.fn == TrainerFn.FITTING:
             owned = [cfg.scheduler for cfg in self.lr_scheduler_configs if cfg.interval == "step"]
             self._stage.start_training(self.optimizers, schedulers=owned, accumulation=self.accumulation,
                                        hooks=lambda stage: LightningHooks(module, trainer, stage),
                                        train_context=self.precision_plugin.train_step_context)
-            self.undo_at_teardown(patch_for_pipeline(trainer, module, owned) + clipping_by_norm(trainer, self)
+            self.undo_at_teardown(patch_for_pipeline(trainer, module, owned, stop, self.config.failure_timeout)
+                                  + clipping_by_norm(trainer, self)
                                   + average_per_stage(trainer, self))
             activity.source = self._stage.activity()
 
@@ -558,7 +561,10 @@ class PACIStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Tell every other stage which stage failed and why, before Lightning unwinds."""
+        """Tell every other stage which stage failed and why, before Lightning unwinds; a preemption's agreed stop
+        is no failure: the run ends on every rank together after teardown ([Note: a preemption's stop])."""
+        if preempted(self._groups, exception):
+            return
         self._failed = True
         report_failure(self._groups, exception)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from torch.multiprocessing import ProcessExitedException
+from torch.multiprocessing import ProcessRaisedException
 
 from lightning_paci.engine.lost_peers import PeerProcesses, is_lost_connection, machine
 from lightning_paci.engine.supervision import StageWatchdog
@@ -121,15 +121,18 @@ class _SigtermStage1AtBatch2(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)  # this rank alone, as torchrun's agent signals one node's ranks
 
 
-def test_a_sigterm_to_one_rank_ends_the_run_through_its_report_with_no_collective_in_the_handler(capfd):
+def test_a_sigterm_to_one_rank_stops_every_rank_before_one_batch_with_no_collective_in_the_handler(capfd):
     # Lightning's handler broadcasts from rank 0 inside the signal handler, a collective the other rank never joins
-    # (it waits for this one in the pipeline); here the rank stops at its next batch and reports, as a failure
-    with pytest.raises(ProcessExitedException, match="exit code 1"):
+    # (it waits for this one in the pipeline); here the signalled rank asks for a stop, and both ranks stop before
+    # the batch they agree on through the store ([Note: a preemption's stop]), each saying so
+    with pytest.raises(ProcessRaisedException, match="stopped for a SIGTERM"):
         fit(SequentialMLP(depth=4), regression_loader(num_batches=20), devices=2, max_steps=20,
             failure_timeout=20.0, callbacks=[_SigtermStage1AtBatch2()])
     err = capfd.readouterr().err
-    assert "lightning_paci: stage 1 failed: SIGTERMException:  -- stopping stage 0" in err, err[-3000:]
-    assert "broadcast" not in err, err[-3000:]
+    said = re.findall(r"lightning_paci: global rank (\d) stops for a SIGTERM before training batch (\d+), where every "
+                      r"rank stops", err)
+    assert sorted(rank for rank, _ in said) == ["0", "1"] and len({batch for _, batch in said}) == 1, err[-3000:]
+    assert "broadcast" not in err and " failed: " not in err, err[-3000:]
 
 
 def test_only_pids_of_this_machine_and_pid_namespace_are_looked_up():

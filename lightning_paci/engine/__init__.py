@@ -18,7 +18,8 @@ A stage is a :class:`~lightning_paci.engine.runtime.StageRuntime` executing its 
 * ``data_parallel.py``: the replicas' gradient and parameter averages;
 * ``recompute.py``: activation recomputation of a stage's blocks;
 * ``topology.py``: stages x replicas over the ranks; ``supervision.py``: the failure watchdog and setup errors;
-  ``lost_peers.py``: who is gone when a connection is lost.
+  ``lost_peers.py``: who is gone when a connection is lost; ``preemption.py``: the batch every process stops
+  before on a SIGTERM.
 
 The rule of this package: nothing in it imports ``lightning`` (or ``pytorch_lightning``), directly or through
 another module; ``tests/test_layout.py`` walks the imports to keep it so. The Lightning integration

@@ -61,6 +61,7 @@ from typing import Any
 
 from lightning_paci.engine.activity import Doing, activity, decode_doing, encode_doing
 from lightning_paci.engine.lost_peers import OnceLost, PeerProcesses, killed, machine, running_here
+from lightning_paci.engine.preemption import StopAgreement
 from lightning_paci.errors import is_setup_error, mark_setup_error
 
 __all__ = ["LAUNCHED", "PATIENCE", "StageWatchdog", "is_setup_error", "judge_progress", "mark_setup_error", "say"]
@@ -108,6 +109,8 @@ class StageWatchdog:
         self._await_end = False  # whether the failed process raised itself (its end is waited for) or was judged
         self._where: tuple[str, int] = ("", 0)  # the failed process's host and pid
         self._peers = PeerProcesses(self._text, num_stages, stage, store_host)  # those of this machine (lost_peers.py)
+        self.preemption = StopAgreement(self._text, lambda key, value: self.store.set(self.prefix + key, value),
+                                        num_stages, stage)  # a SIGTERM's stop, one batch for all (preemption.py)
 
     def start(self) -> None:
         self.store.set(f"{self.prefix}process/{self.stage}", f"{machine()}\n{os.getpid()}")
@@ -308,6 +311,8 @@ class StageWatchdog:
                 try:
                     self._beat()
                     failure, raised = self._failure()
+                    if failure is None:
+                        self.preemption.poll()
                 except Exception:  # the store lives in rank 0's process: unreachable means rank 0 is gone
                     failure, lost = (None if self._stop.is_set() else self._store_lost()), True
             if failure is None or self._stop.is_set() or self._unwinding:  # unwinding: maybe its own report read
@@ -359,14 +364,12 @@ class StageWatchdog:
 def _settled_host(watchdog: StageWatchdog) -> tuple[int, str] | None:
     """The store's host or the launcher found gone within one interval (the kernel closes a dying process's
     connections before it reports it ended), or None: no store call before that, one would print a C++ stack."""
+    if watchdog.store_host is None or watchdog._peers.known_pid(watchdog.store_host) is None:
+        return watchdog._orphaned()  # the host runs elsewhere (or is this process): nothing to wait for
     deadline = time.monotonic() + watchdog.interval
-    while time.monotonic() < deadline:
-        if (gone := watchdog._orphaned() or watchdog._host_gone()) is not None:
-            return gone
-        if watchdog._peers.known_pid(watchdog.store_host if watchdog.store_host is not None else -1) is None:
-            return None  # the host runs elsewhere (or is this process): nothing to see here
+    while (gone := watchdog._orphaned() or watchdog._host_gone()) is None and time.monotonic() < deadline:
         time.sleep(_POLL)
-    return None
+    return gone
 
 
 def _cause_of_lost_connection(watchdog: StageWatchdog) -> tuple[tuple[int, str] | None, bool]:

@@ -15,6 +15,8 @@ from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_paci.engine.preemption import StopAgreement
+from lightning_paci.engine.supervision import say
 from lightning_paci.integration import lightning_api as api
 
 __all__ = ["ends_epoch", "must_drain", "patch_for_pipeline", "same_data_on_every_stage", "seed_workers_alike"]
@@ -75,14 +77,16 @@ def must_drain(trainer: Trainer, batch_idx: int) -> bool:
     return api.should_validate_after_batch(trainer)
 
 
-def patch_for_pipeline(trainer: Trainer, module: LightningModule,
-                       owned_schedulers: list[Any]) -> list[Callable[[], None]]:
+def patch_for_pipeline(trainer: Trainer, module: LightningModule, owned_schedulers: list[Any],
+                       stop: StopAgreement | None = None, patience: float = 20.0) -> list[Callable[[], None]]:
     """Patch what would break a flush-free pipeline; return the functions that undo the patches.
 
     * ``module.lr_scheduler_step`` skips the "step"-interval schedulers the stage optimizer steps itself (per local
       update; Lightning would step them once per Lightning optimizer step);
     * the epoch loop's per-batch SIGTERM broadcast from rank 0 (a full barrier on gloo) becomes a local check
-      (Lightning's launchers deliver the signal to every process);
+      (Lightning's launchers deliver the signal to every process); with ``stop`` (the watchdog's), the check of
+      the batch every process agreed to stop before ([Note: a preemption's stop] in engine/preemption.py), waited
+      for at most ``patience`` seconds;
     * a logged value's move to the device it is already on returns at once (``already_there``).
     """
     original = module.lr_scheduler_step
@@ -92,6 +96,10 @@ def patch_for_pipeline(trainer: Trainer, module: LightningModule,
             original(scheduler, metric)
 
     def local_sigterm_check() -> None:
+        if stop is not None and stop.before_batch(batch := api.batches_started(trainer), timeout=patience):
+            say(f"lightning_paci: global rank {trainer.global_rank} stops for a SIGTERM before training batch "
+                f"{batch}, where every rank stops")
+            raise SIGTERMException()
         if getattr(trainer, "received_sigterm", False):
             raise SIGTERMException()
 

@@ -37,6 +37,7 @@ __all__ = [
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
     "all_gather_if_available",
+    "batches_started",
     "configured_optimizers",
     "distributed_is_initialized",
     "init_dist_connection",
@@ -142,6 +143,9 @@ class _PipelineLauncher(MultiProcessingLauncher):
             return super()._wrapping_function(*args, **kwargs)
         except BaseException as err:
             self._on_exception(err)
+            if isinstance(err, SystemExit) and type(err).__name__ == "SIGTERMException":
+                # a SystemExit ends the worker with status 0, and the main process would wait for its results
+                raise RuntimeError("lightning_paci: this rank stopped for a SIGTERM") from err
             raise
 
     # through a file, as Lightning sends the weights: the main process reads the result queue only after the
@@ -229,24 +233,33 @@ def keep_user_samplers(trainer: Any) -> None:
     connector.use_distributed_sampler = False
 
 
-def sigterm_without_a_collective(trainer: Any) -> Callable[[], None]:
+def sigterm_without_a_collective(trainer: Any, request: Callable[[], None] | None = None) -> Callable[[], None]:
     """Lightning's SIGTERM handler without its broadcast; return the function that undoes it.
 
     Lightning's handler broadcasts a flag from rank 0 inside the signal handler: a collective that only the
     signalled process joins when the others are not signalled too (torchrun signals the ranks of one node when one
     of them died), so it fails or waits inside whatever that process was doing -- its failure report included. The
     handler here forwards the signal to the processes this one launched and sets the flag the per-batch check
-    reads (fit_loop.py), as Lightning's does, with no collective. Lightning registers it after the strategy's
-    ``setup``.
+    reads (fit_loop.py), as Lightning's does, with no collective. With ``request`` (a watchdog's preemption
+    agreement, engine/preemption.py) it asks for a stop that every process agrees on instead of setting the flag,
+    which Lightning reads after every batch and would stop this process alone. Lightning registers it after the
+    strategy's ``setup``.
     """
     connector = getattr(trainer, "_signal_connector", None)
     if connector is None:
         raise _missing("lightning.pytorch.trainer.Trainer._signal_connector", "does not have")
 
     def notify(signum: Any, _: Any) -> None:
-        if not connector.received_sigterm and trainer.strategy.launcher is not None:
+        first = not (connector.received_sigterm or notified)
+        if first and trainer.strategy.launcher is not None:
             trainer.strategy.launcher.kill(signum)
-        connector.received_sigterm = True
+        notified.append(signum)
+        if request is not None:
+            request()
+        else:
+            connector.received_sigterm = True
+
+    notified: list[Any] = []
 
     return patch_method(connector, "_sigterm_notifier_fn", notify, parameters=("signum", "_"))
 
@@ -280,6 +293,17 @@ def loaded_checkpoint(trainer: Any) -> dict[str, Any]:
     connector = getattr(trainer, "_checkpoint_connector", None)
     loaded = getattr(connector, "_loaded_checkpoint", None)
     return loaded if isinstance(loaded, dict) else {}
+
+
+def batches_started(trainer: Any) -> int:
+    """The training batches started over the run (resumed runs included): the index of the next one, the same on
+    every rank (each iterates the same batches)."""
+    progress = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "batch_progress", None)
+    ready = getattr(getattr(progress, "total", None), "ready", None)
+    if not isinstance(ready, int):
+        raise _missing("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop.batch_progress.total.ready",
+                       "does not have")
+    return ready
 
 
 def should_validate_after_batch(trainer: Any) -> bool:

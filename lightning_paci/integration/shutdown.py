@@ -28,13 +28,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
 from lightning_paci.engine.activity import ALL, activity
 from lightning_paci.engine.lost_peers import is_lost_connection
 from lightning_paci.engine.supervision import LAUNCHED, PATIENCE, is_setup_error
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.integration.processes import LAUNCHER_PID, WATCHING, ProcessGroups
 
-__all__ = ["InPlaceLauncher", "end_teardown", "ends_together", "finish_fit", "leave", "report_failure",
+__all__ = ["InPlaceLauncher", "end_teardown", "ends_together", "finish_fit", "leave", "preempted", "report_failure",
            "wait_for_launched"]
 
 
@@ -131,8 +133,8 @@ class _RunThenLeave:
         try:
             result = self.function(*args, **kwargs)
         except BaseException:
-            # a failure is reported by `on_exception`; Lightning's own early exit (the tuner's) tears down after
-            # this and ends the run there
+            # a failure is reported by `on_exception`; Lightning's own early exit (the tuner's) and a preemption's
+            # stop tear down after this and end the run there
             if (groups := _groups(strategy)) is not None:
                 groups.leave_at_teardown = True
             raise
@@ -167,6 +169,14 @@ def leave(groups: ProcessGroups | None) -> None:
         with activity.phase("the end of the run", waits=ALL):
             watchdog.leave()
     activity.end()  # the teardown's patient phase (finish_fit)
+
+
+def preempted(groups: ProcessGroups | None, exception: BaseException) -> bool:
+    """Whether ``exception`` is the stop every process agreed on for a SIGTERM ([Note: a preemption's stop] in
+    engine/preemption.py): every rank stops before the same batch, so this one is no failure to report."""
+    watchdog = None if groups is None else groups.watchdog
+    return watchdog is not None and watchdog.preemption.stop_batch is not None and isinstance(
+        exception, SIGTERMException)
 
 
 def report_failure(groups: ProcessGroups | None, exception: BaseException) -> None:
