@@ -65,14 +65,25 @@ _KILLED = re.compile(r"^lightning_paci: (stage \d+(?: \(replica \d\))?) failed: 
                      r"(stage \d+(?: \(replica \d\))?)$")
 
 
-def _one_line_per_survivor(said: str, killed: str, survivors: list[str], traceback: str = "Traceback") -> None:
+def _one_line_per_survivor(said: str, killed: str, survivors: list[str], traceback: str = "Traceback",
+                           call_in_flight: bool = False) -> None:
     """Each surviving rank's one line naming the killed rank; no other line of ours, no traceback of a rank
-    (``traceback``: how one starts), no C++ stack."""
+    (``traceback``: how one starts), no C++ stack -- but, with ``call_in_flight`` (the store's host killed), the
+    one warning torch's store client prints, with its C++ stack, for a call under way at the instant its host
+    died: a rank calls the store no more once the host is seen gone, but cannot recall a call already sent (seen
+    under two busy loops beside the suite's workers, never idle)."""
     lines = [line for line in said.splitlines() if " -- stopping " in line or "Forcefully terminating" in line
              or line.startswith("lightning_paci: the launcher")]
     found = [_KILLED.match(line) for line in lines]
     assert all(found) and {m.group(1) for m in found if m} == {killed}, said[-4000:]
     assert sorted(m.group(2) for m in found if m) == sorted(survivors), said[-4000:]
+    if call_in_flight:
+        warnings = re.findall(r"^\[rank\d\]:\[W\S+ \S+ TCPStore\.cpp:\d+\] \[c10d\] (?:sendBytes|recvValue) failed",
+                              said, flags=re.MULTILINE)
+        assert len(warnings) <= 1, said[-4000:]
+        if warnings:  # its stack ends where the next line of ours or of Lightning's begins
+            stack = r"^\[rank\d\]:\[W[^\n]*TCPStore\.cpp[^\n]*\n(?:(?:Exception raised|frame #|<omitting)[^\n]*\n)*"
+            said = re.sub(stack, "", said, flags=re.MULTILINE)
     assert traceback not in said and "frame #" not in said, said[-4000:]
 
 
@@ -118,7 +129,7 @@ def test_sigkill_of_one_rank_under_the_default_launcher_brings_every_rank_down_n
     pids = [int(p.read_text()) for p in tmp_path.glob("OUT/pid*")]
     assert len(pids) == 4 and not _none_left(pids)
     _one_line_per_survivor(out.stderr, _SCRIPT_STAGES[rank],
-                           [name for other, name in _SCRIPT_STAGES.items() if other != rank])
+                           [name for other, name in _SCRIPT_STAGES.items() if other != rank], call_in_flight=rank == 0)
 
 
 def test_a_refused_crossing_leaves_the_failing_stages_traceback_last_and_one_line_per_other_stage(tmp_path):

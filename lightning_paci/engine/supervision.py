@@ -207,8 +207,11 @@ class StageWatchdog:
             self.store.lost = True
         return gone
 
-    def _store_lost(self) -> tuple[int, str]:
-        return (_NO_ONE, _AGENT_LOST) if self.store_host is None else (self.store_host, _HOST_LOST)
+    def _store_lost(self) -> tuple[int, str]:  # its host named as killed where it is seen gone here
+        if self.store_host is None:
+            return _NO_ONE, _AGENT_LOST
+        self.store.lost = True
+        return _settled_host(self) or (self.store_host, _HOST_LOST)
 
     def _follow(self, failure: tuple[int, str], *, await_end: bool) -> None:
         """(The main thread) end this process for ``failure``, after the failed process where it raised itself."""
