@@ -35,9 +35,9 @@ from lightning_paci.engine.topology import Topology
 from lightning_paci.integration import lightning_api as api
 from lightning_paci.schedules import Communicator, stage_devices
 
-__all__ = ["LAUNCHER_PID", "WATCHING", "ProcessGroups", "broadcast_object", "check_launched_world", "collective_waits",
-           "connect_store", "launcher_pid", "print_setup_errors_once", "reduce_decision", "reduce_over",
-           "rendezvous_store", "share_cpu_cores", "start_process_groups", "start_watchdog"]
+__all__ = ["LAUNCHER_PID", "ProcessGroups", "broadcast_object", "check_launched_world", "collective_waits",
+           "connect_store", "current_watchdog", "launcher_pid", "print_setup_errors_once", "reduce_decision",
+           "reduce_over", "rendezvous_store", "share_cpu_cores", "start_process_groups", "start_watchdog"]
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def share_cpu_cores(device: torch.device, local_processes: int, environ: Any = o
 
 
 _FITS = [0]  # watchdogs this process started
-WATCHING: list[StageWatchdog] = []  # the last watchdog this process started (a failed run's outlives its strategy)
+_WATCHING: list[StageWatchdog] = []  # the last watchdog this process started (a failed run's outlives its strategy)
 _PARENT = os.getppid()  # the process that started this one, as this module was first imported
 LAUNCHER_PID = "LIGHTNING_PACI_LAUNCHER_PID"  # set by Lightning's script launcher for the ranks it starts
 
@@ -203,6 +203,12 @@ def connect_store(timeout: float = 10.0) -> Any | None:
         return None
 
 
+def current_watchdog() -> StageWatchdog | None:
+    """The watchdog this process started last, while its thread runs (also where the strategy's groups were never
+    made, or its run failed); else None."""
+    return _WATCHING[-1] if _WATCHING and _WATCHING[-1].watching else None
+
+
 def start_watchdog(topology: Topology, watch_id: int, failure_timeout: float, *,
                    launcher: int | None = None) -> StageWatchdog | None:
     """The failure watchdog of this process, from the start of setup (supervision.py): it judges the whole
@@ -221,7 +227,7 @@ def start_watchdog(topology: Topology, watch_id: int, failure_timeout: float, *,
                              launcher=launcher, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
     watchdog.activity = activity.now
     watchdog.start()
-    WATCHING[:] = [watchdog]
+    _WATCHING[:] = [watchdog]
     _report_consequences_in_one_line(watchdog)
     return watchdog
 

@@ -34,7 +34,7 @@ from lightning_paci.engine.activity import ALL, activity
 from lightning_paci.engine.lost_peers import is_lost_connection
 from lightning_paci.engine.supervision import LAUNCHED, PATIENCE, is_setup_error
 from lightning_paci.integration import lightning_api as api
-from lightning_paci.integration.processes import LAUNCHER_PID, WATCHING, ProcessGroups
+from lightning_paci.integration.processes import LAUNCHER_PID, ProcessGroups, current_watchdog
 
 __all__ = ["InPlaceLauncher", "end_teardown", "ends_together", "finish_fit", "leave", "preempted", "report_failure",
            "wait_for_launched"]
@@ -107,14 +107,13 @@ class _TerminateAfterTheWatchdog:
         self.held: list[logging.LogRecord] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if WATCHING and WATCHING[-1].watching and "terminated with code" in record.getMessage():
+        if current_watchdog() is not None and "terminated with code" in record.getMessage():
             self.held.append(record)
             return False
         return True
 
     def __call__(self, terminate: Callable[[Any], None], observer: Any) -> None:
-        watchdog = WATCHING[-1] if WATCHING else None
-        if watchdog is not None and watchdog.watching:
+        if (watchdog := current_watchdog()) is not None:
             time.sleep(4 * watchdog.dead_after + 10.0)  # this process ends meanwhile, taking this thread with it
         for record in self.held:
             logging.getLogger(record.name).handle(record)  # (handlers, not filters: said now)
@@ -184,8 +183,7 @@ def report_failure(groups: ProcessGroups | None, exception: BaseException) -> No
     exception that follows another stage's failure ends this process with one line instead (a lost connection
     waits for that failure to be found). A setup error is the same on every rank: each reports its own (rank 0
     prints it in full, the others in one line)."""
-    watchdog = groups.watchdog if groups is not None else (
-        WATCHING[-1] if WATCHING and WATCHING[-1].watching else None)  # failed while the groups were made
+    watchdog = groups.watchdog if groups is not None else current_watchdog()  # failed while the groups were made
     if LAUNCHED:  # this launcher ends after the ranks it started
         atexit.register(wait_for_launched, 20.0 if watchdog is None else watchdog.dead_after,
                         joined=watchdog is not None)
