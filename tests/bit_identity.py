@@ -6,7 +6,9 @@
 
 Each schedule runs twice: through the one-process reference executor and as a 4-process Trainer run (forked ranks,
 gloo), on an MLP, a hand-written loop transformer and a tied transformers GPT-2; the losses of every micro-batch,
-the values logged to rank 0 and the final weights are stored. ``compare`` demands bit equality (``torch.equal``).
+the values logged to rank 0 and the final weights are stored; then the MLP once per engine feature
+(``FEATURES``: data parallel with buckets, optimizer shards, virtual stages, recomputation, the
+layered backward), and the loop transformer under each compensation. ``compare`` demands bit equality (``torch.equal``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,18 @@ def _models() -> dict[str, tuple[Any, Any]]:
     }
 
 
+# the engine's parts beyond one process per stage, each through the Trainer on the MLP
+FEATURES: dict[str, dict[str, Any]] = {
+    "data_parallel": dict(schedule="paci", pipeline_parallel_size=2, data_parallel_size=2, reduce_bucket_mb=1e-4),
+    "optimizer_shards": dict(schedule="paci", pipeline_parallel_size=2, data_parallel_size=2, dp_shard="optimizer",
+                             deferred_update=True),
+    "virtual_loop": dict(schedule="interleaved", pipeline_parallel_size=2, virtual_stages=2, placement="loop"),
+    "virtual_v": dict(schedule="paci", pipeline_parallel_size=2, virtual_stages=2, placement="v"),
+    "recompute": dict(schedule="paci", recompute="blocks"),
+    "layered": dict(schedule="layered", accumulation=MICROBATCHES),
+}
+
+
 def _reference(make: Any, loader: Any, schedule: str) -> dict[str, Any]:
     L.seed_everything(0)
     model = make()
@@ -51,13 +65,15 @@ def _reference(make: Any, loader: Any, schedule: str) -> dict[str, Any]:
             "weights": {k: v.detach().clone() for k, v in reference.state_dict().items()}}
 
 
-def _distributed(make: Any, loader: Any, schedule: str) -> dict[str, Any]:
+def _distributed(make: Any, loader: Any, schedule: str, **features: Any) -> dict[str, Any]:
     L.seed_everything(0)
     model = make()
     with tempfile.TemporaryDirectory() as tmp:
         dumped, logged = DumpLastStageLosses(Path(tmp) / "losses"), RecordLosses(Path(tmp))
-        fit(model, loader, devices=STAGES, max_steps=STEPS, callbacks=[dumped, logged], schedule=schedule,
-            microbatches=MICROBATCHES, accumulation=ACCUMULATION, partition="parameters", max_stream_batches=4)
+        settings: dict[str, Any] = dict(schedule=schedule, microbatches=MICROBATCHES, accumulation=ACCUMULATION,
+                                        partition="parameters", max_stream_batches=4)
+        settings.update(features)
+        fit(model, loader, devices=STAGES, max_steps=STEPS, callbacks=[dumped, logged], **settings)
         losses = dumped.values()
         return {"losses": torch.tensor([losses[k] for k in sorted(losses)], dtype=torch.float64),
                 "logged": torch.tensor(logged.values(), dtype=torch.float64),
@@ -66,6 +82,14 @@ def _distributed(make: Any, loader: Any, schedule: str) -> dict[str, Any]:
 
 def collect() -> dict[str, Any]:
     out: dict[str, Any] = {}
+    make, loader = _models()["mlp"]
+    for feature, settings in FEATURES.items():
+        out[f"mlp/{feature}/trainer"] = _distributed(make, loader(), **settings)
+        print(f"mlp/{feature}: done", flush=True)
+    for compensation in ("predict", "none"):  # AdamW: a state to predict from
+        make, loader = _models()["loop"]
+        out[f"loop/compensation_{compensation}/trainer"] = _distributed(make, loader(), "paci",
+                                                                        compensation=compensation)
     for name, (make, loader) in _models().items():
         for schedule in ("paci", "1f1b", "gpipe"):
             out[f"{name}/{schedule}/reference"] = _reference(make, loader(), schedule)
