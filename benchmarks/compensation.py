@@ -32,7 +32,7 @@ from torch import nn
 
 from benchmarks.harness import Benchmark, print_table
 from lightning_paci import ReferencePipeline, build_schedule, plan_partition
-from lightning_paci.integration.logs import recording_logs
+from lightning_paci.integration.stage.logs import recording_logs
 from lightning_paci.partition.plan import call_order
 
 __all__ = ["KINDS", "TaskModel", "compensation", "one_device", "pipelined"]

@@ -2,7 +2,7 @@
 
 What the option changes is each block's own code; the pipeline around it (messages, hooks, the schedule) is the
 same. So this times what a stage runs per micro-batch -- its blocks' forward and backward -- eager and compiled with
-``BlockCompile`` (engine/block_compile.py), in one process on one thread, alternating the two over ``--repeats``
+``BlockCompile`` (engine/blocks/block_compile.py), in one process on one thread, alternating the two over ``--repeats``
 rounds after a warm-up that includes the compilation, and reports the median time and the ratio. The compile time
 (first forward and backward) is reported on its own. The blocks are examples/train_gpt.py's GPT-2 (transformers).
 """
@@ -43,7 +43,7 @@ def _time(blocks: torch.nn.ModuleList, x: torch.Tensor, steps: int) -> float:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from lightning_paci.engine.block_compile import BlockCompile
+    from lightning_paci.engine.blocks.block_compile import BlockCompile
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -45,15 +45,15 @@ __all__ = ["BOOKKEEPING", "HostCost", "blocks_alone", "host_costs", "host_table"
 # (row, module, class or "" for a module-level function, attribute); the functions are wrapped in the stage's
 # process for the measured batches only
 BOOKKEEPING: tuple[tuple[str, str, str, str], ...] = (
-    ("log replay", "lightning_paci.integration.logs", "LogRelay", "emit"),
-    ("fingerprint", "lightning_paci.integration.fingerprint", "BatchFingerprint", "update"),
-    ("records", "lightning_paci.engine.records", "StageRecords", "account"),
-    ("records", "lightning_paci.engine.records", "StageRecords", "add_backward"),
-    ("records", "lightning_paci.engine.records", "StageRecords", "record_update"),
-    ("look-ahead", "lightning_paci.engine.comm", "ReceivesAhead", "taken"),
-    ("cursor", "lightning_paci.engine.cursor", "StreamCursor", "segment"),
-    ("micro-batches", "lightning_paci.engine.driver", "", "split_weighted"),  # the name the driver calls
-    ("micro-batches", "lightning_paci.engine.runtime", "StageRuntime", "add_microbatch"),
+    ("log replay", "lightning_paci.integration.stage.logs", "LogRelay", "emit"),
+    ("fingerprint", "lightning_paci.integration.trainer.fingerprint", "BatchFingerprint", "update"),
+    ("records", "lightning_paci.engine.runtime.records", "StageRecords", "account"),
+    ("records", "lightning_paci.engine.runtime.records", "StageRecords", "add_backward"),
+    ("records", "lightning_paci.engine.runtime.records", "StageRecords", "record_update"),
+    ("look-ahead", "lightning_paci.engine.transport.point_to_point", "ReceivesAhead", "taken"),
+    ("cursor", "lightning_paci.engine.streams.cursor", "StreamCursor", "segment"),
+    ("micro-batches", "lightning_paci.engine.streams.driver", "", "split_weighted"),  # the name the driver calls
+    ("micro-batches", "lightning_paci.engine.runtime.runtime", "StageRuntime", "add_microbatch"),
 )
 _LOG_RECORDING = "log recording"
 _ROWS = (_LOG_RECORDING, *dict.fromkeys(row for row, *_ in BOOKKEEPING))
@@ -123,7 +123,7 @@ def _install(spent: _Spent) -> Callable[[], None]:
         setattr(owner, attribute, spent.timed(row, plain))
         undo.append(lambda owner=owner, attribute=attribute, plain=plain: setattr(owner, attribute, plain))
     # the forward's step runs inside ``recording_logs``, imported by name where the program uses it
-    program = importlib.import_module("lightning_paci.integration.lightning_program")
+    program = importlib.import_module("lightning_paci.integration.stage.lightning_program")
     plain_recording = program.recording_logs
     program.recording_logs = spent.recording(plain_recording)  # type: ignore[attr-defined]
     undo.append(lambda: setattr(program, "recording_logs", plain_recording))

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from benchmarks.harness import Benchmark, median, print_table, run_emulated, steady_seconds
 from benchmarks.time_to_accuracy import CONTEXT, GLOBAL_BATCH, SleepyLM
 from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
-from lightning_paci.engine.optimizer_shards import optimizer_state_bytes
+from lightning_paci.engine.replicas.optimizer_shards import optimizer_state_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -88,7 +88,7 @@ def _peaks(model: Any, batches: list[Any], stages: int, m: int, recompute: str) 
 
 def _block_working_set(model: Any, batch: Any, stages: int, m: int) -> int:
     """Bytes block 0 saves for one micro-batch (its input caught by a pre-hook on a one-device forward)."""
-    from lightning_paci.engine.records import ActivationMeter
+    from lightning_paci.engine.runtime.records import ActivationMeter
 
     block = model.get_submodule(plan_partition(model, stages, partition="parameters").container)[0]
     caught: list[tuple[Any, Any]] = []
@@ -136,7 +136,7 @@ def activations(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _framed(payload: Any) -> int:
-    from lightning_paci.engine.messages import flatten
+    from lightning_paci.engine.transport.messages import flatten
 
     skeleton, tensors = flatten(payload)
     return 16 + len(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)) + sum(

@@ -200,10 +200,10 @@ def breakdown(stages: Stages, m: int, k: int, device_ms: float) -> list[dict[str
 
 
 def _bare_worker(rank: int, shape: tuple[int, int, int, float, float, int], path: str, out: str) -> None:
-    from lightning_paci.engine.comm import DistComm
-    from lightning_paci.engine.microbatch import loss_scale_for, split_microbatches
-    from lightning_paci.engine.runtime import StageRuntime
-    from lightning_paci.integration.lightning_program import LightningStageProgram
+    from lightning_paci.engine.runtime.microbatch import loss_scale_for, split_microbatches
+    from lightning_paci.engine.runtime.runtime import StageRuntime
+    from lightning_paci.engine.transport.point_to_point import DistComm
+    from lightning_paci.integration.stage.lightning_program import LightningStageProgram
     from lightning_paci.optim.stage_optimizer import StageOptimizer
     from lightning_paci.partition import carve_stage, plan_partition
 

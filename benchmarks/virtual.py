@@ -61,11 +61,11 @@ WARMUP = 2  # mini-batches of the stream run before the measured one
 
 
 def _ours(rank: int, shape: Shape, path: str, out: str) -> None:
-    from lightning_paci.engine.comm import DistComm
-    from lightning_paci.engine.device import ChunkComm, DeviceRuntime, local_network
-    from lightning_paci.engine.microbatch import loss_scale_for, split_microbatches
-    from lightning_paci.engine.runtime import StageRuntime
-    from lightning_paci.integration.lightning_program import LightningStageProgram
+    from lightning_paci.engine.runtime.microbatch import loss_scale_for, split_microbatches
+    from lightning_paci.engine.runtime.runtime import StageRuntime
+    from lightning_paci.engine.runtime.virtual_stages import ChunkComm, DeviceRuntime, local_network
+    from lightning_paci.engine.transport.point_to_point import DistComm
+    from lightning_paci.integration.stage.lightning_program import LightningStageProgram
     from lightning_paci.optim.stage_optimizer import StageOptimizer
     from lightning_paci.partition import carve_stage, plan_partition
 

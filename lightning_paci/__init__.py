@@ -57,7 +57,7 @@ _HOME = {
     "TimelineMonitor": "callbacks",
     "PartitionPlan": "partition",
     "plan_partition": "partition",
-    "ReferencePipeline": "integration.reference_pipeline",
+    "ReferencePipeline": "integration.stage.reference_pipeline",
     "Action": "schedules",
     "Schedule": "schedules",
     "ScheduleError": "errors",
@@ -128,7 +128,7 @@ if TYPE_CHECKING:
         TensorPickleError,
         WeightsError,
     )
-    from lightning_paci.integration.reference_pipeline import ReferencePipeline
+    from lightning_paci.integration.stage.reference_pipeline import ReferencePipeline
     from lightning_paci.partition import PartitionPlan, plan_partition
     from lightning_paci.schedules import Action, Schedule, build_schedule, drift_bound, validate_schedule
     from lightning_paci.simulation import SimulationResult, simulate_schedule

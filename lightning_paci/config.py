@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-from lightning_paci.engine.block_compile import COMPILE_MODES, check_backend
-from lightning_paci.engine.recompute import RECOMPUTE_MODES
-from lightning_paci.engine.topology import Topology, check_size_option, check_topology, resolve_sizes
+from lightning_paci.engine.blocks.block_compile import COMPILE_MODES, check_backend
+from lightning_paci.engine.blocks.recompute import RECOMPUTE_MODES
+from lightning_paci.engine.replicas.topology import Topology, check_size_option, check_topology, resolve_sizes
 from lightning_paci.optim.weight_prediction import COMPENSATIONS
 from lightning_paci.partition import PartitionSpec
 from lightning_paci.schedules import PLACEMENTS, SCHEDULE_NAMES, VIRTUAL_SCHEDULE_NAMES, ScheduleName
@@ -58,7 +58,7 @@ class PACIConfig:
             them (default: found automatically, every container that runs so; see [Note: several containers]).
         timeout: process-group timeout; a stage waiting longer for a neighbour fails instead of hanging.
         failure_timeout: seconds without a heartbeat after which a stage is declared dead; when a stage dies or
-            raises, every other stage prints the failed stage and its reason and exits (see supervision.py).
+            raises, every other stage prints the failed stage and its reason and exits (see watchdog.py).
         nonfinite: ``"raise"`` (default) stops the run at the first NaN/inf loss or gradient with an error naming
             the stage and the step; ``"skip"`` drops a micro-batch whose loss is not finite (it contributes no
             gradient; non-finite gradients always raise).
@@ -77,8 +77,8 @@ class PACIConfig:
             stage for 1-1.5 s; in a pipeline every stage's pause stalls all the others (measured: 1.6-2.9 s steps
             instead of 0.8 s, several times per 200 steps). Objects created during training are still collected.
             Under ``start_method="fork"`` the main process's objects are also frozen while the ranks start and run
-            ([Note: fork with a frozen heap] in integration/lightning_api.py), so a rank's collections during setup
-            leave its parent's heap alone too.
+            ([Note: fork with a frozen heap] in integration/trainer/lightning_api.py), so a rank's collections during
+            setup leave its parent's heap alone too.
         compensation: staleness compensation by weight prediction (see [Note: weight prediction] in
             optim/weight_prediction.py). ``"auto"`` (default): a micro-batch that will cross ``k`` local updates
             between its forward and its backward is forwarded with the weights moved ``k`` predicted steps of the
@@ -100,15 +100,16 @@ class PACIConfig:
         deferred_update: with replicas under ``"paci"``, an ``OPT`` only starts what is left of its reduction and
             the update is made right before the stage's next backward, so the forward in between hides the
             reduction; those micro-batches cross one more update (the drift bound read off the list, at most one
-            more than PACI's; [Note: deferred update] in engine/updates.py). Default False.
+            more than PACI's; [Note: deferred update] in engine/runtime/updates.py). Default False.
         dp_shard: ``"none"`` (default) or ``"optimizer"``: with replicas, each replica of a stage updates -- and
             keeps the optimizer state of -- about ``1 / replicas`` of the stage's tensors and sends them to the others
-            after each step (ZeRO stage 1, [Note: optimizer shards] in engine/optimizer_shards.py); bit for bit the
-            unsharded run for per-tensor optimizers (SGD, Adam, AdamW); checkpoints hold the whole state.
+            after each step (ZeRO stage 1, [Note: optimizer shards] in engine/replicas/optimizer_shards.py); bit for
+            bit the unsharded run for per-tensor optimizers (SGD, Adam, AdamW); checkpoints hold the whole state.
         reduce_bucket_mb: with replicas (and without ``local_sgd_steps``), the gradients are averaged in buckets of
             whole blocks of about this many MiB (DDP's ``bucket_cap_mb``), each started while the backward that
             closes the window still runs the blocks before it; the step waits only for what is still in flight
-            ([Note: overlapped reduction] in engine/grad_buckets.py). ``None``: one blocking average at the step.
+            ([Note: overlapped reduction] in engine/replicas/grad_buckets.py). ``None``: one blocking average at the
+            step.
         recompute: ``"off"`` (default) or ``"blocks"``: each of a stage's blocks keeps only its input between a
             micro-batch's forward and its backward and runs its forward again inside the backward (activation
             memory for compute; exact under 1f1b/gpipe, a second staleness under paci: [Note: recomputation under
@@ -117,7 +118,7 @@ class PACIConfig:
             None (default): every stage.
         compile: ``"off"`` (default) or ``"blocks"``: each block a stage owns runs its ``forward`` through
             ``torch.compile``; hooks, relays and recomputation stay outside the compiled region, parameter names and
-            checkpoints are the eager model's ([Note: compiled blocks] in engine/block_compile.py).
+            checkpoints are the eager model's ([Note: compiled blocks] in engine/blocks/block_compile.py).
         compile_backend: the ``torch.compile`` backend of ``compile="blocks"`` (default ``"inductor"``).
         process_group_backend: ``"nccl"`` on CUDA, ``"gloo"`` otherwise (default: chosen from the device).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"`` (CPU tests,
@@ -143,14 +144,14 @@ class PACIConfig:
             fingerprint), every plan -- micro-batches, cut points, recomputing stages, gradient reduction -- is
             predicted on the simulator, and the fastest within ``memory_budget`` and the default drift bound is run;
             options given other than their defaults are kept. The table of it and its runners-up is printed and the
-            prediction is checked against the run ([Note: the plan at setup] in integration/auto_plan.py).
+            prediction is checked against the run ([Note: the plan at setup] in integration/setup/auto_plan.py).
         memory_budget: with ``plan="auto"``, the most bytes a process may hold for parameters, gradients,
             optimizer state and activations (a number, or text such as ``"24GiB"``); None: no bound.
 
     Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) uses the norm over every stage's gradients under
     the flush schedules, as one device; under ``"paci"`` every stage's latest norm as the pipeline's messages carry
-    it ([Note: norm table] in engine/norm_table.py); with virtual stages each stage's own, said at setup ([Note:
-    global-norm clipping] in integration/clipping.py).
+    it ([Note: norm table] in engine/runtime/norm_table.py); with virtual stages each stage's own, said at setup ([Note:
+    global-norm clipping] in integration/trainer/clipping.py).
     """
 
     schedule: ScheduleName = "paci"
@@ -253,6 +254,12 @@ class PACIConfig:
         if self.recompute_stages is not None and self.recompute == "off":
             raise ValueError(f"`recompute_stages={self.recompute_stages}` needs `recompute='blocks'`: it chooses which "
                              f"stages recompute. Pass `PACIStrategy(recompute='blocks', recompute_stages=...)`.")
+
+    @property
+    def budget_bytes(self) -> float | None:
+        """``memory_budget`` in bytes (a string like ``"24GiB"`` is parsed at construction)."""
+        assert not isinstance(self.memory_budget, str)
+        return self.memory_budget
 
     def topology(self, devices: int, num_nodes: int) -> Topology:
         """Stages x replicas over ``devices x num_nodes`` processes, checked ([Note: rank layout])."""

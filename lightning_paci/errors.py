@@ -88,7 +88,7 @@ NCCL_RULES = {
 
 class NcclRuleError(RuntimeError):
     """A rule of NCCL's broken under the emulation (``LIGHTNING_PACI_EMULATE_NCCL=1``); ``rule`` is its number in
-    :data:`NCCL_RULES` and [Note: NCCL emulation] (engine/nccl_emulation.py)."""
+    :data:`NCCL_RULES` and [Note: NCCL emulation] (engine/transport/nccl_emulation.py)."""
 
     def __init__(self, rule: int, message: str) -> None:
         super().__init__(f"NCCL emulation, rule {rule} ({NCCL_RULES[rule]}): {message}")

@@ -42,9 +42,9 @@ def _load(spec: str) -> tuple[Any, Any]:
 
 def _costs(args: argparse.Namespace, world: int) -> tuple[ModelCosts, int]:
     """The measurements (from ``--costs`` when it exists) and the batch size."""
-    from lightning_paci.engine.microbatch import microbatch_size, split_microbatches
-    from lightning_paci.integration.auto_plan import optimizer_factor, profile
-    from lightning_paci.integration.logs import recording_logs
+    from lightning_paci.engine.runtime.microbatch import microbatch_size, split_microbatches
+    from lightning_paci.integration.setup.auto_plan import optimizer_factor, profile
+    from lightning_paci.integration.stage.logs import recording_logs
     from lightning_paci.partition.blocks import call_order
 
     module, loader = _load(args.module)
@@ -73,7 +73,7 @@ def _costs(args: argparse.Namespace, world: int) -> tuple[ModelCosts, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from lightning_paci.integration.auto_plan import layouts
+    from lightning_paci.integration.setup.auto_plan import layouts
 
     parser = argparse.ArgumentParser(prog="python -m lightning_paci.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

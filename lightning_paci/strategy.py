@@ -3,21 +3,23 @@
 ``import lightning_paci`` registers ``Trainer(strategy="paci")`` (processes started like ``ddp``), ``"paci_fork"``
 (forked, for CPU tests and notebooks) and ``"paci_spawn"``.
 
-One class, as each of Lightning's strategies is: every hook delegates to the module that owns the concept -- options
-(config.py), processes and collectives (integration/processes.py), the model's construction and the plan
-(integration/stage_build.py), this process's stage and everything that runs it (integration/local_stage.py: runtime,
-stream driver, [Note: no flush per Lightning batch]), the Trainer's checks (integration/trainer_checks.py), the fit
-loop's data, drain points and patches (integration/fit_loop.py), checkpoints (integration/checkpoint.py), failures
-(engine/supervision.py) and Lightning's private API (integration/lightning_api.py). Two per-batch synchronisations
-would turn PACI into a flush and are avoided: Lightning's per-batch SIGTERM broadcast from rank 0 (a full barrier on
-gloo) is replaced by a local check (Lightning's launchers deliver the signal to every process; the handler itself
-runs no collective), and logged values travel upstream with the gradients instead of being broadcast (logs.py)."""
+One class, as each of Lightning's strategies is, holding only Lightning's interface: properties, and hooks that
+delegate in a line or two to the module that owns the concept -- the options (config.py); the process's start, its
+groups and its end (integration/processes/: process_life.py, process_groups.py, shutdown.py); setup
+(integration/setup/: stage_setup.py, the model's construction and the plan in stage_build.py, the Trainer's checks
+in trainer_checks.py); this process's stage and everything that runs it (integration/stage/local_stage.py: the
+runtime, the stream driver, [Note: no flush per Lightning batch]); the fit loop's data, drain points and patches
+(integration/trainer/fit_loop.py); checkpoints (integration/checkpoints/); failures
+(engine/supervision/watchdog.py); Lightning's private API (integration/trainer/lightning_api.py). Two per-batch
+synchronisations would turn PACI into a flush and are avoided: Lightning's per-batch SIGTERM broadcast from rank 0
+(a full barrier on gloo) is replaced by a local check (Lightning's launchers deliver the signal to every process;
+the handler itself runs no collective), and logged values travel upstream with the gradients instead of being
+broadcast (integration/stage/logs.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import logging
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
@@ -33,52 +35,27 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_paci.config import PACIConfig
-from lightning_paci.engine.activity import activity
-from lightning_paci.engine.runtime import StageRuntime
-from lightning_paci.engine.supervision import mark_setup_error
-from lightning_paci.engine.topology import Topology
-from lightning_paci.integration import lightning_api as api
-from lightning_paci.integration.checkpoint import (
-    PARTITION_KEY,
-    PipelineCheckpoints,
-    after_fit_message,
-    cpu_state,
-    receive_after_fit,
-)
-from lightning_paci.integration.clipping import clipping_by_norm
-from lightning_paci.integration.fit_loop import (
-    ends_epoch,
-    must_drain,
-    patch_for_pipeline,
-    same_data_on_every_stage,
-    seed_workers_alike,
-)
-from lightning_paci.integration.lightning_callbacks import batch_outputs, needs_every_stage_loss
-from lightning_paci.integration.lightning_program import LightningHooks
-from lightning_paci.integration.local_stage import LocalStage, StageLinks
-from lightning_paci.integration.optimizer_layout import OptimizerLayout
-from lightning_paci.integration.processes import (
-    ProcessGroups,
-    broadcast_object,
-    check_launched_world,
-    collective_waits,
-    reduce_decision,
-    reduce_over,
-    start_process_groups,
-)
-from lightning_paci.integration.shutdown import end_teardown, ends_together, finish_fit, preempted, report_failure
-from lightning_paci.integration.stage_build import StageBuilder, meta_stays_on_meta
-from lightning_paci.integration.trainer_checks import check_trainer
-from lightning_paci.integration.weight_averaging import average_per_stage
+from lightning_paci.engine.replicas.topology import Topology
+from lightning_paci.engine.runtime.runtime import StageRuntime
+from lightning_paci.engine.supervision.activity import activity
+from lightning_paci.engine.supervision.watchdog import mark_setup_error
+from lightning_paci.engine.transport.collectives import broadcast_object, reduce_decision
+from lightning_paci.integration.checkpoints.checkpoint_hooks import CheckpointHooks
+from lightning_paci.integration.processes.process_groups import ProcessGroups, check_launched_world
+from lightning_paci.integration.processes.process_life import ProcessLife
+from lightning_paci.integration.processes.shutdown import ends_together
+from lightning_paci.integration.setup.stage_build import StageBuilder, meta_stays_on_meta
+from lightning_paci.integration.setup.stage_setup import build_stage, start_stage
+from lightning_paci.integration.stage.local_stage import LocalStage
+from lightning_paci.integration.trainer import lightning_api as api
+from lightning_paci.integration.trainer.fit_loop import seed_workers_alike
 from lightning_paci.optim.stage_optimizer import optimizer_and_step_schedulers
 from lightning_paci.partition import PartitionPlan, PartitionSpec
-from lightning_paci.partition.chunks import carve_chunks
 from lightning_paci.schedules import ScheduleName, stage_devices
 from lightning_paci.schedules.virtual import Placement
 
@@ -152,14 +129,12 @@ class PACIStrategy(ParallelStrategy):
         super().__init__(**{name: given[name] for name in _LIGHTNING_ARGS})
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
-        self._groups: ProcessGroups | None = None
         self._trainer: Trainer | None = None
         self._stage: LocalStage | None = None
         self._builder = StageBuilder(self)
-        self._undo_patches: list[Callable[[], None]] = []
-        # after `fit`: rank 0's gathered optimizer and scheduler states, for `trainer.save_checkpoint` after `fit`
-        self._after_fit: dict[str, list[Any]] | None = None
-        self._failed = self._froze_gc = False
+        self._life = ProcessLife(self.config)  # the groups, the patches to undo, the end of the run
+        self._checkpoints = CheckpointHooks(self, host=self._life.host_group, after_fit=self._life.after_fit_states,
+                                            built_on_meta=self._builder.built_on_meta)
 
     # -- ranks, stages and replicas ([Note: rank layout]) ------------------------------------------------------------
     @property
@@ -183,7 +158,7 @@ class PACIStrategy(ParallelStrategy):
     @property
     def topology(self) -> Topology:
         """Pipeline stages x data-parallel replicas over ``devices x num_nodes`` processes; an impossible split is a
-        ``ValueError`` naming the numbers and the fix (engine/topology.py)."""
+        ``ValueError`` naming the numbers and the fix (engine/replicas/topology.py)."""
         return self.config.topology(self.num_processes, self.num_nodes)
 
     @property
@@ -217,15 +192,15 @@ class PACIStrategy(ParallelStrategy):
 
     @property
     def process_groups(self) -> ProcessGroups:
-        """This process's groups (integration/processes.py), after ``setup_environment``."""
-        if self._groups is None:
+        """This process's groups (integration/processes/process_groups.py), after ``setup_environment``."""
+        if self._life.groups is None:
             raise RuntimeError("PACIStrategy.process_groups is only available after the processes have started.")
-        return self._groups
+        return self._life.groups
 
     @property
     def device_mesh(self) -> Any:
         """torch's ``DeviceMesh`` with dimensions ``("pp", "dp")`` with data parallelism, else None."""
-        return None if self._groups is None else self._groups.mesh
+        return None if self._life.groups is None else self._life.groups.mesh
 
     @property
     def is_distributed(self) -> bool:
@@ -280,40 +255,37 @@ class PACIStrategy(ParallelStrategy):
         """What ``weights=`` made this stage read: ``{"files": [...], "keys": [...]}`` (None without ``weights=``)."""
         return self._builder.weights_read
 
+    @property
+    def stage(self) -> LocalStage | None:
+        """This process's stage of the pipeline after setup -- its carved module, runtimes, optimizer, tied-weight
+        copies (``stage.tied_copies``) -- and ``stage.drain()`` to bring its last updates in; None before setup and
+        after teardown. Read-only: the strategy builds and ends it."""
+        return self._stage
+
     def undo_at_teardown(self, undo: list[Callable[[], None]]) -> None:
         """Patches of the Trainer or the module, undone at teardown in reverse order."""
-        self._undo_patches += undo
+        self._life.undo_at_teardown(undo)
 
-    # -- processes -----------------------------------------------------------------------------------------------------
+    # -- processes (integration/processes/process_life.py) ---------------------------------------------------------
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         _ = self.topology  # an impossible split fails here, in the main process, before any start
-        if self.config.start_method != "popen":
-            self._launcher = api.multiprocessing_launcher(
-                self, self.config.start_method, send=self._send_after_fit, receive=self._receive_after_fit,
-                on_exception=self.on_exception, freeze_heap=self.config.freeze_gc)
-        elif not self.cluster_environment.creates_processes_externally:
-            self._launcher = api.SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def _send_after_fit(self, trainer: Trainer) -> dict[str, Any]:
-        return after_fit_message(trainer, self._after_fit)
-
-    def _receive_after_fit(self, trainer: Trainer, sent: Mapping[str, Any]) -> None:
-        self._after_fit = receive_after_fit(trainer, sent)
+        launcher = self._life.launcher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+        if launcher is not None:
+            self._launcher = launcher
 
     @override
     def setup_environment(self) -> None:
         assert self.cluster_environment is not None
         check_launched_world(self.cluster_environment, self.num_processes, self.num_nodes)
-        topology = self.topology  # the same checks on every rank (torchrun, SLURM: no main process)
+        _ = self.topology  # the same checks on every rank (torchrun, SLURM: no main process)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._groups = start_process_groups(self.cluster_environment, topology, rank=self.global_rank,
-                                            device=self.root_device, local_processes=self.num_processes,
-                                            config=self.config)
-        self._process_group_backend = self._groups.backend
+        self._life.join(self.cluster_environment, self.topology, rank=self.global_rank, device=self.root_device,
+                        local_processes=self.num_processes)
+        self._process_group_backend = self.process_groups.backend
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -338,67 +310,29 @@ class PACIStrategy(ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return self._builder.on_meta(self.lightning_module)  # a meta-built model reads its checkpoint after carving
 
-    # -- setup -------------------------------------------------------------------------------------------------------
+    # -- setup (integration/setup/stage_setup.py) --------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer) -> None:
         try:
-            self._setup(trainer)
+            self._trainer = trainer
+            self._stage = build_stage(self, trainer, self._builder, self._stage)
+            super().setup(trainer)  # Lightning's: the optimizers hold the stage's own parameters
+            start_stage(self, trainer, self._stage, self._builder, self._life.watchdog, self.optimizers)
         except (ValueError, TypeError, api.LightningAPIError) as err:  # the same on every rank: print it once
             raise mark_setup_error(err)
         activity.end()  # setup's patient base phase, begun in setup_environment
-
-    def _setup(self, trainer: Trainer) -> None:
-        self._trainer = trainer
-        module = self.lightning_module
-        assert module is not None
-        check_trainer(trainer, module, self.num_stages, self.config.start_method)
-        same_data_on_every_stage(trainer, self.broadcast, self.data_parallel_size)
-        if self._stage is None:
-            plan = self._builder.plan_stages(trainer, module)  # and logged
-            # one device's optimizer layout, read off the whole module before carving
-            layout = OptimizerLayout.of(module) if trainer.state.fn == TrainerFn.FITTING else None
-            carve = carve_chunks(module, plan, self.topology.stages_on(self.stage_index))
-            self._builder.materialize(module, carve, has_checkpoint=trainer.ckpt_path is not None)
-            self._stage = LocalStage(
-                module, plan, carve, config=self.config, num_microbatches=self.num_microbatches, layout=layout,
-                links=StageLinks.of(self), broadcast=self.pipeline_broadcast,
-                eval_context=self.precision_plugin.val_step_context, index=self.stage_index)
-        super().setup(trainer)
-        watchdog = self._groups.watchdog if self._groups is not None else None
-        stop = watchdog.preemption if watchdog is not None else None  # [Note: a preemption's stop]
-        self.undo_at_teardown([api.sigterm_without_a_collective(trainer, stop.request if stop else None)])
-        self._stage.prepare_relays(self, self._builder.take_sample())  # on the device, in the step's precision
-        if trainer.state.fn == TrainerFn.FITTING:
-            owned = [cfg.scheduler for cfg in self.lr_scheduler_configs if cfg.interval == "step"]
-            self._stage.start_training(self.optimizers, schedulers=owned, accumulation=self.accumulation,
-                                       hooks=lambda stage: LightningHooks(module, trainer, stage),
-                                       train_context=self.precision_plugin.train_step_context)
-            self.undo_at_teardown(patch_for_pipeline(trainer, module, owned, stop, self.config.failure_timeout)
-                                  + clipping_by_norm(trainer, self)
-                                  + average_per_stage(trainer, self))
-            activity.source = self._stage.activity()
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
         return seed_workers_alike(dataloader, self.replica_index)
 
-    # -- training and evaluation -------------------------------------------------------------------------------------
+    # -- training and evaluation (integration/stage/local_stage.py) -------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        batch = kwargs.get("batch", args[0] if args else None)
-        batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
-        trainer, stage = self._trainer, self._stage
-        assert trainer is not None and stage is not None
-        # an epoch's end steps an open window as Lightning does when windows are whole Lightning batches; a window
-        # of `accumulation` micro-batches not a multiple of the batch's is PACI's own and carries on across epochs
-        closes_windows = self.accumulation % self.num_microbatches == 0
-        loss, minibatch = stage.train(batch, batch_idx,
-                                      label=f"Lightning batch {batch_idx} (global step {trainer.global_step})",
-                                      drain=must_drain(trainer, batch_idx), accumulation=self.accumulation,
-                                      close_window=closes_windows and ends_epoch(trainer, batch_idx))
-        return batch_outputs(loss, minibatch, precision=str(trainer.precision), device=self.root_device,
-                             every_stage=needs_every_stage_loss(trainer), holds_last=stage.carve.holds_last,
-                             from_last=lambda sent: self.pipeline_broadcast(sent, self.stage_devices[-1]))
+        assert self._trainer is not None and self._stage is not None
+        return self._stage.training_call(self._trainer, args, kwargs, accumulation=self.accumulation,
+                                         device=self.root_device,
+                                         from_last=lambda sent: self.pipeline_broadcast(sent, self.stage_devices[-1]))
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -413,53 +347,43 @@ class PACIStrategy(ParallelStrategy):
         super().on_train_start()
         if self._stage is not None:
             self._stage.install_resumed_gradients()
-        if self.config.freeze_gc and not self._froze_gc:
-            gc.collect(1)  # young generations only: a full collection costs 0.5-0.6 s per rank (PACIConfig.freeze_gc)
-            gc.freeze()  # full collections then skip everything alive now
-            self._froze_gc = True
+        self._life.freeze_heap()
 
     @override
     def on_validation_start(self) -> None:
-        self._drain()
-
-    @override
-    def on_train_end(self) -> None:
-        self._drain()
-
-    def _drain(self) -> None:
         if self._stage is not None:
             self._stage.drain()
 
-    def _evaluate(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        batch = kwargs.pop("batch", args[0] if args else None)
-        assert self._stage is not None
-        return self._stage.evaluate(step_name, batch, args[1:] if args else tuple(kwargs.values()))
+    @override
+    def on_train_end(self) -> None:
+        if self._stage is not None:
+            self._stage.drain()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("validation_step", args, kwargs)
+        assert self._stage is not None
+        return self._stage.evaluation_call("validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("test_step", args, kwargs)
+        assert self._stage is not None
+        return self._stage.evaluation_call("test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("predict_step", args, kwargs)
+        assert self._stage is not None
+        return self._stage.evaluation_call("predict_step", args, kwargs)
 
     def log_figures(self, figures: dict[str, float], step: int) -> None:
         """A monitor's figures of this stage (``paci/<figure>/stage_<s>``) for the Trainer's loggers on global rank 0:
         they travel with the pipeline's own messages (LightningHooks.figures)."""
-        if self._stage is not None and self._stage.hooks is not None:
-            self._stage.hooks.figures(figures, step, last_stage=self._stage.carve.holds_last)
+        if self._stage is not None:
+            self._stage.log_figures(figures, step)
 
-    # -- collectives (never per training batch) ----------------------------------------------------------------------
+    # -- collectives, never per training batch (engine/transport/collectives.py) -------------------------------------
     def pipeline_broadcast(self, obj: Any, stage: int) -> Any:
         """From ``stage`` to this replica's other stages, over the host group ([Note: host groups on a bound world])."""
-        ranks = None if self.data_parallel_size == 1 else [self.rank_of(p) for p in range(self.topology.pipeline)]
-        groups = self.process_groups  # without replicas the pipeline is every rank: the host group's own broadcast
-        return broadcast_object(obj, self.rank_of(stage), groups.host, what=f"a broadcast from stage {stage}",
-                                ranks=ranks, waits=collective_waits(self.topology, ranks and groups.pipeline))
+        return self.process_groups.pipeline_broadcast(obj, stage, self.replica_index)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -469,7 +393,7 @@ class PACIStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        host = None if self._groups is None else self._groups.host  # [Note: host groups on a bound world]
+        host = None if self._life.groups is None else self._life.groups.host  # [Note: host groups on a bound world]
         return broadcast_object(obj, src, host, what="`strategy.broadcast(obj)`", host_tensors=True)
 
     @override
@@ -480,8 +404,7 @@ class PACIStrategy(ParallelStrategy):
         same collectives (also under NCCL)."""
         if self.data_parallel_size == 1 or not isinstance(tensor, Tensor):
             return tensor
-        group = self.process_groups.data if group is None else group
-        return reduce_over(tensor, reduce_op, group, self.data_parallel_size, collective_waits(self.topology, group))
+        return self.process_groups.reduce_over_replicas(tensor, reduce_op, group)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -491,67 +414,37 @@ class PACIStrategy(ParallelStrategy):
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         return api.all_gather_if_available(tensor, group=group, sync_grads=sync_grads)
 
-    # -- checkpoints (integration/checkpoint.py owns the format) -------------------------------------------------------
-    @property
-    def _checkpoints(self) -> PipelineCheckpoints:
-        return PipelineCheckpoints(self.config.checkpoint_layout, self.stage_index, self.num_stages,
-                                   self.checkpoint_io, rank=self.global_rank, first_replica=self.replica_index == 0,
-                                   replicas=self.data_parallel_size,
-                                   group=None if self._groups is None else self._groups.host)
-
+    # -- checkpoints (integration/checkpoints/checkpoint_hooks.py; checkpoint.py owns the format) -------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._drain()
-        assert self.lightning_module is not None
-        if not api.distributed_is_initialized():
-            return cpu_state(self.lightning_module)
-        foreign = self._stage.carve.foreign_buffers if self._stage is not None else set()
-        return self._checkpoints.weights(self.lightning_module, foreign)
+        return self._checkpoints.weights()
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        self._drain()
-        if self._stage is not None and self._stage.runtime is not None:
-            return self._stage.optimizer_state(self._checkpoints)
-        if self._after_fit is not None:  # `trainer.save_checkpoint` after `fit`: what teardown gathered
-            return self._after_fit["optimizer_states"][0]
-        return super().optimizer_state(optimizer)
+        return self._checkpoints.optimizer_state(lambda: super(PACIStrategy, self).optimizer_state(optimizer))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self._stage is None or self._stage.runtime is None:
-            raise ValueError("Resuming optimizer state needs a fitting PACIStrategy (`trainer.fit(ckpt_path=...)`).")
-        self._stage.load_optimizer_state(self._checkpoints, checkpoint)
+        self._checkpoints.load_optimizer_state(checkpoint)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        for key, states in (self._after_fit or {}).items():  # the main process of a fork/spawn run has no optimizer
-            if key in checkpoint and not checkpoint[key]:
-                checkpoint[key] = states
-        if self._stage is not None:  # the split, reused by a resume of a measured one (partition="time")
-            checkpoint[PARTITION_KEY] = {"num_stages": self._stage.plan.num_stages, "cut": self._stage.plan.cut}
         self._checkpoints.save(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        # a model built on the meta device reads its stage's tensors only: memory-mapped, never whole
-        return self._checkpoints.load(checkpoint_path, weights_only, mmap=self._builder.built is not None)
+        return self._checkpoints.load(checkpoint_path, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """A carved stage (a model built on the meta device restores after setup) takes its own keys only."""
-        module = self.lightning_module
-        assert module is not None
-        if self._stage is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        own = module.state_dict(keep_vars=True)
-        module.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if k in own}, strict=strict)
+        self._checkpoints.load_model_state(
+            checkpoint, strict, lambda: super(PACIStrategy, self).load_model_state_dict(checkpoint, strict=strict))
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        self._checkpoints.remove(filepath)
+        self._checkpoints.pipeline.remove(filepath)
 
-    # -- failures and teardown (integration/shutdown.py, [Note: ending a run]) -----------------------------------------
+    # -- failures and teardown (integration/processes/process_life.py, [Note: ending a run]) ------------------------
     @property
     @override
     def launcher(self) -> Any:
@@ -561,26 +454,16 @@ class PACIStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Tell every other stage which stage failed and why, before Lightning unwinds; a preemption's agreed stop
-        is no failure: the run ends on every rank together after teardown ([Note: a preemption's stop])."""
-        if preempted(self._groups, exception):
-            return
-        self._failed = True
-        report_failure(self._groups, exception)
+        """Tell every other stage which stage failed and why, before Lightning unwinds ([Note: a preemption's stop]
+        for the one exception that is no failure)."""
+        self._life.on_exception(exception)
 
     @override
     def teardown(self) -> None:
-        if self._froze_gc:
-            gc.unfreeze()
-            self._froze_gc = False
-        if not self._failed:  # still watched: a failure here stops every rank as one in training does
-            self._after_fit = finish_fit(
-                self._stage, drain=self._drain, undo=self._undo_patches, checkpoints=lambda: self._checkpoints,
-                schedulers=[cfg.scheduler for cfg in self.lr_scheduler_configs], replicas=self.data_parallel_size,
-                built_on_meta=self._builder.built is not None, group=self._groups and self._groups.host,
-            ) or self._after_fit
-        activity.source, self._stage = None, None  # the runtime goes with the stage
-        end_teardown(self._groups, failed=self._failed)
+        self._life.end(self._stage, checkpoints=lambda: self._checkpoints.pipeline,
+                       schedulers=[cfg.scheduler for cfg in self.lr_scheduler_configs],
+                       replicas=self.data_parallel_size, built_on_meta=self._builder.built_on_meta())
+        self._stage = None  # the runtime goes with the stage
         with meta_stays_on_meta(self.lightning_module):
             super().teardown()
 

@@ -293,7 +293,7 @@ def _compensated_forward_backward(device: torch.device) -> dict[str, Any]:
 
 
 def check_split_wire(device: torch.device) -> dict[str, Any]:
-    from lightning_paci.engine.split_wire import frame_split, read_split_header, unpack_split
+    from lightning_paci.engine.transport.split_wire import frame_split, read_split_header, unpack_split
 
     hidden = torch.randn(4, 33, 64, device=device, dtype=torch.bfloat16)
     message = {"hidden": hidden, "mask": torch.ones(4, 33, dtype=torch.bool, device=device), "step": 7,

@@ -14,7 +14,7 @@ from torch import nn
 from torch.multiprocessing import ProcessRaisedException
 
 from lightning_paci import PACIStrategy, SavePretrained
-from lightning_paci.integration.checkpoint import load_sharded
+from lightning_paci.integration.checkpoints.checkpoint import load_sharded
 from lightning_paci.partition.stage_init import (
     Recording,
     generator_states,
@@ -386,7 +386,7 @@ def test_weights_of_another_model_are_refused_at_setup_listing_the_keys(tmp_path
 
 
 def test_a_model_built_in_init_that_nears_the_hosts_memory_is_warned_about() -> None:
-    from lightning_paci.integration.stage_build import host_memory_warning
+    from lightning_paci.integration.setup.stage_build import host_memory_warning
 
     model = LoopTransformer(layers=2)
     assert host_memory_warning(model, local_ranks=8) is None

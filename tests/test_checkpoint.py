@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_paci import PACIStrategy
-from lightning_paci.integration.checkpoint import atomic_save
+from lightning_paci.integration.checkpoints.checkpoint import atomic_save
 
 from helpers import DumpLastStageLosses
 from models import HFCausalLM, SequentialMLP, regression_loader, token_loader
@@ -86,7 +86,7 @@ def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     atomic_save({"version": 1, "weights": torch.ones(4)}, path)
     script = textwrap.dedent(f"""
         import io, time, torch
-        import lightning_paci.integration.checkpoint as ckpt
+        import lightning_paci.integration.checkpoints.checkpoint as ckpt
         real_save = torch.save
 
         def slow_save(obj, fh):  # the real bytes, written in chunks slowly: the kill lands mid-write
@@ -220,7 +220,7 @@ def test_consolidated_save_gathers_to_rank_zero_only(tmp_path):
 def test_storage_options_are_refused_with_the_default_checkpoint_io(tmp_path):
     from lightning.fabric.plugins import TorchCheckpointIO
 
-    from lightning_paci.integration.checkpoint import PipelineCheckpoints
+    from lightning_paci.integration.checkpoints.checkpoint import PipelineCheckpoints
 
     checkpoints = PipelineCheckpoints("consolidated", 0, 2, TorchCheckpointIO())
     with pytest.raises(TypeError, match=r"storage_options=\{'a': 1\}.*custom `CheckpointIO`"):
@@ -273,7 +273,7 @@ def test_optimizer_state_is_placed_as_load_state_dict_places_it(options):
     # a saved `step` of another dtype (a non-fused run's float64, say) and a float64 moment on float32 parameters:
     # torch's own load_state_dict casts `step` to float32 for fused/capturable optimizers only, and every other
     # tensor to the parameter's dtype; the pipeline's name-keyed restore must give the same tensors
-    from lightning_paci.integration.checkpoint import load_stage_optimizer_state
+    from lightning_paci.integration.checkpoints.checkpoint import load_stage_optimizer_state
     from lightning_paci.optim.stage_optimizer import StageOptimizer
 
     module = torch.nn.Linear(3, 2)

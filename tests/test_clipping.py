@@ -1,7 +1,8 @@
-"""Gradient clipping by norm ([Note: global-norm clipping] in integration/clipping.py): under the flush schedules the
-norm over every stage's parameters, as one device clips; under "paci" the norm over every stage's latest squared
-norms that the messages carry ([Note: norm table] in engine/norm_table.py), as the reference executor computes it;
-with virtual stages each stage's own, said at setup. SGD in float64: Adam would hide a clipping scale."""
+"""Gradient clipping by norm ([Note: global-norm clipping] in integration/trainer/clipping.py): under the flush
+schedules the norm over every stage's parameters, as one device clips; under "paci" the norm over every stage's
+latest squared norms that the messages carry ([Note: norm table] in engine/runtime/norm_table.py), as the reference
+executor computes it; with virtual stages each stage's own, said at setup. SGD in float64: Adam would hide a clipping
+scale."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_paci import ReferencePipeline, build_schedule, plan_partition
-from lightning_paci.engine.norm_table import NormTable, carried, merged
-from lightning_paci.engine.wire import HeaderReader, HeaderWriter, frame
-from lightning_paci.integration.clipping import per_stage_clipping
+from lightning_paci.engine.runtime.norm_table import NormTable, carried, merged
+from lightning_paci.engine.transport.wire import HeaderReader, HeaderWriter, frame
+from lightning_paci.integration.trainer.clipping import per_stage_clipping
 
 from helpers import RecordSetupWarnings, fit
 from models import HFCausalLM, SequentialMLP, regression_loader, token_loader

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_paci.engine.comm import DistComm
-from lightning_paci.engine.messages import FIRST_BYTES, flatten
-from lightning_paci.engine.reference import LocalComm
-from lightning_paci.engine.wire import HeaderReader, HeaderWriter, frame
+from lightning_paci.engine.transport.local_mailbox import LocalComm
+from lightning_paci.engine.transport.messages import FIRST_BYTES, flatten
+from lightning_paci.engine.transport.point_to_point import DistComm
+from lightning_paci.engine.transport.wire import HeaderReader, HeaderWriter, frame
 from lightning_paci.schedules import layout_communicators
 
 from helpers import run_forked_ranks
@@ -193,7 +193,7 @@ def test_local_comm_copies_and_keeps_order() -> None:
 def test_host_header_wire_keeps_cpu_leaves_on_the_host_and_device_tensors_in_the_payload() -> None:
     # [Note: headers on a host side channel] without process groups: the "device" is meta here (the only other
     # device a CPU machine has), so CPU tensors must travel in the host header and arrive on the CPU, bit for bit
-    from lightning_paci.engine.split_wire import frame_split, read_split_header, unpack_split
+    from lightning_paci.engine.transport.split_wire import frame_split, read_split_header, unpack_split
 
     big = torch.arange(FIRST_BYTES, dtype=torch.float32)  # the header no longer fits one buffer
     message = {"host": [torch.tensor([1.5, -2.0]), big], "mask": torch.tensor([True, False]),

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_paci.engine import nccl_emulation
-from lightning_paci.engine.comm import DistComm
-from lightning_paci.engine.communicators import create_communicators, header_tag, warm_communicators
+from lightning_paci.engine.transport import nccl_emulation
+from lightning_paci.engine.transport.groups import create_communicators, header_tag, warm_communicators
+from lightning_paci.engine.transport.point_to_point import DistComm
 from lightning_paci.schedules import layout_communicators
 
 from helpers import fit, run_forked_ranks
@@ -40,7 +40,7 @@ class _Connected(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         emulation = nccl_emulation.emulation()
         assert emulation is not None
-        record = {"connected": trainer.strategy.process_groups.connected, "stage": trainer.strategy.stage_index,
+        record = {"connected": trainer.strategy.process_groups.links.connected, "stage": trainer.strategy.stage_index,
                   "met": emulation.met}
         (self.directory / f"connected{dist.get_rank()}.json").write_text(json.dumps(record))
 
@@ -90,7 +90,7 @@ def test_received_tensors_are_delivered_to_the_compute_device(tmp_path):
 
 
 def test_one_cuda_hardware_queue_is_warned_about_under_nccl():
-    from lightning_paci.engine.communicators import connections_warning
+    from lightning_paci.engine.transport.groups import connections_warning
 
     cuda = torch.device("cuda", 0)
     message = connections_warning("nccl", cuda, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_paci import ReferencePipeline, plan_partition
-from lightning_paci.engine.driver import _crossings
+from lightning_paci.engine.streams.driver import _crossings
 from lightning_paci.optim.prediction_quality import costly_regime
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 from lightning_paci.optim.weight_prediction import (

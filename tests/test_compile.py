@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
-from lightning_paci.engine.block_compile import BlockCompile
+from lightning_paci.engine.blocks.block_compile import BlockCompile
 
 from helpers import assert_same_weights, fit, one_device
 from models import HFCausalLM, LoopTransformer, token_loader

@@ -16,8 +16,8 @@ import transformers as tr
 from torch import nn
 
 from lightning_paci.errors import CrossingError
-from lightning_paci.integration.logs import recording_logs
-from lightning_paci.integration.reference_pipeline import ReferencePipeline
+from lightning_paci.integration.stage.logs import recording_logs
+from lightning_paci.integration.stage.reference_pipeline import ReferencePipeline
 from lightning_paci.partition.plan import call_order, plan_partition
 from lightning_paci.schedules import build_schedule
 

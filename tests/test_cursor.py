@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from lightning_paci.engine import cursor as cursor_module
-from lightning_paci.engine.cursor import StreamCursor
+from lightning_paci.engine.streams import cursor as cursor_module
+from lightning_paci.engine.streams.cursor import StreamCursor
 from lightning_paci.schedules import Action, assign_rounds, build_schedule
 
 NAMES = ("paci", "1f1b", "gpipe")

@@ -18,8 +18,8 @@ from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader
 
 from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
-from lightning_paci.engine.data_parallel import ReplicaMismatchError, average_gradients
-from lightning_paci.engine.topology import Topology, resolve_sizes
+from lightning_paci.engine.replicas.data_parallel import ReplicaMismatchError, average_gradients
+from lightning_paci.engine.replicas.topology import Topology, resolve_sizes
 
 from helpers import fit, run_forked_ranks
 from models import SequentialMLP, reference_accumulation, regression_loader
@@ -167,7 +167,7 @@ def test_more_stages_than_blocks_fails_at_setup():
 
 
 def test_replicas_draw_their_own_dropout_masks():
-    from lightning_paci.engine.microbatch import microbatch_rng
+    from lightning_paci.engine.runtime.microbatch import microbatch_rng
 
     def draw(replica: int) -> torch.Tensor:
         with microbatch_rng(3, 1, 5, replica):
@@ -338,7 +338,7 @@ def test_buckets_reduced_during_the_backward_equal_the_blocking_average_bit_for_
 
 
 def test_buckets_follow_the_backward_and_keep_blocks_whole():
-    from lightning_paci.engine.grad_buckets import backward_order, plan_buckets
+    from lightning_paci.engine.replicas.grad_buckets import backward_order, plan_buckets
 
     names = ["embed.weight", "blocks.2.a.weight", "blocks.2.a.bias", "blocks.3.weight", "blocks.4.weight",
              "head.weight", "blocks.10.weight"]

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_paci.engine import nccl_emulation
-from lightning_paci.engine.driver import closing_actions
-from lightning_paci.integration.evaluation import forward_only_actions
+from lightning_paci.engine.streams.driver import closing_actions
+from lightning_paci.engine.transport import nccl_emulation
+from lightning_paci.integration.stage.evaluation import forward_only_actions
 from lightning_paci.schedules import (
     SCHEDULE_NAMES,
     ScheduleError,

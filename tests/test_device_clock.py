@@ -1,5 +1,5 @@
-"""Device clocks for the monitors (engine/device_clock.py, [Note: device clocks]): on CUDA, F, B and OPT are timed
-by events kept pending and read once per logging window; the time accounts and intervals are then the device's.
+"""Device clocks for the monitors (engine/runtime/device_clock.py, [Note: device clocks]): on CUDA, F, B and OPT are
+timed by events kept pending and read once per logging window; the time accounts and intervals are then the device's.
 
 CUDA events exist only on a GPU; here ``HostEvent`` stands in for them with the host clock (what a CPU device's
 events would say). What is tested is the clock's bookkeeping in the real runtime and records: nothing is read per
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_paci import ReferencePipeline, build_schedule, plan_partition
-from lightning_paci.engine.device_clock import DeviceClock
+from lightning_paci.engine.runtime.device_clock import DeviceClock
 from lightning_paci.schedules import static_drift
 
 from models import SequentialMLP, regression_loader
@@ -94,7 +94,7 @@ class _AdamMLP(SequentialMLP):
 def test_the_prediction_is_switched_off_once_where_it_costs_more_than_its_share(share):
     """[Note: the prediction's budget]: the first compensated forward's move and way back are timed, compared at
     the next update with the stage's mean F+B, and the prediction stays on only within ``share`` of it."""
-    from lightning_paci.engine.prediction_cost import PredictionTiming
+    from lightning_paci.optim.prediction_cost import PredictionTiming
 
     L.seed_everything(0, verbose=False)
     model = _AdamMLP(depth=4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_paci.integration.evaluation import forward_only_actions
+from lightning_paci.integration.stage.evaluation import forward_only_actions
 from lightning_paci.schedules import validate_schedule
 
 

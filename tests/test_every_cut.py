@@ -21,7 +21,7 @@ import transformers as tr
 from lightning.pytorch import LightningModule
 
 from lightning_paci import ReferencePipeline, build_schedule, plan_partition
-from lightning_paci.integration.logs import recording_logs
+from lightning_paci.integration.stage.logs import recording_logs
 from lightning_paci.partition.plan import call_order
 
 from models import HFModel, TwoTower, two_tower_batch

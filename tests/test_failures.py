@@ -19,7 +19,7 @@ from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_paci import PACIStrategy
-from lightning_paci.engine.supervision import StageWatchdog
+from lightning_paci.engine.supervision.watchdog import StageWatchdog
 
 from helpers import fit, running
 from models import LoopTransformer, SequentialMLP, regression_loader, token_loader
@@ -150,7 +150,7 @@ assert timedelta
 def test_a_setup_error_is_printed_in_full_by_rank_0_and_in_one_line_by_the_others(capsys, monkeypatch):
 
     from lightning_paci.errors import mark_setup_error
-    from lightning_paci.integration.processes import print_setup_errors_once
+    from lightning_paci.integration.processes.process_groups import print_setup_errors_once
 
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     print_setup_errors_once(0)
@@ -339,8 +339,8 @@ def test_watchdogs_end_a_run_together_and_a_failure_reaches_one_waiting_at_the_e
 def test_a_process_done_with_its_run_is_never_judged_hung_nor_held():
     # stage 0 waits at the end of the run (done) while stage 1 waits in the end of fit's gather: different labels,
     # each waiting for everyone, but no cycle -- stage 0's part is over; stage 1 working that long would be judged
-    from lightning_paci.engine.activity import ALL
-    from lightning_paci.engine.supervision import judge_progress
+    from lightning_paci.engine.supervision.activity import ALL
+    from lightning_paci.engine.supervision.watchdog import judge_progress
 
     doing = {0: ("the end of the run", ALL, 9.0, False), 1: ("the end of fit's gather of the weights #1", ALL, 9.0,
                                                               False)}
@@ -356,7 +356,7 @@ def test_each_run_is_wrapped_once_to_end_together_whatever_started_the_processes
     # the strategy's launcher wraps the run's function once (the end of the run, [Note: ending a run]), however
     # often Lightning reads it: Lightning's own launcher, or one that runs the function in place where torchrun,
     # SLURM or Lightning's launcher started this process
-    from lightning_paci.integration.shutdown import InPlaceLauncher, ends_together
+    from lightning_paci.integration.processes.shutdown import InPlaceLauncher, ends_together
 
     in_place = ends_together(None)
     assert isinstance(in_place, InPlaceLauncher) and ends_together(in_place) is in_place
@@ -373,8 +373,8 @@ def test_a_launcher_whose_run_failed_before_the_store_opened_ends_after_the_rank
     # for, so none outlives the launcher; ranks that joined are only waited for (they stop by themselves)
     import subprocess
 
-    from lightning_paci.engine.supervision import LAUNCHED
-    from lightning_paci.integration.shutdown import wait_for_launched
+    from lightning_paci.engine.supervision.watchdog import LAUNCHED
+    from lightning_paci.integration.processes.shutdown import wait_for_launched
 
     started = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
     LAUNCHED[:] = started
@@ -395,7 +395,7 @@ def test_an_error_while_the_groups_are_made_is_reported_not_taken_for_a_killed_p
     # others name it with that exception -- not as a process that ended without a word
     from torch.multiprocessing import ProcessExitedException
 
-    from lightning_paci.integration import processes
+    from lightning_paci.integration.processes import process_groups as processes
 
     setup = processes.PipelineLinks.setup
 

@@ -131,7 +131,8 @@ class _CountBatches(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.mode.__exit__(None, None, None)
-        sites = {site: count for site, count in self.mode.sites.items() if "engine/comm.py" not in site}
+        sites = {site: count for site, count in self.mode.sites.items()
+                 if "engine/transport/point_to_point.py" not in site}
         (self.directory / f"reads{trainer.global_rank}.json").write_text(json.dumps(sites))
 
 
@@ -140,7 +141,8 @@ class _CountBatches(L.Callback):
 def test_through_the_trainer_with_the_monitors_reads_stay_per_update(tmp_path, replicas, bucket_mb):
     # the Trainer's path (log replay, fingerprints, the monitors at every step) on 4 forked processes: 4 stages, or
     # 2 stages x 2 replicas whose reduction (blocking, or overlapped in buckets) reads nothing; the gloo wire's
-    # NumPy framing (engine/comm.py) is the CPU transport's, which NCCL runs replace by split_wire.py
+    # NumPy framing (engine/transport/point_to_point.py) is the CPU transport's, which NCCL runs replace by
+    # split_wire.py
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from lightning_paci import BubbleMonitor, DriftMonitor
@@ -155,7 +157,7 @@ def test_through_the_trainer_with_the_monitors_reads_stay_per_update(tmp_path, r
                         "use_distributed_sampler": replicas > 1})
     for stage in range(4):
         sites = json.loads((tmp_path / f"reads{stage}.json").read_text())
-        allowed = ("optim/stage_optimizer.py", "engine/records.py", "integration/fingerprint.py")
+        allowed = ("optim/stage_optimizer.py", "engine/runtime/records.py", "integration/trainer/fingerprint.py")
         assert all(site.split(": ")[1].startswith(allowed) for site in sites), (stage, sites)
         per_file = collections.Counter({f: 0 for f in allowed})
         for site, count in sites.items():
@@ -164,5 +166,5 @@ def test_through_the_trainer_with_the_monitors_reads_stay_per_update(tmp_path, r
         # reduction's presence flags join it), the drift norms once per logged step (DriftMonitor reads the
         # records), the data fingerprint once per drain (the end of training; with 2 replicas each epoch is 4
         # batches, so also the first epoch's end)
-        assert per_file["optim/stage_optimizer.py"] <= 6 and per_file["engine/records.py"] <= 5, (stage, sites)
-        assert per_file["integration/fingerprint.py"] <= (1 if replicas == 1 else 2), (stage, sites)
+        assert per_file["optim/stage_optimizer.py"] <= 6 and per_file["engine/runtime/records.py"] <= 5, (stage, sites)
+        assert per_file["integration/trainer/fingerprint.py"] <= (1 if replicas == 1 else 2), (stage, sites)

@@ -141,7 +141,7 @@ class _Sent:
 def test_a_gradient_accumulated_after_its_buckets_reduction_started_is_named_at_the_step():
     # one replica, the reduction the identity; the hooks expect one accumulation per parameter in the closing
     # backward, and `shared` receives a second one from another backward run inside it
-    from lightning_paci.engine.grad_buckets import OverlappedGradientAverage
+    from lightning_paci.engine.replicas.grad_buckets import OverlappedGradientAverage
 
     shared, other = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
     average = OverlappedGradientAverage([shared, other], None, 1, buckets=[[0], [1]], first_late=2,

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from torch.multiprocessing import ProcessRaisedException
 
-from lightning_paci.integration.lightning_api import LightningAPIError, patch_method
+from lightning_paci.integration.trainer.lightning_api import LightningAPIError, patch_method
 
 from helpers import fit
 from models import SequentialMLP, regression_loader

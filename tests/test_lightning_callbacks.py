@@ -39,8 +39,8 @@ from torch.multiprocessing import ProcessRaisedException
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_paci.integration.lightning_callbacks import check_callbacks
-from lightning_paci.integration.reference_pipeline import ReferencePipeline
+from lightning_paci.integration.lightning_callbacks.batch_outputs import check_callbacks
+from lightning_paci.integration.stage.reference_pipeline import ReferencePipeline
 from lightning_paci.partition import plan_partition
 from lightning_paci.schedules import build_schedule
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_paci.integration.logs import LogRecord, replay_logs
+from lightning_paci.integration.stage.logs import LogRecord, replay_logs
 
 from helpers import fit
 from models import SequentialMLP, regression_loader

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.multiprocessing import ProcessRaisedException
 
-from lightning_paci.engine.lost_peers import PeerProcesses, is_lost_connection, machine
-from lightning_paci.engine.supervision import StageWatchdog
+from lightning_paci.engine.supervision.lost_peers import PeerProcesses, is_lost_connection, machine
+from lightning_paci.engine.supervision.watchdog import StageWatchdog
 from lightning_paci.errors import StageFailure
 
 from helpers import fit, running
@@ -153,8 +153,8 @@ def test_only_pids_of_this_machine_and_pid_namespace_are_looked_up():
 def test_a_rank_waiting_for_the_cause_of_its_lost_connection_is_neither_judged_hung_nor_judging():
     # inside the action that raised, the rank's published activity says it waits for no one: a peer waiting for
     # it longer than dead_after does not name it hung, and it names no one
-    from lightning_paci.engine.activity import ProcessActivity, decode_doing, encode_doing
-    from lightning_paci.engine.supervision import judge_progress
+    from lightning_paci.engine.supervision.activity import ProcessActivity, decode_doing, encode_doing
+    from lightning_paci.engine.supervision.watchdog import judge_progress
 
     now = [100.0]
     activity = ProcessActivity(clock=lambda: now[0])

@@ -1,5 +1,5 @@
-"""The NCCL emulation ([Note: NCCL emulation], engine/nccl_emulation.py): each rule broken on purpose and caught by
-name within seconds, the group creation that hung every 3+ GPU run caught, and the fixed setup passing.
+"""The NCCL emulation ([Note: NCCL emulation], engine/transport/nccl_emulation.py): each rule broken on purpose
+and caught by name within seconds, the group creation that hung every 3+ GPU run caught, and the fixed setup passing.
 
 Ranks are forked with a ``file://`` rendezvous; each installs the emulation itself (the test process stays
 unpatched) and writes what it raised. A rank the rule leaves waiting on a peer that raised (a member in gloo's
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_paci.engine import nccl_emulation
-from lightning_paci.engine.communicators import PipelineLinks, create_communicators
-from lightning_paci.engine.nccl_emulation import NcclRuleError
+from lightning_paci.engine.transport import nccl_emulation
+from lightning_paci.engine.transport.groups import PipelineLinks, create_communicators
+from lightning_paci.engine.transport.nccl_emulation import NcclRuleError
 
 pytestmark = pytest.mark.distributed
 
@@ -186,8 +186,8 @@ def test_rule_4_an_object_collective_on_an_nccl_group_is_named(tmp_path):
 
 
 def _objects_over_the_host_group(rank: int) -> None:
-    from lightning_paci.engine.communicators import broadcast_objects, gather_objects
-    from lightning_paci.engine.optimizer_shards import merge_replica_states
+    from lightning_paci.engine.replicas.optimizer_shards import merge_replica_states
+    from lightning_paci.engine.transport.collectives import broadcast_objects, gather_objects
 
     host = dist.new_group([0, 1, 2, 3], backend="gloo", timeout=_TIMEOUT)  # every rank: nobody splits (rule 1)
     replicas = [dist.new_group(pair, backend="nccl", timeout=_TIMEOUT) for pair in ([0, 1], [2, 3])]

@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_paci.engine.optimizer_shards import optimizer_state_bytes, partition_tensors
+from lightning_paci.engine.replicas.optimizer_shards import optimizer_state_bytes, partition_tensors
 
 from helpers import fit
 from models import SequentialMLP, regression_loader

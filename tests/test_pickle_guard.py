@@ -1,5 +1,5 @@
-"""No tensor through pickle (engine/pickle_guard.py): message headers and object collectives refuse tensors and
-storages, naming where they sit; log values become host numbers before an object collective."""
+"""No tensor through pickle (engine/transport/pickle_guard.py): message headers and object collectives refuse tensors
+and storages, naming where they sit; log values become host numbers before an object collective."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_paci.engine.pickle_guard import TensorPickleError, check_no_tensors, guarded_dumps
-from lightning_paci.engine.reference import LocalComm
-from lightning_paci.integration.logs import LogRecord, host_records
+from lightning_paci.engine.transport.local_mailbox import LocalComm
+from lightning_paci.engine.transport.pickle_guard import TensorPickleError, check_no_tensors, guarded_dumps
+from lightning_paci.integration.stage.logs import LogRecord, host_records
 
 
 class _Holder:

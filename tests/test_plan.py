@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_paci.integration.auto_plan import PlanCheck
+from lightning_paci.integration.setup.auto_plan import PlanCheck
 from lightning_paci.planner import Fit, Layout, ModelCosts, Region, Space, search_plans
 
 from helpers import fit
@@ -167,7 +167,7 @@ def test_the_command_prints_the_choice_over_every_layout_and_the_options_that_pi
     first = capsys.readouterr().out
     assert costs.is_file() and "chosen" in first and "PACIStrategy(schedule='paci', pipeline_parallel_size=" in first
     measured = ModelCosts.from_json(json.loads(costs.read_text()))
-    from lightning_paci.integration.auto_plan import layouts
+    from lightning_paci.integration.setup.auto_plan import layouts
 
     best = search_plans(measured, Space(schedule="paci", batch_size=16, layouts=layouts(4)))[0]
     assert f"microbatches={best.microbatches}, partition={list(best.bounds[1:-1])}" in first

@@ -1,6 +1,6 @@
 """A SIGTERM to every process of a fit (a scheduler's preemption): every stage stops before one agreed batch, the
 checkpoint ``OnExceptionCheckpoint`` writes then is one step of the whole pipeline, and a resume from it ends
-where the run that was not interrupted ends ([Note: a preemption's stop] in engine/preemption.py)."""
+where the run that was not interrupted ends ([Note: a preemption's stop] in engine/supervision/preemption.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_paci.engine.preemption import StopAgreement
+from lightning_paci.engine.supervision.preemption import StopAgreement
 
 from helpers import running
 

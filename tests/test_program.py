@@ -126,9 +126,9 @@ def test_losses_kept_on_the_device_log_and_train_as_losses_read_at_once(tmp_path
 
 
 def test_received_log_values_do_not_keep_their_receive_buffers():
-    # on an accelerator a received tensor is a view of the message's receive buffer (comm.py's device path); a log
-    # value waits for its batch's replay and must not keep the whole buffer alive until then
-    from lightning_paci.engine.program import LogRecord, own_values
+    # on an accelerator a received tensor is a view of the message's receive buffer (point_to_point.py's device path);
+    # a log value waits for its batch's replay and must not keep the whole buffer alive until then
+    from lightning_paci.engine.runtime.program import LogRecord, own_values
 
     buffer = torch.zeros(16384, dtype=torch.uint8)
     view = buffer[64:68].view(torch.float32).reshape(())

@@ -6,11 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_paci.engine.cursor import StreamCursor
-from lightning_paci.engine.records import BackwardRecord, RecentDict, StageRecords
-from lightning_paci.engine.reference import LocalComm, run_lists
-from lightning_paci.engine.runtime import ForwardOutput, StageRuntime
-from lightning_paci.integration.logs import LogRecord, LogRelay
+from lightning_paci.engine.runtime.records import BackwardRecord, RecentDict, StageRecords
+from lightning_paci.engine.runtime.reference import run_lists
+from lightning_paci.engine.runtime.runtime import ForwardOutput, StageRuntime
+from lightning_paci.engine.streams.cursor import StreamCursor
+from lightning_paci.engine.transport.local_mailbox import LocalComm
+from lightning_paci.integration.stage.logs import LogRecord, LogRelay
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_paci import ReferencePipeline, build_schedule, plan_partition
-from lightning_paci.engine.reference import run_lists
+from lightning_paci.engine.runtime.reference import run_lists
 from lightning_paci.schedules import ScheduleError, stage_lists_from_text
 
 from models import SequentialMLP, reference_accumulation, regression_loader

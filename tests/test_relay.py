@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_paci.integration.reference_pipeline import ReferencePipeline
+from lightning_paci.integration.stage.reference_pipeline import ReferencePipeline
 from lightning_paci.partition import carve_stage, plan_partition
 from lightning_paci.partition.carve import CrossingError
 from lightning_paci.partition.plan import CallTrace, call_order

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_paci.engine.reference import LocalComm, run_lists
-from lightning_paci.engine.runtime import ForwardOutput, StageRuntime
+from lightning_paci.engine.runtime.reference import run_lists
+from lightning_paci.engine.runtime.runtime import ForwardOutput, StageRuntime
+from lightning_paci.engine.transport.local_mailbox import LocalComm
 from lightning_paci.errors import StageFailure
 from lightning_paci.optim.stage_optimizer import StageOptimizer
 from lightning_paci.schedules import Action, build_schedule, static_drift
@@ -146,7 +147,7 @@ def test_a_skipped_microbatch_sends_zero_gradients_and_no_loss():
 
 
 def test_each_forward_draws_from_its_own_stream_and_leaves_the_main_one_alone():
-    from lightning_paci.engine.microbatch import microbatch_rng
+    from lightning_paci.engine.runtime.microbatch import microbatch_rng
 
     torch.manual_seed(3)
     before = torch.random.get_rng_state()

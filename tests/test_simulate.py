@@ -136,7 +136,7 @@ def test_pure_modules_import_neither_torch_nor_lightning():
         f"pkg.__path__ = [{str(package_dir)!r}]\n"
         "sys.modules['lightning_paci'] = pkg\n"
         "import lightning_paci.schedules, lightning_paci.simulation, lightning_paci.simulate\n"
-        "import lightning_paci.simulation.timeline, lightning_paci.engine.cursor\n"
+        "import lightning_paci.simulation.timeline, lightning_paci.engine.streams.cursor\n"
         "heavy = ('torch', 'lightning', 'pytorch_lightning', 'matplotlib', 'numpy')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
     )

@@ -394,7 +394,7 @@ def test_setup_logs_the_time_balanced_split(tmp_path, monkeypatch):
     # block times come from a clock the blocks themselves advance, so CPU load cannot change the decision
     from functools import partial
 
-    from lightning_paci.integration import setup_probe
+    from lightning_paci.integration.stage import setup_probe
     from lightning_paci.partition import profile_block_costs
 
     from test_partition import FakeClock, TickBlock
@@ -424,7 +424,7 @@ def test_the_default_split_is_the_same_on_every_machine_and_a_measured_one_is_re
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_paci.integration import setup_probe
+    from lightning_paci.integration.stage import setup_probe
     from lightning_paci.partition import profile_block_costs
 
     from test_partition import FakeClock, TickBlock
@@ -510,7 +510,7 @@ def test_long_streams_drain_every_max_stream_batches_and_equal_the_reference():
 def test_stage_processes_on_the_cpu_share_the_cores_unless_omp_num_threads_is_set():
     import os
 
-    from lightning_paci.integration.processes import share_cpu_cores
+    from lightning_paci.integration.processes.process_groups import share_cpu_cores
 
     before = torch.get_num_threads()
     try:

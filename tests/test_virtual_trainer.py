@@ -138,7 +138,7 @@ class _StateBytes(L.Callback):
         self.directory = directory
 
     def on_train_end(self, trainer, pl_module) -> None:
-        from lightning_paci.engine.optimizer_shards import optimizer_state_bytes
+        from lightning_paci.engine.replicas.optimizer_shards import optimizer_state_bytes
 
         strategy = trainer.strategy
         record = {"state": optimizer_state_bytes(strategy._stage.optimizer.optimizer),

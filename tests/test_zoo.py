@@ -16,9 +16,9 @@ from torch import nn
 from zoo import SKIP, causal_lm_families
 from zoo import build as build_family
 
-from lightning_paci.engine.pickle_guard import TensorPickleError
-from lightning_paci.integration.logs import recording_logs
-from lightning_paci.integration.reference_pipeline import ReferencePipeline
+from lightning_paci.engine.transport.pickle_guard import TensorPickleError
+from lightning_paci.integration.stage.logs import recording_logs
+from lightning_paci.integration.stage.reference_pipeline import ReferencePipeline
 from lightning_paci.partition import plan_partition
 from lightning_paci.partition.carve import CrossingError
 from lightning_paci.partition.plan import call_order

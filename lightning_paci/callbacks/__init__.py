@@ -1,5 +1,12 @@
 """Monitoring callbacks: per-stage drift, bubble time, activation memory and timelines, written to TensorBoard by
-each stage."""
+each stage, and the stages' weights written for ``from_pretrained``. Each file is named after its class.
+
+* ``stage_monitor.py``: ``StageMonitor``, the monitors' base: the per-stage writer and the figures' way to the
+  Trainer's loggers;
+* ``drift_monitor.py``: ``DriftMonitor``; ``bubble_monitor.py``: ``BubbleMonitor``; ``memory_monitor.py``:
+  ``MemoryMonitor``; ``timeline_monitor.py``: ``TimelineMonitor``;
+* ``save_pretrained.py``: ``SavePretrained``, each stage its own safetensors shard, rank 0 the index.
+"""
 
 from lightning_paci.callbacks.bubble_monitor import BubbleMonitor
 from lightning_paci.callbacks.drift_monitor import DriftMonitor

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning as L
 from typing_extensions import override
 
@@ -14,6 +12,7 @@ from lightning_paci.callbacks.stage_monitor import (
     paci_strategy,
     stage_writer,
 )
+from lightning_paci.integration.trainer.pipeline_strategy import PipelineStrategy
 
 __all__ = ["BubbleMonitor", "bubble_window_metrics"]
 
@@ -85,7 +84,7 @@ class BubbleMonitor(StageMonitor):
         self._last = now
 
 
-def _process_snapshot(strategy: Any) -> dict[str, dict[str, float]]:
+def _process_snapshot(strategy: PipelineStrategy) -> dict[str, dict[str, float]]:
     """The process's time accounts: with virtual stages its stages run one action at a time, so their compute,
     waits, messages and steps add up, and the wall time of a phase is the longest any of them spent in it (each
     stage enters the steady phase at its own first backward); the figures are the process's (``stage_<p>`` is

@@ -15,7 +15,7 @@ from lightning_paci.callbacks.stage_monitor import (
     paci_strategy,
     stage_writer,
 )
-from lightning_paci.engine.records import BackwardRecord
+from lightning_paci.engine.runtime.records import BackwardRecord
 from lightning_paci.schedules import build_schedule, chunk_drift_bounds, derived_drift_bound, static_tied_lags
 
 __all__ = ["DriftMonitor", "drift_window_metrics"]

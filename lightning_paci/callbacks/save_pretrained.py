@@ -37,15 +37,15 @@ class SavePretrained(L.Callback):
 
         strategy = trainer.strategy
         stage, num_stages = getattr(strategy, "stage_index", 0), getattr(strategy, "num_stages", 1)
-        if hasattr(strategy, "_drain"):
-            strategy._drain()  # the last updates are in
-        pipeline = getattr(strategy, "_stage", None)  # a PACIStrategy's LocalStage
-        replicas = {id(p) for p in (pipeline._replicas if pipeline is not None else [])}
+        pipeline = getattr(strategy, "stage", None)  # a PACIStrategy's stage of the pipeline
+        if pipeline is not None:
+            pipeline.drain()  # the last updates are in
+        tied_copies = {id(p) for p in (pipeline.tied_copies if pipeline is not None else [])}
         first = getattr(strategy, "replica_index", 0) == 0
         name = f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
         tensors = {key[len(self.prefix):]: value.detach().cpu().contiguous()
                    for key, value in pl_module.state_dict(keep_vars=True).items()
-                   if key.startswith(self.prefix) and id(value) not in replicas and not value.is_meta}
+                   if key.startswith(self.prefix) and id(value) not in tied_copies and not value.is_meta}
         self.directory.mkdir(parents=True, exist_ok=True)
         if first:
             save_file(tensors, str(self.directory / name), metadata={"format": "pt"})

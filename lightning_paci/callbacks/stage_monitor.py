@@ -5,7 +5,7 @@ and shared: other ranks cannot resolve the logger's version themselves); otherwi
 ``<default_root_dir>/paci_monitors`` (with ``logger=False`` the monitors warn once that nothing else gets them).
 Every figure also reaches the Trainer's loggers (CSV, MLflow, W&B, TensorBoard, ...) on global rank 0, where
 Lightning's loggers write, as ``paci/<figure>/stage_<s>`` at the step it was made: a stage before the last sends its
-window's figures with its next activation message ([Note: the logging rank] in integration/logs.py).
+window's figures with its next activation message ([Note: the logging rank] in integration/stage/logs.py).
 """
 
 from __future__ import annotations

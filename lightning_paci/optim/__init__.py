@@ -7,10 +7,12 @@
   the last place ([Note: weight prediction]);
 * ``prediction_quality.py``: under ``compensation="auto"``, how much closer the moves bring a stage's forwards to the
   weights their backwards use, measured over its first updates, and the decision to keep or drop the prediction
-  ([Note: the prediction's quality]).
+  ([Note: the prediction's quality]);
+* ``prediction_cost.py``: on CUDA under ``compensation="auto"``, the prediction kept only where it costs at most 10%
+  of the stage's compute ([Note: the prediction's budget]).
 
 Lightning-free (the engine imports both); one device's optimizer layout for checkpoints lives with the
-checkpoints (:mod:`lightning_paci.integration.optimizer_layout`).
+checkpoints (:mod:`lightning_paci.integration.checkpoints.one_device_optimizer`).
 """
 
 __all__: list[str] = []

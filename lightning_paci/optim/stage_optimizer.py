@@ -148,7 +148,7 @@ class StageOptimizer:
     def shard(self, owned: set[int], share: Callable[[], None]) -> None:
         """Update only the parameters whose ids are in ``owned`` (the others' gradients are hidden from the
         optimizer, which then keeps no state for them) and call ``share`` after each update to receive the rest
-        ([Note: optimizer shards] in engine/optimizer_shards.py)."""
+        ([Note: optimizer shards] in engine/replicas/optimizer_shards.py)."""
         self._owned, self._share = owned, share
         for alias, p in self.pairs:
             if id(p) not in owned:

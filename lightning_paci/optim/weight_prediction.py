@@ -153,7 +153,7 @@ class WeightPrediction:
         # called before each prediction: a stage's view of a process's optimizer puts its own update count's
         # hyperparameters in the groups (StageOptimizer.own_hyperparameters)
         self.before: Callable[[], None] | None = None
-        # on CUDA under compensation="auto": times the first move and way back (engine/prediction_cost.py,
+        # on CUDA under compensation="auto": times the first move and way back (optim/prediction_cost.py,
         # [Note: the prediction's budget])
         self.timer: Any = None
         # under compensation="auto": measures how close the moves come ([Note: the prediction's quality])

@@ -10,6 +10,14 @@ Three steps, one module each, run in this order by the strategy (and by ``Refere
   see [Note: stage boundaries are block inputs] there.
 
 ``blocks.py`` holds what the first two share: finding the block containers and the contiguous min-max split.
+Around the carve:
+
+* ``chunks.py``: several stages of one process carved out of one module ([Note: chunks of one device]);
+* ``placeholder.py``: the placeholders of other stages' modules ([Note: placeholders answer attribute reads]);
+* ``crossing.py``: the values a stage reads from other stages, collected at setup, refused at training if missed;
+* ``relay.py``: the values carried past stage boundaries ([Note: relayed crossings]);
+* ``stage_init.py``: a model recorded on the meta device and replayed, a stage holding only its own parameters;
+* ``weights.py``: pretrained weights read per stage.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_paci.engine.messages import flatten, map_tensors
+from lightning_paci.engine.transport.messages import flatten, map_tensors
 from lightning_paci.partition.placeholder import BoundaryState, CrossingError, Placeholder, StageDone
 from lightning_paci.partition.plan import PartitionPlan
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_paci.engine.messages import flatten, map_tensors, unflatten
+from lightning_paci.engine.transport.messages import flatten, map_tensors, unflatten
 from lightning_paci.errors import CrossingError
 
 __all__ = ["BoundaryState", "CrossingError", "Placeholder", "StageDone"]
@@ -55,6 +55,12 @@ class Placeholder(nn.Module):
         self._pass_through = False
         # [Note: output forms kept]: the last inputs' form and the output form found for it
         self.__dict__["_form"] = None
+
+    def stands_for(self) -> tuple[str, nn.Module]:
+        """The module path this placeholder stands for in the whole model, and the real module's copy on the meta
+        device (structure and parameter shapes, no values). A method with a name no model uses: an attribute read
+        the placeholder does not define goes to that copy ([Note: placeholders answer attribute reads])."""
+        return self._name, self.__dict__["_shadow"]
 
     def __getattr__(self, attribute: str) -> Any:
         """[Note: placeholders answer attribute reads]

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_paci.engine.messages import flatten
+from lightning_paci.engine.transport.messages import flatten
 from lightning_paci.partition.carve import CrossingError, StageCarve, StageDone, removed_modules
 from lightning_paci.partition.crossing import CrossingCheck
 from lightning_paci.partition.placeholder import Placeholder

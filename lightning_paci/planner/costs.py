@@ -14,7 +14,7 @@ last one):
   bytes, *all* of them per region (a tensor saved by several blocks -- a rotary table, a mask -- is listed in each),
   and the storages of each block's inputs and outputs. A stage holding blocks ``lo .. hi-1`` then keeps alive the
   union of its regions' storages, its received inputs and its outgoing outputs, each storage once: the rule the
-  runtime's ``ActivationMeter`` counts by (engine/records.py), so the prediction is the meter's figure;
+  runtime's ``ActivationMeter`` counts by (engine/runtime/records.py), so the prediction is the meter's figure;
 * the bytes of each block's parameters, and of the modules run before and after the blocks (the first and the last
   stage hold those).
 
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_paci.engine.messages import flatten
+from lightning_paci.engine.transport.messages import flatten
 
 __all__ = ["Fit", "ModelCosts", "Region", "measure_costs"]
 

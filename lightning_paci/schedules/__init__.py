@@ -10,7 +10,8 @@ The package keeps one concept per module and re-exports all of them here, so imp
 * :mod:`~lightning_paci.schedules.build`: the builder (compute order, lowering, tied-weight exchange),
 * :mod:`~lightning_paci.schedules.analysis`: facts read off the lists (drift, in-flight depth, call rounds),
 * :mod:`~lightning_paci.schedules.validate`: the validator and its step x stage grid,
-* :mod:`~lightning_paci.schedules.deadlock`: the strict model of NCCL messaging and the communicator layouts,
+* :mod:`~lightning_paci.schedules.communicators`: which communicator carries each message, the setup's groups,
+* :mod:`~lightning_paci.schedules.deadlock`: the strict model of NCCL messaging, lists checked against it,
 * :mod:`~lightning_paci.schedules.virtual`: virtual stages, their placement on devices and the devices' orders.
 
 Importing this package imports neither torch nor lightning: the simulator and the command line stay light.
@@ -52,15 +53,14 @@ from lightning_paci.schedules.analysis import (
     static_tied_lags,
 )
 from lightning_paci.schedules.build import SCHEDULE_NAMES, VIRTUAL_SCHEDULE_NAMES, ScheduleName, build_schedule
-from lightning_paci.schedules.deadlock import (
+from lightning_paci.schedules.communicators import (
     LAYOUTS,
     Communicator,
-    check_deadlock_free,
-    check_group_creation,
     communicator,
     layout_communicators,
     setup_groups,
 )
+from lightning_paci.schedules.deadlock import check_deadlock_free, check_group_creation
 from lightning_paci.schedules.validate import stage_lists_from_text, validate_schedule
 from lightning_paci.schedules.virtual import PLACEMENTS, stage_devices
 

@@ -37,7 +37,7 @@ def drift_bound(num_stages: int, stage: int, accumulation: int) -> int:
 def static_drift(actions: Sequence[Action], *, deferred: bool = False) -> dict[int, int]:
     """Version gap of every micro-batch on one stage: ``OPT`` actions between its ``F`` and its ``B``; with
     ``deferred``, each ``OPT``'s update counted where the runtime makes it then: at the next ``B``, ``OPT`` or
-    tied-weight message ([Note: deferred update] in engine/updates.py).
+    tied-weight message ([Note: deferred update] in engine/runtime/updates.py).
 
     A property of the list alone: the runtime executes the list as is, so the measured gaps must equal these.
     """

@@ -27,7 +27,7 @@ paper's synchronous baseline); ``"gpipe"`` runs all forwards of a mini-batch, th
 ``"layered"`` is ``"gpipe"`` with the backward of layered gradient accumulation (Lamy-Poirier, arXiv 2106.02679): a
 stage runs its mini-batch's backward block by block -- its last block for every micro-batch, then the block before
 it, ... -- so a block's gradient is final while the blocks before it still have every micro-batch to go, and its
-reduction over data-parallel replicas overlaps all of that (engine/layered.py). A micro-batch's input gradient is
+reduction over data-parallel replicas overlaps all of that (engine/blocks/layered.py). A micro-batch's input gradient is
 then known only at the end, so a stage receives every gradient of the mini-batch first, runs its backwards, then
 sends them: ``RECV_B x m, B x m, SEND_B x m`` (the stages' backwards follow one another), and the window is whole
 mini-batches (``accumulation`` a multiple of ``m``).

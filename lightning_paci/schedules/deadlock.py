@@ -1,4 +1,4 @@
-"""The strict deadlock model of NCCL messaging, the communicator layouts, and the check of lists against both.
+"""The strict deadlock model of NCCL messaging, and the check of lists against it under each communicator layout.
 
 [Note: deadlock model]
 gloo buffers a send, so a CPU run cannot show the deadlock NCCL can. Under NCCL a point-to-point send completes
@@ -68,71 +68,9 @@ from typing import Any
 
 from lightning_paci.schedules.actions import OPT, SEND_KINDS, Action, Schedule, ScheduleError, format_grid, message_key
 from lightning_paci.schedules.analysis import assign_rounds
+from lightning_paci.schedules.communicators import Communicator, communicator, rank_members
 
-__all__ = ["HOST_GROUP", "LAYOUTS", "Communicator", "check_group_creation", "check_deadlock_free", "communicator",
-           "layout_communicators", "setup_groups"]
-
-LAYOUTS = ("directed", "shared")
-
-Communicator = tuple[Any, ...]  # plain values: a kind, then replica, channel and stages (``communicator``)
-
-
-def communicator(layout: str, channel: str, src: int, dst: int, replica: int = 0) -> Communicator:
-    """The communicator that carries a message of ``channel`` (``"F"`` activations, ``"B"`` gradients, ``"T"`` tied
-    weights) from stage ``src`` to stage ``dst`` of one data-parallel replica. The runtime creates one process
-    group per distinct value (``processes.py``), so what this returns is what the model checks."""
-    if layout == "directed":
-        return ("p2p", replica, channel, src, dst)
-    if layout == "shared":  # one communicator for activations and gradients, one for the tied weights
-        return ("p2p", replica, "T" if channel == "T" else "FB")
-    raise ValueError(f"`layout` must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}.")
-
-
-def layout_communicators(layout: str, num_stages: int, replicas: int = 1,
-                         placement: Sequence[int] | None = None) -> dict[Communicator, tuple[int, ...]]:
-    """Every point-to-point communicator of ``layout`` with its members' (device) indices, per replica, in one
-    deterministic order: every rank creates the process groups in this order (``torch.distributed.new_group`` is
-    collective over the world). ``placement``: each stage's device with virtual stages ([Note: virtual stages]);
-    a link between two chunks of one device has no communicator (its messages stay in the process)."""
-    devices = tuple(placement) if placement is not None else tuple(range(num_stages))
-    found: dict[Communicator, tuple[int, ...]] = {}
-    last = num_stages - 1
-    for replica in range(replicas):
-        links = [(c, s, d) for s in range(last) for c, s, d in (("F", s, s + 1), ("B", s + 1, s))]
-        links += [("T", 0, last), ("T", last, 0)] if num_stages > 1 else []
-        for channel, src, dst in links:
-            if devices[src] == devices[dst]:
-                continue
-            members = tuple(sorted({devices[src], devices[dst]})) if layout == "directed" else \
-                tuple(range(max(devices) + 1))
-            found.setdefault(communicator(layout, channel, src, dst, replica), members)
-    return found
-
-
-HOST_GROUP: Communicator = ("host",)  # the gloo group of every rank under NCCL ([Note: host groups on a bound world])
-
-
-def setup_groups(num_stages: int, replicas: int, backend: str,
-                 placement: Sequence[int] | None = None) -> list[tuple[Communicator, tuple[int, ...], str]]:
-    """Every process group the pipeline's setup creates, in creation order: (key, members as model ranks
-    ``replica * devices + device``, backend) -- under NCCL the host group first, then the directed layout's
-    point-to-point groups, then with replicas each device's replicas (``("dp", device)``) and each replica's
-    pipeline (``("pp", replica)``). ``placement``: each stage's device ([Note: virtual stages]). [Note: group
-    creation]"""
-    num_devices = max(placement) + 1 if placement is not None else num_stages
-    world = num_devices * replicas
-    groups: list[tuple[Communicator, tuple[int, ...], str]] = []
-    if backend == "nccl":
-        groups.append((HOST_GROUP, tuple(range(world)), "gloo"))
-    groups += [(comm, members, backend)
-               for comm, members in _model_members("directed", num_stages, replicas, placement).items()]
-    if replicas > 1:
-        groups += [(("dp", d), tuple(r * num_devices + d for r in range(replicas)), backend)
-                   for d in range(num_devices)]
-        groups += [(("pp", r), tuple(r * num_devices + d for d in range(num_devices)), backend)
-                   for r in range(replicas)]
-    return groups
-
+__all__ = ["check_deadlock_free", "check_group_creation"]
 
 def check_group_creation(groups: Sequence[tuple[Communicator, Sequence[int], str]], world: int, *,
                          bound: bool = True) -> None:
@@ -211,7 +149,7 @@ def _programs(calls: Sequence[Sequence[_Call]], layout: str, replicas: int, conn
     virtual = num_stages != n  # devices holding several stages: links inside a device stay in the process
     comms: dict[tuple[str, int, int, int], Communicator] = {}
     members = {comm: tuple(replica_members)
-               for comm, replica_members in _model_members(layout, num_stages, replicas, devices).items()}
+               for comm, replica_members in rank_members(layout, num_stages, replicas, devices).items()}
     programs: list[list[_Item]] = []
     for replica in range(replicas):
         for stage, stage_calls in enumerate(calls):
@@ -280,14 +218,6 @@ def _programs(calls: Sequence[Sequence[_Call]], layout: str, replicas: int, conn
                                             step), _ISSUE_WAIT))
             programs.append(program)
     return programs
-
-
-def _model_members(layout: str, num_stages: int, replicas: int,
-                   placement: Sequence[int] | None = None) -> dict[Communicator, tuple[int, ...]]:
-    """``layout_communicators`` with the model's rank numbers (``replica * devices + device``)."""
-    num_devices = max(placement) + 1 if placement is not None else num_stages
-    return {comm: tuple(comm[1] * num_devices + d for d in members)
-            for comm, members in layout_communicators(layout, num_stages, replicas, placement).items()}
 
 
 def check_deadlock_free(actions: Sequence[Sequence[Action | None]] | Schedule, *, layout: str = "directed",

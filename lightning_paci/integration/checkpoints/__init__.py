@@ -1,0 +1,10 @@
+"""Checkpoints of a pipeline: one ordinary Lightning file, or one file per stage.
+
+* ``checkpoint.py``: the format: the stages' weights and optimizer states by name, gathered or sharded, atomic
+  writes, what a fork/spawn run hands back after ``fit``;
+* ``checkpoint_hooks.py``: ``CheckpointHooks``, what the strategy's checkpoint hooks do;
+* ``one_device_optimizer.py``: one device's optimizer param groups by name, so checkpoints resume on one device
+  and back.
+"""
+
+__all__: list[str] = []
