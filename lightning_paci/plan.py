@@ -45,6 +45,7 @@ def _costs(args: argparse.Namespace, world: int) -> tuple[ModelCosts, int]:
     from lightning_paci.engine.runtime.microbatch import microbatch_size, split_microbatches
     from lightning_paci.integration.setup.auto_plan import optimizer_factor, profile
     from lightning_paci.integration.stage.logs import recording_logs
+    from lightning_paci.optim.stage_optimizer import optimizer_and_step_schedulers
     from lightning_paci.partition.blocks import call_order
 
     module, loader = _load(args.module)
@@ -61,10 +62,7 @@ def _costs(args: argparse.Namespace, world: int) -> tuple[ModelCosts, int]:
     def run() -> Any:
         with recording_logs(module, [], size, "training_step"), torch.no_grad():
             return module.training_step(data, 0)
-    configured = module.configure_optimizers()  # an optimizer, a list or tuple starting with one, or a dict
-    while isinstance(configured, (list, tuple)):
-        configured = configured[0]
-    optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
+    optimizer, _ = optimizer_and_step_schedulers(module.configure_optimizers())
     costs = profile(module, data, batch_size=size, block_container=None, trace=call_order(module, run),
                     device=device, factor=optimizer_factor(optimizer))
     if args.costs is not None:

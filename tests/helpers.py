@@ -66,7 +66,7 @@ class DumpStageRecords(Callback):
             "peak_inflight": records.peak_inflight,
             "peak_activation_bytes": records.peak_activation_bytes,
             "peak_relayed_bytes": records.peak_relayed_bytes,
-            "relays": trainer.strategy._stage.relays.describe(),
+            "relays": trainer.strategy.stage.relays.describe(),
             "own_param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
             "extra_param_bytes_in_flight": self.extra_bytes,
             "optimizer_shares_storage": self.optimizer_shares_storage,
@@ -245,12 +245,3 @@ def run_forked_ranks(target: Any, world: int, rendezvous: Path, timeout: float =
         p.join(timeout)
     assert errors.empty(), errors.get()
     assert [p.exitcode for p in processes] == [0] * world
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

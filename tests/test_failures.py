@@ -19,9 +19,10 @@ from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_paci import PACIStrategy
+from lightning_paci.engine.supervision.lost_peers import running_here
 from lightning_paci.engine.supervision.watchdog import StageWatchdog
 
-from helpers import fit, running
+from helpers import fit
 from models import LoopTransformer, SequentialMLP, regression_loader, token_loader
 
 pytestmark = pytest.mark.distributed
@@ -278,7 +279,7 @@ def test_a_failure_at_the_last_drain_ends_every_stage_each_saying_one_line(tmp_p
         fit(SequentialMLP(depth=6), DataLoader(_ShiftedOnRank0AfterBatch0(), batch_size=8), devices=3, max_steps=3,
             partition="parameters", failure_timeout=3.0, callbacks=[_RecordPids(tmp_path)])
     pids = [int(path.read_text()) for path in tmp_path.glob("pid*")]
-    assert len(pids) == 3 and not [pid for pid in pids if running(pid)]
+    assert len(pids) == 3 and not [pid for pid in pids if running_here(pid)]
     err = capfd.readouterr().err
     lines = _stopping_lines(err)
     assert len(lines) == 2, err[-3000:]
@@ -295,7 +296,7 @@ def test_a_failure_in_a_teardown_hook_ends_every_stage_each_saying_one_line(tmp_
         fit(SequentialMLP(depth=6), regression_loader(), devices=3, max_steps=3, partition="parameters",
             failure_timeout=3.0, callbacks=[_RecordPids(tmp_path, fail_in_teardown_on=1)])
     pids = [int(path.read_text()) for path in tmp_path.glob("pid*")]
-    assert len(pids) == 3 and not [pid for pid in pids if running(pid)]
+    assert len(pids) == 3 and not [pid for pid in pids if running_here(pid)]
     err = capfd.readouterr().err
     assert sorted(_stopping_lines(err)) == [
         f"lightning_paci: stage 1 failed: RuntimeError: boom in the user's teardown hook -- stopping stage {s}"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import running
+from lightning_paci.engine.supervision.lost_peers import running_here
 
 pytestmark = [pytest.mark.distributed, pytest.mark.heavy]
 
@@ -90,7 +90,7 @@ def _one_line_per_survivor(said: str, killed: str, survivors: list[str], traceba
 def _none_left(pids: list[int], seconds: float = 10.0) -> list[int]:
     """The processes of ``pids`` still running after at most ``seconds`` (the last closes its pipes as it ends)."""
     deadline = time.monotonic() + seconds
-    while (left := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
+    while (left := [pid for pid in pids if running_here(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 
@@ -149,7 +149,7 @@ def _stillrunning(pids: list[int], within: float = 10.0) -> list[int]:
     """The orphans of a killed launcher among ``pids`` still running after ``within`` seconds: one that has closed
     its stderr may still be exiting when the run returns, and nothing waits for an orphan."""
     deadline = time.monotonic() + within
-    while (alive := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
+    while (alive := [pid for pid in pids if running_here(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     return alive
 
@@ -172,7 +172,7 @@ def test_a_failure_at_the_end_of_fit_ends_every_rank_with_the_launcher_and_one_l
     ended = time.time()
     pids = [int(path.read_text()) for path in tmp_path.glob("pid*")]
     assert out.returncode != 0 and len(pids) == 2, out.stderr[-3000:]
-    assert not [pid for pid in pids if running(pid)]  # none outlives the launcher
+    assert not [pid for pid in pids if running_here(pid)]  # none outlives the launcher
     seconds = ended - float(tmp_path.joinpath("failed_at").read_text())
     assert seconds < 30, seconds  # measured 1-3 s with failure_timeout=3
     err = "\n".join(re.sub(r"^\[rank\d+\]: ", "", line) for line in out.stderr.splitlines())

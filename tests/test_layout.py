@@ -7,8 +7,8 @@
 * one concept per module and folders a reader takes in at once: at most 8 modules directly in ``lightning_paci/``,
   at most 11 in a folder, and each package's docstring a map naming every module and folder in it; a module may be
   as long as its concept;
-* no module reads another module's private names (``obj._x``, ``obj.__dict__["_x"]``, ``import _x``): a method that
-  needs a class's fields lives in the class;
+* no module reads another module's private names (``obj._x``, ``obj.__dict__["_x"]``, ``import _x``), and no
+  module-level function reaches a private member of a class of its own module: a method lives in its class;
 * ``strategy.py`` is one class over Lightning's ``ParallelStrategy`` whose hooks delegate in a few statements;
 * ``docs/architecture.md`` names every package and every module in a package;
 * no module writes a stage runtime's fields: its counters change through ``RuntimeState``'s methods.
@@ -254,6 +254,32 @@ def test_the_private_read_check_finds_a_read():
                      "from lightning_paci.engine import _hidden\n")
     assert sorted(private_reads(tree, own={"_mine"}, others={"_after_backward", "_shadow", "_mine"})) == [
         "from lightning_paci.engine import _hidden", "line 1: runtime._after_backward", "line 2: leaf._shadow"]
+
+
+def methods_outside_their_class(tree: ast.Module) -> list[str]:
+    """Module-level functions that reach a class's private members (its ``_`` methods and ``self._x`` fields,
+    defined in the same module) through an object other than ``self``: a method kept outside its class."""
+    members: set[str] = set()
+    for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):
+        members |= defined_privates(cls) - {cls.name}
+    found = []
+    for function in (node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        found += [f"{function.name}: {ast.unparse(node)}" for node in ast.walk(function)
+                  if isinstance(node, ast.Attribute) and node.attr in members
+                  and ast.unparse(node.value) not in ("self", "cls")]
+    return found
+
+
+def test_no_method_lives_outside_its_class():
+    found = {name: m for name, path in MODULES.items()
+             if (m := methods_outside_their_class(ast.parse(path.read_text())))}
+    assert found == {}
+
+
+def test_the_outside_method_check_finds_one():
+    tree = ast.parse("class Watchdog:\n    def __init__(self):\n        self._heard = None\n\n"
+                     "def _has_ended(watchdog):\n    return watchdog._heard is None\n")
+    assert methods_outside_their_class(tree) == ["_has_ended: watchdog._heard"]
 
 
 def test_the_strategy_is_one_class_over_lightnings_parallel_strategy():

@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch.multiprocessing import ProcessRaisedException
 
-from lightning_paci.engine.supervision.lost_peers import PeerProcesses, is_lost_connection, machine
+from lightning_paci.engine.supervision.lost_peers import PeerProcesses, is_lost_connection, machine, running_here
 from lightning_paci.engine.supervision.watchdog import StageWatchdog
 from lightning_paci.errors import StageFailure
 
-from helpers import fit, running
+from helpers import fit
 from models import SequentialMLP, regression_loader
 
 pytestmark = pytest.mark.distributed
@@ -49,7 +49,7 @@ def _killed_stage_1(tmp_path: Path) -> tuple[torch.distributed.FileStore, mp.Pro
         time.sleep(0.05)
     assert store.check(["paci/0/heartbeat/1"]), "the forked stage 1 never beat"
     os.kill(child.pid, signal.SIGKILL)
-    while running(child.pid):
+    while running_here(child.pid):
         time.sleep(0.01)
     return store, child
 

@@ -28,7 +28,7 @@ class _Bytes(Callback):
         self.directory = directory
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        (evaluation,) = trainer.strategy._stage.evaluator.comms.values()  # one stage per process
+        (evaluation,) = trainer.strategy.stage.evaluator.comms.values()  # one stage per process
         train = trainer.strategy.runtime.comm
         record = {"train": (train.sent_messages, train.sent_bytes),
                   "validation": (evaluation.sent_messages, evaluation.sent_bytes)}

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_paci.engine.supervision.lost_peers import running_here
 from lightning_paci.engine.supervision.preemption import StopAgreement
-
-from helpers import running
 
 STEPS = 8
 
@@ -52,7 +51,7 @@ def test_a_sigterm_to_every_rank_stops_all_before_one_batch_and_the_resume_equal
 
 def _none_left(pids: list[int], seconds: float = 10.0) -> list[int]:
     deadline = time.monotonic() + seconds
-    while (left := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
+    while (left := [pid for pid in pids if running_here(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 

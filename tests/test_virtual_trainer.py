@@ -141,7 +141,7 @@ class _StateBytes(L.Callback):
         from lightning_paci.engine.replicas.optimizer_shards import optimizer_state_bytes
 
         strategy = trainer.strategy
-        record = {"state": optimizer_state_bytes(strategy._stage.optimizer.optimizer),
+        record = {"state": optimizer_state_bytes(strategy.stage.optimizer.optimizer),
                   "params": sum(p.numel() * p.element_size() for p in pl_module.parameters())}
         path = self.directory / f"state{strategy.stage_index}_{strategy.replica_index}.json"
         path.write_text(json.dumps(record))

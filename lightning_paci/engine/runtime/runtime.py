@@ -170,13 +170,13 @@ class StageRuntime(RuntimeState):
     def settle(self) -> None:
         """Finish what the last action left for later ([Note: after the send]); after ``execute``'s last action."""
         if self._after_backward is not None:
-            _finish_backward(self)
+            self._finish_backward()
 
     def execute(self, action: Action) -> None:
         """Run one action and account its time; a failed message names the peer, the action and the step."""
         kind, mb = action.kind, action.microbatch
         if self._after_backward is not None and kind not in SEND_KINDS:
-            _finish_backward(self)
+            self._finish_backward()
         if self._update_pending and kind in DEFERRED_UPDATE_BEFORE:  # [Note: deferred update]
             self.apply_pending_update()
         start = self.clock()
@@ -332,6 +332,17 @@ class StageRuntime(RuntimeState):
     def _receive_gradient(self, mb: int) -> None:
         self.inbox[(RECV_B, mb)] = merged(self.norms, self.comm.recv(self.stage + 1))
 
+    def _finish_backward(self) -> None:
+        """The rest of the last backward, once its gradient message is sent ([Note: after the send])."""
+        key, forward_version, hooks = self._after_backward  # type: ignore[misc]
+        self._after_backward = None
+        start = self.clock()
+        if self.hooks is not None and hooks:
+            self.hooks.after_backward()
+        drift, exact = self.records.weight_drift_between(forward_version, self.version)
+        self.records.add_backward(BackwardRecord(key, self.version - forward_version, drift, exact))
+        self.records.add_time("compute", self.clock() - start)
+
 
 # [Note: after the send]
 # A backward's input gradients are on the next stage's critical path; its Lightning ``on_after_backward`` hooks and
@@ -384,15 +395,3 @@ def _check_skipping(runtime: StageRuntime, key: int, loss: float) -> None:
     if not runtime.skip_nonfinite:
         raise StageFailure(f"stage {runtime.stage}: the loss of micro-batch {key} is {loss} at {runtime.step_label}. "
                            f"Pass `PACIStrategy(nonfinite='skip')` to drop such micro-batches instead of stopping.")
-
-
-def _finish_backward(runtime: StageRuntime) -> None:
-    """The rest of the last backward, once its gradient message is sent ([Note: after the send])."""
-    key, forward_version, hooks = runtime._after_backward  # type: ignore[misc]
-    runtime._after_backward = None
-    start = runtime.clock()
-    if runtime.hooks is not None and hooks:
-        runtime.hooks.after_backward()
-    drift, exact = runtime.records.weight_drift_between(forward_version, runtime.version)
-    runtime.records.add_backward(BackwardRecord(key, runtime.version - forward_version, drift, exact))
-    runtime.records.add_time("compute", runtime.clock() - start)

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OnceLost", "PeerProcesses", "is_lost_connection", "killed", "machine", "running_here"]
+__all__ = ["OnceLost", "PeerProcesses", "is_lost_connection", "killed", "machine", "process_key", "running_here",
+           "this_process", "where_it_runs"]
 
 # what gloo, NCCL and the store say when the process at the other end is gone (lower case)
 _LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
@@ -58,6 +59,22 @@ def machine() -> str:
         except OSError:
             parts.append("")
     return "/".join(parts)
+
+
+def process_key(process: int) -> str:
+    """The store key under which process ``process`` (a watchdog id) publishes where it runs."""
+    return f"process/{process}"
+
+
+def this_process() -> str:
+    """What a process publishes under its :func:`process_key`: its machine and its pid."""
+    return f"{machine()}\n{os.getpid()}"
+
+
+def where_it_runs(published: str) -> tuple[str, int | None]:
+    """A :func:`this_process` value read back: the machine and the pid (None before the process published)."""
+    host, _, pid = published.partition("\n")
+    return host, int(pid) if pid else None
 
 
 def running_here(pid: int) -> bool:
@@ -99,10 +116,10 @@ class PeerProcesses:
 
     def _pid(self, other: int) -> int | None:
         if other not in self._pids:
-            host, _, pid = self._read(f"process/{other}").partition("\n")
-            if not pid:
+            host, pid = where_it_runs(self._read(process_key(other)))
+            if pid is None:
                 return None  # not started yet: looked up again next time
-            self._pids[other] = int(pid) if host == self._host else None
+            self._pids[other] = pid if host == self._host else None
         return self._pids[other]
 
     def learn(self) -> None:

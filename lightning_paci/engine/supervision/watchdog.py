@@ -60,7 +60,16 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_paci.engine.supervision.activity import Doing, activity, decode_doing, encode_doing
-from lightning_paci.engine.supervision.lost_peers import OnceLost, PeerProcesses, killed, machine, running_here
+from lightning_paci.engine.supervision.lost_peers import (
+    OnceLost,
+    PeerProcesses,
+    killed,
+    machine,
+    process_key,
+    running_here,
+    this_process,
+    where_it_runs,
+)
 from lightning_paci.engine.supervision.preemption import StopAgreement
 from lightning_paci.errors import is_setup_error, mark_setup_error
 
@@ -113,7 +122,7 @@ class StageWatchdog:
                                         num_stages, stage)  # a SIGTERM's stop, one batch for all (preemption.py)
 
     def start(self) -> None:
-        self.store.set(f"{self.prefix}process/{self.stage}", f"{machine()}\n{os.getpid()}")
+        self.store.set(f"{self.prefix}{process_key(self.stage)}", this_process())
         self._beat()
         self._thread.start()
 
@@ -166,14 +175,14 @@ class StageWatchdog:
         this one, each with its line said."""
         first, raised = self._orphaned(), False  # after its launcher died (torch's SIGINT to a fork's ranks)
         if first is None and lost:  # its connection may close before the process that closed it is seen gone
-            first = _settled_host(self)
+            first = self._settled_host()
         if first is None:
             first = self._host_gone()
         if first is None:
             first, raised = (self._heard, self._await_end) if self._heard is not None else self.failed_elsewhere()
         if first is None and lost and may_follow:  # waiting for no one: neither judged hung nor judging others
             with activity.aside("waiting for the failure its lost connection follows from"):
-                first, raised = _cause_of_lost_connection(self)
+                first, raised = self._cause_of_lost_connection()
         if first is not None and (may_follow or first[0] == _NO_ONE):
             self._follow(first, await_end=raised)
             return
@@ -211,12 +220,12 @@ class StageWatchdog:
         if self.store_host is None:
             return _NO_ONE, _AGENT_LOST
         self.store.lost = True
-        return _settled_host(self) or (self.store_host, _HOST_LOST)
+        return self._settled_host() or (self.store_host, _HOST_LOST)
 
     def _follow(self, failure: tuple[int, str], *, await_end: bool) -> None:
         """(The main thread) end this process for ``failure``, after the failed process where it raised itself."""
         self._hear(failure, await_end=await_end)
-        while self._await_end and not _has_ended(self) and time.monotonic() - self._heard_at < self.dead_after:
+        while self._await_end and not self._has_ended() and time.monotonic() - self._heard_at < self.dead_after:
             time.sleep(self.interval / 2)
         self._end_process()
 
@@ -234,8 +243,9 @@ class StageWatchdog:
                 return
             with contextlib.suppress(Exception):
                 self.store.set(f"{self.prefix}heard/{self.stage}", "1")  # an orphan's too: it ends having said so
-                host, _, pid = self._text(f"process/{stage}").partition("\n")
-                self._where = (host, int(pid))
+                host, pid = where_it_runs(self._text(process_key(stage)))
+                if pid is not None:
+                    self._where = (host, pid)
 
     def _end_process(self) -> None:
         with self._lock:
@@ -304,7 +314,7 @@ class StageWatchdog:
                     self._beat()
                 continue
             if self._heard is not None:  # the main thread follows it, or this thread does
-                if not self._await_end or _has_ended(self) or time.monotonic() - self._heard_at > self.dead_after:
+                if not self._await_end or self._has_ended() or time.monotonic() - self._heard_at > self.dead_after:
                     self._end_process()
                     return
                 continue
@@ -363,56 +373,53 @@ class StageWatchdog:
                                f"killed, out of memory or hung)"), False
         return None, False
 
+    def _settled_host(self) -> tuple[int, str] | None:
+        """The store's host or the launcher found gone within one interval (the kernel closes a dying process's
+        connections before it reports it ended), or None: no store call before that, one would print a C++ stack."""
+        if self.store_host is None or self._peers.known_pid(self.store_host) is None:
+            return self._orphaned()  # the host runs elsewhere (or is this process): nothing to wait for
+        deadline = time.monotonic() + self.interval
+        while (gone := self._orphaned() or self._host_gone()) is None and time.monotonic() < deadline:
+            time.sleep(_POLL)
+        return gone
 
-def _settled_host(watchdog: StageWatchdog) -> tuple[int, str] | None:
-    """The store's host or the launcher found gone within one interval (the kernel closes a dying process's
-    connections before it reports it ended), or None: no store call before that, one would print a C++ stack."""
-    if watchdog.store_host is None or watchdog._peers.known_pid(watchdog.store_host) is None:
-        return watchdog._orphaned()  # the host runs elsewhere (or is this process): nothing to wait for
-    deadline = time.monotonic() + watchdog.interval
-    while (gone := watchdog._orphaned() or watchdog._host_gone()) is None and time.monotonic() < deadline:
-        time.sleep(_POLL)
-    return gone
-
-
-def _cause_of_lost_connection(watchdog: StageWatchdog) -> tuple[tuple[int, str] | None, bool]:
-    """Another process's failure that this process's lost connection follows from, found within ``dead_after``
-    (and two beats, for the thread's judgement of a silent one), or None (lost_peers.py)."""
-    deadline = time.monotonic() + watchdog.dead_after + 2 * watchdog.interval
-    while time.monotonic() < deadline:
-        if watchdog._heard is not None:  # the thread found it
-            return watchdog._heard, watchdog._await_end
-        if (gone := watchdog._host_gone()) is not None:
-            return gone, False
-        if watchdog.store.lost:  # its host gone elsewhere, or the launcher's agent
-            return watchdog._store_lost(), False
-        if (found := watchdog.failed_elsewhere())[0] is not None:
-            return found
-        with contextlib.suppress(Exception):
-            if (gone := watchdog._peers.gone()) is not None:
-                watchdog.report(*gone)
+    def _cause_of_lost_connection(self) -> tuple[tuple[int, str] | None, bool]:
+        """Another process's failure that this process's lost connection follows from, found within ``dead_after``
+        (and two beats, for the thread's judgement of a silent one), or None (lost_peers.py)."""
+        deadline = time.monotonic() + self.dead_after + 2 * self.interval
+        while time.monotonic() < deadline:
+            if self._heard is not None:  # the thread found it
+                return self._heard, self._await_end
+            if (gone := self._host_gone()) is not None:
                 return gone, False
-        time.sleep(5 * _POLL)
-    if watchdog._heard is not None:  # judged by the thread as the wait ended
-        return watchdog._heard, watchdog._await_end
-    return watchdog.failed_elsewhere()
+            if self.store.lost:  # its host gone elsewhere, or the launcher's agent
+                return self._store_lost(), False
+            if (found := self.failed_elsewhere())[0] is not None:
+                return found
+            with contextlib.suppress(Exception):
+                if (gone := self._peers.gone()) is not None:
+                    self.report(*gone)
+                    return gone, False
+            time.sleep(5 * _POLL)
+        if self._heard is not None:  # judged by the thread as the wait ended
+            return self._heard, self._await_end
+        return self.failed_elsewhere()
 
-
-def _has_ended(watchdog: StageWatchdog) -> bool:
-    """Whether the failed process has ended; its own pid where it runs on this machine, so that a store it
-    hosts is not read after it ended (unless it is this process's launcher, which waits for it)."""
-    stage = watchdog._heard[0] if watchdog._heard is not None else watchdog.stage
-    host, pid = watchdog._where
-    if host == machine():
-        if not running_here(pid):
+    def _has_ended(self) -> bool:
+        """Whether the failed process has ended; its own pid where it runs on this machine, so that a store it
+        hosts is not read after it ended (unless it is this process's launcher, which waits for it)."""
+        stage = self._heard[0] if self._heard is not None else self.stage
+        host, pid = self._where
+        if host == machine():
+            if not running_here(pid):
+                return True
+            if stage == self.store_host and pid != os.getppid():
+                return False
+        try:
+            return self.store.check([f"{self.prefix}ended/{stage}"]) or \
+                self._silence(stage, time.monotonic())[1] >= _ENDED_AFTER_BEATS * self.interval
+        except Exception:
             return True
-        if stage == watchdog.store_host and pid != os.getppid():
-            return False
-    try:
-        return watchdog.store.check([f"{watchdog.prefix}ended/{stage}"]) or \
-            watchdog._silence(stage, time.monotonic())[1] >= _ENDED_AFTER_BEATS * watchdog.interval
-    except Exception:
-        return True
 
 
 def judge_progress(doing: dict[int, Doing], done: set[int], num: int, dead_after: float,
