@@ -94,6 +94,13 @@ class PACIConfig:
             the other leaves; both ``"auto"``: every process a stage, one replica). The replicas of a stage average
             their gradients right before each of their local steps (data_parallel.py); see [Note: rank layout] for
             which ranks form a stage's data-parallel group.
+        tensor_parallel_size: ranks per stage and replica that split each of the stage's layers (tensor
+            parallelism, as Lightning's ``ModelParallelStrategy``): ``devices x num_nodes`` = stages x replicas x
+            this. The module's ``configure_model`` runs after the stage is cut, with ``self.device_mesh`` the
+            stage's 2D sub-mesh ``("data_parallel", "tensor_parallel")``, and applies its own plan
+            (``parallelize_module``); every tensor-parallel rank of a stage reads the same batches, and each sends to
+            the rank of the same coordinate in the next stage ([Note: rank layout], [Note: tensor parallelism in a
+            stage]).
         local_sgd_steps: with replicas, average the replicas' parameters every this many local steps of a stage
             (and at every drain) instead of their gradients before every step (LocalSGD, as Accelerate's): fewer
             collectives for a slow interconnect, at some loss per sample (benchmarks/RESULTS.md).
@@ -170,6 +177,7 @@ class PACIConfig:
     compensation: Literal["auto", "predict", "none"] = "auto"
     pipeline_parallel_size: int | Literal["auto"] = "auto"
     data_parallel_size: int | Literal["auto"] = "auto"
+    tensor_parallel_size: int = 1
     local_sgd_steps: int | None = None
     reduce_bucket_mb: float | None = 25.0
     dp_shard: Literal["none", "optimizer"] = "none"
@@ -208,6 +216,12 @@ class PACIConfig:
         _choice("compensation", self.compensation, COMPENSATIONS)
         check_size_option("pipeline_parallel_size", self.pipeline_parallel_size)
         check_size_option("data_parallel_size", self.data_parallel_size)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size, "Split each layer over T ranks of its stage, "
+                      "e.g. `tensor_parallel_size=2`; 1 (default) keeps layers whole.")
+        if self.tensor_parallel_size > 1 and self.compensation == "predict":
+            raise ValueError(f"`PACIStrategy(tensor_parallel_size={self.tensor_parallel_size})` with "
+                             f"`compensation='predict'`: the weight prediction does not move DTensor shards in this "
+                             f"release. Use `compensation='none'` (or 'auto', which is then off).")
         _positive_int("local_sgd_steps", self.local_sgd_steps, "Average the replicas' parameters every k local steps, "
                       "e.g. `local_sgd_steps=8`; None (default) averages gradients before every step.", optional=True)
         if self.reduce_bucket_mb is not None and (isinstance(self.reduce_bucket_mb, bool) or not isinstance(
@@ -263,14 +277,22 @@ class PACIConfig:
 
     def topology(self, devices: int, num_nodes: int) -> Topology:
         """Stages x replicas over ``devices x num_nodes`` processes, checked ([Note: rank layout])."""
-        sizes = resolve_sizes(self.pipeline_parallel_size, self.data_parallel_size, devices * num_nodes,
+        world, tensor = devices * num_nodes, self.tensor_parallel_size
+        if world % tensor:
+            raise ValueError(
+                f"`Trainer(devices={devices}, num_nodes={num_nodes})` starts {world} processes, which "
+                f"`tensor_parallel_size={tensor}` does not divide: stages x replicas x {tensor} must be {world}. Use "
+                f"`devices` a multiple of {tensor}, or a `tensor_parallel_size` dividing {world}.")
+        sizes = resolve_sizes(self.pipeline_parallel_size, self.data_parallel_size, world // tensor,
                               devices=devices, num_nodes=num_nodes)
         held = None
         if self.virtual_stages > 1:
             devices_of = stage_devices(sizes[0], self.virtual_stages, self.placement)
             held = tuple(tuple(s for s, d in enumerate(devices_of) if d == p) for p in range(sizes[0]))
-        return check_topology(Topology(*sizes, mirrored=self.virtual_stages > 1 and self.placement == "v", held=held),
-                              nonfinite=self.nonfinite, local_sgd_steps=self.local_sgd_steps)
+        topology = Topology(*sizes, mirrored=self.virtual_stages > 1 and self.placement == "v", held=held,
+                            tensor=tensor)
+        return check_topology(topology, nonfinite=self.nonfinite, local_sgd_steps=self.local_sgd_steps,
+                              virtual_stages=self.virtual_stages)
 
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,

@@ -51,6 +51,7 @@ from lightning_paci.integration.processes.process_life import ProcessLife
 from lightning_paci.integration.processes.shutdown import ends_together
 from lightning_paci.integration.setup.stage_build import StageBuilder, meta_stays_on_meta
 from lightning_paci.integration.setup.stage_setup import build_stage, start_stage
+from lightning_paci.integration.setup.tensor_parallel import deferred_configure_model
 from lightning_paci.integration.stage.local_stage import LocalStage
 from lightning_paci.integration.trainer import lightning_api as api
 from lightning_paci.integration.trainer.fit_loop import seed_workers_alike
@@ -111,6 +112,7 @@ class PACIStrategy(ParallelStrategy):
         compensation: Literal["auto", "predict", "none"] = "auto",
         pipeline_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_size: int | Literal["auto"] = "auto",
+        tensor_parallel_size: int = 1,
         local_sgd_steps: int | None = None,
         reduce_bucket_mb: float | None = 25.0,
         dp_shard: Literal["none", "optimizer"] = "none",
@@ -186,9 +188,14 @@ class PACIStrategy(ParallelStrategy):
         """This process's data-parallel coordinate (0 without data parallelism)."""
         return self.topology.replica_of(self.global_rank)
 
-    def rank_of(self, stage: int, replica: int | None = None) -> int:
-        """The global rank that runs ``stage`` of ``replica`` (default: this process's replica)."""
-        return self.topology.rank_of(stage, self.replica_index if replica is None else replica)
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.topology.tensor
+
+    def rank_of(self, stage: int, lane: int | None = None) -> int:
+        """The global rank that runs ``stage`` in ``lane`` (default: this process's; a lane is a (replica, tensor)
+        coordinate, the replica without tensor parallelism, [Note: rank layout])."""
+        return self.topology.rank_of(stage, self.topology.lane_of(self.global_rank) if lane is None else lane)
 
     @property
     def process_groups(self) -> ProcessGroups:
@@ -302,7 +309,8 @@ class PACIStrategy(ParallelStrategy):
     @contextlib.contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Lightning's, plus [Note: stage-only construction] for ``configure_model`` and ``init_module``."""
-        with self._builder.context(empty_init, lambda: super(PACIStrategy, self).tensor_init_context(empty_init)):
+        with deferred_configure_model(self.lightning_module, self.config.tensor_parallel_size), \
+                self._builder.context(empty_init, lambda: super(PACIStrategy, self).tensor_init_context(empty_init)):
             yield
 
     @property
@@ -383,7 +391,7 @@ class PACIStrategy(ParallelStrategy):
     # -- collectives, never per training batch (engine/transport/collectives.py) -------------------------------------
     def pipeline_broadcast(self, obj: Any, stage: int) -> Any:
         """From ``stage`` to this replica's other stages, over the host group ([Note: host groups on a bound world])."""
-        return self.process_groups.pipeline_broadcast(obj, stage, self.replica_index)
+        return self.process_groups.pipeline_broadcast(obj, stage, self.topology.lane_of(self.global_rank))
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -462,7 +470,9 @@ class PACIStrategy(ParallelStrategy):
     def teardown(self) -> None:
         self._life.end(self._stage, checkpoints=lambda: self._checkpoints.pipeline,
                        schedulers=[cfg.scheduler for cfg in self.lr_scheduler_configs],
-                       replicas=self.data_parallel_size, built_on_meta=self._builder.built_on_meta())
+                       replicas=self.data_parallel_size,  # tensor-parallel stages keep their shards, as meta-built
+                       built_on_meta=self._builder.built_on_meta() or self.tensor_parallel_size > 1,
+                       optimizer_states=self.tensor_parallel_size == 1)
         self._stage = None  # the runtime goes with the stage
         with meta_stays_on_meta(self.lightning_module):
             super().teardown()

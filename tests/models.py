@@ -529,3 +529,61 @@ def two_tower_batch(size: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.T
     return (torch.randn(size, 6, generator=generator, dtype=torch.float64),
             torch.randn(size, 5, generator=generator, dtype=torch.float64),
             torch.randn(size, generator=generator, dtype=torch.float64))
+
+
+class _FeedForward(nn.Module):
+    """A Llama-style feed-forward block: ``w2(silu(w1(x)) * w3(x))`` with a residual."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(width, 2 * width, bias=False)
+        self.w3 = nn.Linear(width, 2 * width, bias=False)
+        self.w2 = nn.Linear(2 * width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TensorParallelFeedForward(LightningModule):
+    """Written for Lightning's ``ModelParallelStrategy``: the layers built in ``__init__``, the tensor-parallel plan
+    applied to every block in ``configure_model`` over ``self.device_mesh["tensor_parallel"]`` (Lightning's
+    documented form, docs/source-pytorch/advanced/model_parallel/tp.rst); without a mesh (one device) it does
+    nothing."""
+
+    def __init__(self, width: int = 8, depth: int = 4, lr: float = 0.1, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.blocks = nn.Sequential(*[_FeedForward(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 1)
+        self.lr, self.optimizer = lr, optimizer
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if self.device_mesh is None:
+            return
+        mesh = self.device_mesh["tensor_parallel"]
+        for block in self.blocks:
+            parallelize_module(block, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                             "w2": RowwiseParallel()})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def feed_forward_loader(num_batches: int = 3, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_batches * batch_size, 4, generator=generator, dtype=torch.float64)
+    y = torch.randn(num_batches * batch_size, 1, generator=generator, dtype=torch.float64)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)

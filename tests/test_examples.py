@@ -64,3 +64,14 @@ def test_the_port_example_trains_on_one_device_and_under_paci_without_a_warning_
     assert out.returncode == 0, out.stderr[-3000:]
     assert "one device: train_loss=" in out.stdout and "paci, 2 stages: train_loss=" in out.stdout
     assert package_warnings(out.stderr) == []
+
+
+def test_tensor_parallel_example_trains_the_llama_written_for_model_parallel_strategy(capsys, recwarn):
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import tensor_parallel
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    loss = tensor_parallel.main(["--devices", "4", "--max-steps", "3", "--start-method", "fork"])
+    assert 0 < loss < 10 and "final training loss:" in capsys.readouterr().out
+    assert [str(w.message) for w in recwarn if "lightning_paci" in w.filename] == []

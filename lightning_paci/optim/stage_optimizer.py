@@ -18,8 +18,15 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["StageOptimizer", "Step", "optimizer_and_step_schedulers"]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (a tensor-parallel stage's gradient), any other tensor itself: the checks of
+    an update read each rank's own part."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def optimizer_and_step_schedulers(output: Any) -> tuple[torch.optim.Optimizer, list[Any]]:
@@ -166,7 +173,7 @@ class StageOptimizer:
                       values: Sequence[torch.Tensor] = ()) -> tuple[bool, tuple[float, ...]]:
         """:meth:`nonfinite`, and the 0-dim ``values`` (e.g. [Note: the prediction's quality]) read in the same host
         read: ``(failed, values)``."""
-        grads = [g for g in self.gradients() + list(extra) if g.numel()]
+        grads = [g for g in (_local(t) for t in self.gradients() + list(extra)) if g.numel()]
         checks = list(flags)
         if grads:  # a max-norm is finite iff every element is (NaN propagates); one multi-tensor pass, no overflow
             checks.append(torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).all())
@@ -178,7 +185,7 @@ class StageOptimizer:
 
     def nonfinite_parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradient holds a NaN or inf (to name them in an error)."""
-        return [p for _, p in self.pairs if p.grad is not None and not torch.isfinite(p.grad).all()]
+        return [p for _, p in self.pairs if p.grad is not None and not torch.isfinite(_local(p.grad)).all()]
 
     def gradients(self) -> list[torch.Tensor]:
         """The real parameters' accumulated gradients (those that have one)."""

@@ -1,18 +1,22 @@
-"""Where each stage and replica runs: the (pipeline x data-parallel) layout of the ranks.
+"""Where each stage, replica and tensor-parallel shard runs: the (pipeline x data x tensor) layout of the ranks.
 
 [Note: rank layout]
-``world = pipeline_parallel_size x data_parallel_size``. The replicas of one stage hold consecutive global ranks
-(the data-parallel coordinate varies fastest, torchtitan's ``pp``-outermost mesh): with ``devices`` a multiple of
-the data-parallel size, a stage's replicas share a node, so the one collective PACI adds -- each stage's gradient
-all-reduce before its local step -- stays on the node's fast links, and only activations and gradients (small,
-point-to-point) cross nodes. Stages run in reverse rank order (stage ``s`` of replica ``r`` on rank ``(P-1-s) * D
-+ r``): global rank 0 -- Lightning's loggers, progress bar and ``is_global_zero`` callbacks -- runs the *last*
-stage of replica 0, which computes the loss (see [Note: the logging rank]).
+``world = pipeline_parallel_size x data_parallel_size x tensor_parallel_size``. The ranks of one stage are
+consecutive (torchtitan's ``pp``-outermost mesh), the tensor-parallel coordinate innermost: with ``devices`` a
+multiple of ``D x T``, a stage shares a node, so its tensor-parallel collectives (inside every forward and backward)
+and the replicas' gradient reduction before each local step stay on the node's fast links, and only activations
+and gradients (small, point-to-point) cross nodes. Each (replica, tensor) coordinate of a stage is a *lane*: lane
+``d * T + t`` of stage ``s`` sends to lane ``d * T + t`` of stage ``s + 1``, so each lane is a pipeline of its own
+for the messages. Stages run in reverse rank order (stage ``s``, lane ``l`` on rank ``(P-1-s) * D * T + l``): global
+rank 0 -- Lightning's loggers, progress bar and ``is_global_zero`` callbacks -- runs the *last* stage of lane 0,
+which computes the loss (see [Note: the logging rank]).
 
-A :class:`torch.distributed.device_mesh.DeviceMesh` with dimensions ``("pp", "dp")`` holds the layout;
-``mesh["dp"]`` of a rank is its stage's replicas (the gradient reduction), ``mesh["pp"]`` its replica's pipeline
-(broadcasts of one pipeline: data fingerprints, evaluation logs). The pipeline's messages use their own
-point-to-point groups, one per neighbour pair and direction ([Note: deadlock model]).
+A :class:`torch.distributed.device_mesh.DeviceMesh` with dimensions ``("pp", "dp")`` holds the layout; ``mesh["dp"]``
+of a rank is its stage's replicas (the gradient reduction), ``mesh["pp"]`` its replica's pipeline (broadcasts of one
+pipeline: data fingerprints, evaluation logs). With tensor parallelism its dimensions are ``("pp", "data_parallel",
+"tensor_parallel")`` and each stage's module reads its own 2D sub-mesh as ``self.device_mesh``, with the dimension
+names of Lightning's ``ModelParallelStrategy``. The pipeline's messages use their own point-to-point groups, one per
+neighbour pair and direction ([Note: deadlock model]).
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ def resolve_sizes(pipeline: int | str, data: int | str, world: int, *, devices: 
 
 @dataclass(frozen=True)
 class Topology:
-    """The layout of ``pipeline`` stages x ``data`` replicas over ``pipeline * data`` ranks ([Note: rank layout])."""
+    """The layout of ``pipeline`` stages x ``data`` replicas x ``tensor`` shards over ``pipeline * data * tensor``
+    ranks ([Note: rank layout])."""
 
     pipeline: int
     data: int = 1
@@ -73,34 +78,50 @@ class Topology:
     mirrored: bool = False
     # with virtual stages, the pipeline stages process ``p`` runs (``held[p]``): what errors name it by
     held: tuple[tuple[int, ...], ...] | None = None
+    tensor: int = 1  # tensor-parallel ranks per stage and replica
+
+    @property
+    def lanes(self) -> int:
+        """The ranks of one stage: its (replica, tensor) coordinates, each a pipeline for the messages."""
+        return self.data * self.tensor
 
     @property
     def world(self) -> int:
-        return self.pipeline * self.data
+        return self.pipeline * self.lanes
 
-    def rank_of(self, stage: int, replica: int) -> int:
-        """The global rank of process ``stage`` (its stage, or its device with virtual stages) of ``replica``."""
-        return (stage if self.mirrored else self.pipeline - 1 - stage) * self.data + replica
+    def rank_of(self, stage: int, lane: int) -> int:
+        """The global rank of process ``stage`` (its stage, or its device with virtual stages) of ``lane`` (the
+        replica without tensor parallelism)."""
+        return (stage if self.mirrored else self.pipeline - 1 - stage) * self.lanes + lane
 
     def stage_of(self, rank: int) -> int:
-        return rank // self.data if self.mirrored else self.pipeline - 1 - rank // self.data
+        return rank // self.lanes if self.mirrored else self.pipeline - 1 - rank // self.lanes
+
+    def lane_of(self, rank: int) -> int:
+        return rank % self.lanes
 
     def replica_of(self, rank: int) -> int:
-        return rank % self.data
+        """The data-parallel coordinate of ``rank``: which shard of the data it reads."""
+        return self.lane_of(rank) // self.tensor
+
+    def tensor_of(self, rank: int) -> int:
+        return self.lane_of(rank) % self.tensor
 
     def watch_id(self, rank: int) -> int:
-        """Global rank ``rank``'s id for the failure watchdog: its stage, or the rank itself with replicas."""
-        return rank if self.data > 1 else self.stage_of(rank)
+        """Global rank ``rank``'s id for the failure watchdog: its stage, or the rank itself with several lanes."""
+        return rank if self.lanes > 1 else self.stage_of(rank)
 
     def stages_on(self, process: int) -> tuple[int, ...]:
         """The pipeline stages process ``process`` runs: its own index, or with virtual stages ``held[process]``."""
         return (process,) if self.held is None else self.held[process]
 
     def watch_name(self, watch_id: int) -> str:
-        """How errors name the process with ``watch_id``: ``stage 2``, ``stage 2 (replica 1)``; with virtual stages
-        by the stages it runs, ``process 1 (stages 1 and 2)``, as the actions in the same messages are named."""
-        process = watch_id if self.data == 1 else self.stage_of(watch_id)
+        """How errors name the process with ``watch_id``: ``stage 2``, ``stage 2 (replica 1)``, ``stage 2 (replica
+        0, tensor 1)``; with virtual stages by the stages it runs, ``process 1 (stages 1 and 2)``, as the actions in
+        the same messages are named."""
+        process = watch_id if self.lanes == 1 else self.stage_of(watch_id)
         replica = [] if self.data == 1 else [f"replica {self.replica_of(watch_id)}"]
+        replica += [] if self.tensor == 1 else [f"tensor {self.tensor_of(watch_id)}"]
         if self.held is None:
             return f"stage {process}" + "".join(f" ({r})" for r in replica)
         *first, last = self.held[process]
@@ -111,21 +132,54 @@ class Topology:
         """``mesh[stage][replica]`` = global rank: the ``DeviceMesh``'s layout, dimension names ``("pp", "dp")``."""
         return [[self.rank_of(s, r) for r in range(self.data)] for s in range(self.pipeline)]
 
+    def mesh_ranks_3d(self) -> list[list[list[int]]]:
+        """``mesh[stage][replica][tensor]`` = global rank: with tensor parallelism, dimension names ``("pp",
+        "data_parallel", "tensor_parallel")``."""
+        return [[[self.rank_of(s, r * self.tensor + t) for t in range(self.tensor)] for r in range(self.data)]
+                for s in range(self.pipeline)]
+
     def describe(self) -> str:
-        if self.data == 1:
+        if self.lanes == 1:
             return f"{self.pipeline} stages"
         order = "s" if self.mirrored else "(P-1-s)"
-        return (f"{self.pipeline} stages x {self.data} data-parallel replicas (stage s, replica r on rank "
-                f"{order}*{self.data}+r: a stage's replicas on consecutive ranks)")
+        if self.tensor == 1:
+            return (f"{self.pipeline} stages x {self.data} data-parallel replicas (stage s, replica r on rank "
+                    f"{order}*{self.data}+r: a stage's replicas on consecutive ranks)")
+        return (f"{self.pipeline} stages x {self.data} data-parallel replicas x {self.tensor} tensor-parallel ranks "
+                f"(stage s, replica r, tensor t on rank {order}*{self.lanes}+r*{self.tensor}+t: a stage's ranks "
+                f"consecutive)")
 
 
-def check_topology(topology: Topology, *, nonfinite: str, local_sgd_steps: int | None) -> Topology:
-    """Refuse what data parallelism cannot run with (or what needs it), naming the fix; return ``topology``."""
+def check_topology(topology: Topology, *, nonfinite: str, local_sgd_steps: int | None,
+                   virtual_stages: int = 1) -> Topology:
+    """Refuse what data or tensor parallelism cannot run with (or what needs it), naming the fix; return
+    ``topology``."""
+    if topology.tensor > 1 and topology.pipeline < 2:
+        raise ValueError(
+            f"`PACIStrategy` splits the model into `pipeline_parallel_size` >= 2 stages, got {topology.pipeline} "
+            f"stage x tensor_parallel_size={topology.tensor}. Use `pipeline_parallel_size=2` or more (for tensor "
+            f"parallelism alone, use Lightning's `ModelParallelStrategy`).")
+    if topology.tensor > 1 and topology.data > 1:
+        raise ValueError(
+            f"`PACIStrategy(tensor_parallel_size={topology.tensor})` with {topology.data} data-parallel replicas: "
+            f"tensor parallelism runs with one replica per stage in this release (replicas sharded with FSDP2 "
+            f"inside a stage are not supported yet). Use `data_parallel_size=1`, or `tensor_parallel_size=1` for "
+            f"replicas.")
+    if topology.tensor > 1 and virtual_stages > 1:
+        raise ValueError(
+            f"`PACIStrategy(tensor_parallel_size={topology.tensor}, virtual_stages={virtual_stages})`: a process "
+            f"runs one stage with tensor parallelism in this release. Use `virtual_stages=1`, or "
+            f"`tensor_parallel_size=1`.")
     if topology.data > 1 and topology.pipeline < 2:
         raise ValueError(
             f"`PACIStrategy` splits the model into `pipeline_parallel_size` >= 2 stages, got {topology.pipeline} "
             f"stage x {topology.data} replicas. Use `pipeline_parallel_size=2` or more (for data parallelism "
             f"alone, use Lightning's `strategy='ddp'`).")
+    if topology.tensor > 1 and nonfinite == "skip":
+        raise ValueError(
+            "`PACIStrategy(nonfinite='skip')` is not supported with tensor parallelism: each rank checks its own "
+            "shard, and a micro-batch skipped on one rank of a stage and not on another would split the stage. Use "
+            "`nonfinite='raise'` (the default) or `tensor_parallel_size=1`.")
     if topology.data > 1 and nonfinite == "skip":
         raise ValueError(
             "`PACIStrategy(nonfinite='skip')` is not supported with data parallelism: a micro-batch skipped on "

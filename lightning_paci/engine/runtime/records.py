@@ -147,6 +147,9 @@ class StageRecords:
         self.tied_fingerprints: deque[str] | None = None
         self.weight_drift = False
         self.activations = False
+        # the stage's weights are DTensor shards ([Note: tensor parallelism in a stage]): a shard's drift is not
+        # the stage's, so the drift is not measured
+        self.sharded_weights = False
         self._update_norms: dict[int, float] = {}  # version v -> ||theta_v - theta_{v-1}||
         self._weight_norms: dict[int, float] = {}  # version v -> ||theta_v||
         # time per phase: "startup" until the stream's first backward here, "steady", "drain" (the stream's
@@ -160,6 +163,10 @@ class StageRecords:
     def measure(self, *, weight_drift: bool | None = None, activation_bytes: bool | None = None,
                 tied_fingerprints: bool | None = None) -> None:
         """Switch the costly measurements on or off (``None`` leaves one as it is)."""
+        if weight_drift and self.sharded_weights:
+            raise ValueError("The weight drift of a stage with tensor parallelism is not measured in this release "
+                             "(a shard's drift is not the stage's): remove `DriftMonitor` (or its weight drift), or "
+                             "use `tensor_parallel_size=1`.")
         if weight_drift is not None:
             self.weight_drift = weight_drift
         if activation_bytes is not None:

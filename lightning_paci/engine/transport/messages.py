@@ -74,6 +74,12 @@ def describe(structure: Any) -> tuple[Any, list[torch.Tensor], list[TensorMeta]]
 
     def describe(tensor: torch.Tensor) -> TensorMeta:
         nonlocal offset
+        if type(tensor) is not torch.Tensor and type(tensor).__name__ == "DTensor":  # [Note: tensor parallelism
+            raise StageMismatchError(  # in a stage]: a subclass check of the name only, no import per message
+                f"A DTensor of shape {tuple(tensor.shape)} ({tensor.placements}) reached a stage boundary: what "  # type: ignore[attr-defined]
+                f"crosses between stages is a plain tensor, the same on every tensor-parallel rank. End the "
+                f"stage's last block with a plan whose output is local and replicated (`RowwiseParallel()`, or "
+                f"`use_local_output=True`).")
         tensors.append(tensor)
         nbytes = tensor.numel() * tensor.element_size()
         meta = TensorMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad, offset, nbytes)

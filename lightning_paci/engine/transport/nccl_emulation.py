@@ -316,7 +316,10 @@ class NcclEmulation:
     def _in_order(self, known: _Group, group: Any, name: str, tensors: list[torch.Tensor]) -> None:
         me = dist.get_rank()
         index = self._issued[group.group_name] = self._issued.get(group.group_name, 0) + 1
-        signature = name + "".join(f" {t.dtype}[{t.numel()}]" for t in tensors[:4])
+        # a scatter's inputs and a gather's outputs exist on its root only: the members agree on the one tensor
+        # each of them passes (the scatter's output, the gather's input)
+        agreed = tensors[:1] if name == "scatter" else tensors[-1:] if name == "gather" else tensors[:4]
+        signature = name + "".join(f" {t.dtype}[{t.numel()}]" for t in agreed)
         prefix = f"coll/{group.group_name}"
         self.store.set(f"{prefix}/{index}/{me}", signature)
 

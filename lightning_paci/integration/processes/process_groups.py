@@ -75,13 +75,13 @@ class ProcessGroups:
         """This rank's replica's stages (with data parallelism)."""
         return self.links.pipeline
 
-    def pipeline_broadcast(self, obj: Any, process: int, replica: int) -> Any:
-        """From the pipeline's ``process`` (its stage index) to the other processes of ``replica``'s pipeline, over
-        the host group ([Note: host groups on a bound world]); without replicas the pipeline is every rank: the host
+    def pipeline_broadcast(self, obj: Any, process: int, lane: int) -> Any:
+        """From the pipeline's ``process`` (its stage index) to the other processes of ``lane``'s pipeline, over
+        the host group ([Note: host groups on a bound world]); with one lane the pipeline is every rank: the host
         group's own broadcast."""
         topology = self.topology
-        ranks = None if topology.data == 1 else [topology.rank_of(p, replica) for p in range(topology.pipeline)]
-        return broadcast_object(obj, topology.rank_of(process, replica), self.host,
+        ranks = None if topology.lanes == 1 else [topology.rank_of(p, lane) for p in range(topology.pipeline)]
+        return broadcast_object(obj, topology.rank_of(process, lane), self.host,
                                 what=f"a broadcast from stage {process}", ranks=ranks,
                                 waits=collective_waits(topology.watch_id, ranks and self.pipeline))
 
@@ -130,23 +130,28 @@ def start_process_groups(environment: ClusterEnvironment, topology: Topology, *,
         api.init_dist_connection(environment, backend, **kwargs)
     if watchdog is not None:
         watchdog.joined()
-    stage, replica = topology.stage_of(rank), topology.replica_of(rank)
+    stage, lane = topology.stage_of(rank), topology.lane_of(rank)
     # pipeline messages on their own communicators, apart from Lightning's collectives: the layout the deadlock
     # model proves deadlock-free under NCCL, connected at setup (engine/transport/groups.py)
     with activity.phase("setup: creating and connecting the pipeline's process groups", waits=ALL):
         placement = stage_devices(topology.pipeline, config.virtual_stages, config.placement) \
             if config.virtual_stages > 1 else None
-        links = PipelineLinks.setup(topology.pipeline, topology.data, topology.rank_of, device=device,
-                                    backend=backend, timeout=config.timeout, stage=stage, replica=replica,
+        links = PipelineLinks.setup(topology.pipeline, topology.lanes, topology.rank_of, device=device,
+                                    backend=backend, timeout=config.timeout, stage=stage, replica=lane,
                                     placement=placement)
     groups = ProcessGroups(backend, topology, links, watchdog=watchdog)
     if (warning := connections_warning(backend, device, os.environ)) is not None:
         log.warning(warning)
-    if topology.data > 1:  # its groups are NCCL groups of torch's own, made after ours
+    if topology.lanes > 1:  # its groups are NCCL groups of torch's own, made after ours
         from torch.distributed.device_mesh import DeviceMesh
 
         with activity.phase("setup: creating the device mesh", waits=ALL):
-            groups.mesh = DeviceMesh(device.type, torch.tensor(topology.mesh_ranks()), mesh_dim_names=("pp", "dp"))
+            if topology.tensor > 1:  # [Note: tensor parallelism in a stage]
+                groups.mesh = DeviceMesh(device.type, torch.tensor(topology.mesh_ranks_3d()),
+                                         mesh_dim_names=("pp", "data_parallel", "tensor_parallel"))
+            else:
+                groups.mesh = DeviceMesh(device.type, torch.tensor(topology.mesh_ranks()),
+                                         mesh_dim_names=("pp", "dp"))
     return groups
 
 
@@ -252,7 +257,7 @@ def start_watchdog(topology: Topology, watch_id: int, failure_timeout: float, *,
         return None
     _FITS[0] += 1  # every rank starts one watchdog per fit: the same run number on every rank
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the store outlives every rank
-    watchdog = StageWatchdog(watch_id, topology.world if topology.data > 1 else topology.pipeline, watched,
+    watchdog = StageWatchdog(watch_id, topology.world if topology.lanes > 1 else topology.pipeline, watched,
                              dead_after=failure_timeout, store_host=None if agent else topology.watch_id(0),
                              name=topology.watch_name, run=_FITS[0], interval=min(1.0, failure_timeout / 4),
                              launcher=launcher, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))

@@ -10,8 +10,10 @@ needs, and whether the run failed here.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -61,7 +63,8 @@ class ProcessLife:
         if self.config.start_method != "popen":
             return api.multiprocessing_launcher(
                 strategy, self.config.start_method, send=self._send_after_fit, receive=self._receive_after_fit,
-                on_exception=strategy.on_exception, freeze_heap=self.config.freeze_gc)
+                on_exception=strategy.on_exception, freeze_heap=self.config.freeze_gc,
+                weights_context=partial(whole_tensors, self.config.tensor_parallel_size))
         if not environment.creates_processes_externally:
             return api.SubprocessScriptLauncher(environment, processes, nodes)
         return None
@@ -115,7 +118,7 @@ class ProcessLife:
         report_failure(self.groups, exception)
 
     def end(self, stage: EndingStage | None, *, checkpoints: Callable[[], PipelineCheckpoints],
-            schedulers: list[Any], replicas: int, built_on_meta: bool) -> None:
+            schedulers: list[Any], replicas: int, built_on_meta: bool, optimizer_states: bool = True) -> None:
         """The strategy's teardown before Lightning's: unless the run failed here, drain, undo the patches and give
         the module its trained weights back, still watched (shutdown.finish_fit); then the watchdog's end."""
         if self._froze_gc:
@@ -125,7 +128,7 @@ class ProcessLife:
             self.after_fit = finish_fit(
                 stage, drain=stage.drain if stage is not None else _nothing, undo=self._undo,
                 checkpoints=checkpoints, schedulers=schedulers, replicas=replicas, built_on_meta=built_on_meta,
-                group=self.groups and self.groups.host,
+                group=self.groups and self.groups.host, optimizer_states=optimizer_states,
             ) or self.after_fit
         activity.source = None  # the runtime goes with the stage
         end_teardown(self.groups, failed=self.failed)
@@ -133,3 +136,27 @@ class ProcessLife:
 
 def _nothing() -> None:
     pass
+
+
+@contextlib.contextmanager
+def whole_tensors(tensor: int, module: Any) -> Iterator[None]:
+    """While every rank takes ``module.state_dict()`` at once (a fork/spawn run's end, which hands rank 0's
+    weights to the main process): each DTensor in it whole, gathered over its stage's tensor-parallel ranks (a
+    collective, hence only there), a meta one as a meta tensor of the whole shape."""
+    if tensor == 1 or module is None:
+        yield
+        return
+    from torch.distributed.tensor import DTensor
+
+    def whole(_: Any, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for key, value in state.items():
+            if isinstance(value, DTensor):
+                meta = value.to_local().is_meta
+                state[key] = torch.empty(value.shape, dtype=value.dtype, device="meta") if meta else \
+                    value.full_tensor().detach()
+
+    handle = module.register_state_dict_post_hook(whole)
+    try:
+        yield
+    finally:
+        handle.remove()

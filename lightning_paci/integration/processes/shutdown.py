@@ -211,10 +211,11 @@ class EndingStage(Protocol):
 
 def finish_fit(stage: EndingStage | None, *, drain: Callable[[], None], undo: list[Callable[[], None]],
                checkpoints: Callable[[], PipelineCheckpoints], schedulers: list[Any], built_on_meta: bool,
-               replicas: int, group: Any) -> dict[str, list[Any]] | None:
+               replicas: int, group: Any, optimizer_states: bool = True) -> dict[str, list[Any]] | None:
     """Drain, undo the patches, and give every rank's module the complete trained weights again (a model built on
     meta: each rank keeps only its stage's). Returns what ``save_checkpoint`` after ``fit`` needs (the optimizer
-    and scheduler states), or None. Runs watched: the user's teardown hooks follow, patient, until ``leave``."""
+    and scheduler states; with ``optimizer_states`` False, as for tensor-parallel stages whose checkpoints are not
+    written, none), or None. Runs watched: the user's teardown hooks follow, patient, until ``leave``."""
     activity.begin("teardown", patient=True)
     try:
         drain()
@@ -225,7 +226,7 @@ def finish_fit(stage: EndingStage | None, *, drain: Callable[[], None], undo: li
     if stage is None:
         return None
     after_fit = None
-    if stage.runtime is not None and api.distributed_is_initialized():
+    if optimizer_states and stage.runtime is not None and api.distributed_is_initialized():
         after_fit = {"optimizer_states": [stage.optimizer_state(checkpoints())],
                      "lr_schedulers": [scheduler.state_dict() for scheduler in schedulers]}
     if built_on_meta:  # no full gather: other stages' parameters stay on the meta device

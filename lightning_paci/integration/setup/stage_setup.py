@@ -19,6 +19,7 @@ from lightning_paci.engine.supervision.watchdog import StageWatchdog
 from lightning_paci.integration.checkpoints.one_device_optimizer import OneDeviceOptimizer
 from lightning_paci.integration.lightning_callbacks.per_stage import callbacks_per_stage
 from lightning_paci.integration.setup.stage_build import StageBuilder
+from lightning_paci.integration.setup.tensor_parallel import check_tensor_parallel_run, parallelize_stage
 from lightning_paci.integration.setup.trainer_checks import check_trainer
 from lightning_paci.integration.stage.lightning_program import LightningHooks
 from lightning_paci.integration.stage.links import StageLinks
@@ -39,6 +40,7 @@ def build_stage(strategy: PipelineStrategy, trainer: Trainer, builder: StageBuil
     module = strategy.lightning_module
     assert module is not None
     check_trainer(trainer, module, strategy.num_stages, strategy.config.start_method)
+    check_tensor_parallel_run(trainer, strategy.config)
     same_data_on_every_stage(trainer, strategy.broadcast, strategy.data_parallel_size)
     if stage is not None:
         return stage
@@ -47,6 +49,8 @@ def build_stage(strategy: PipelineStrategy, trainer: Trainer, builder: StageBuil
     one_device = OneDeviceOptimizer.of(module) if trainer.state.fn == TrainerFn.FITTING else None
     carve = carve_chunks(module, plan, strategy.topology.stages_on(strategy.stage_index))
     builder.materialize(module, carve, has_checkpoint=trainer.ckpt_path is not None)
+    if strategy.config.tensor_parallel_size > 1:  # [Note: tensor parallelism in a stage]
+        parallelize_stage(module, strategy.process_groups.mesh)
     links = StageLinks.of(strategy.process_groups, strategy.global_rank, strategy.root_device, strategy.stage_devices)
     return LocalStage(module, plan, carve, config=strategy.config, num_microbatches=strategy.num_microbatches,
                       one_device=one_device, links=links, broadcast=strategy.pipeline_broadcast,

@@ -26,10 +26,12 @@ class StageLinks:
     """This process's connections, made by the strategy at setup (integration/processes/process_groups.py): what the
     stage builds its communicators and its replicas' averaging from."""
 
-    ranks: list[int]  # global rank of each stage of this process's replica
+    ranks: list[int]  # global rank of each stage of this process's lane
     groups: Mapping[Any, Any]  # the pipeline's point-to-point process groups by Communicator
-    replica: int = 0
+    replica: int = 0  # the data-parallel coordinate
     replicas: int = 1
+    lane: int = 0  # this rank's pipeline for the messages: its (replica, tensor) coordinate ([Note: rank layout])
+    lanes: int = 1
     replica_group: Any = None  # this stage's replicas (with data parallelism)
     deliver: torch.device | None = None  # where received tensors go (the stage's device)
     transport: torch.device | None = None  # where tensors travel (host memory on gloo)
@@ -43,16 +45,16 @@ class StageLinks:
         """The connections of global ``rank`` (on ``device``) after its process groups started; ``devices``: the
         process of each of the pipeline's stages (``stage_devices``; one stage each without virtual stages)."""
         topology = groups.topology
-        replica = topology.replica_of(rank)
+        lane = topology.lane_of(rank)
         virtual = len(devices) > topology.pipeline
-        return cls([topology.rank_of(d, replica) for d in devices], groups.p2p, replica=replica,
-                   replicas=topology.data, replica_group=groups.data, deliver=device,
+        return cls([topology.rank_of(d, lane) for d in devices], groups.p2p, replica=topology.replica_of(rank),
+                   replicas=topology.data, lane=lane, lanes=topology.lanes, replica_group=groups.data, deliver=device,
                    transport=transport_device(groups.backend, device), headers=groups.host,
                    devices=tuple(devices) if virtual else None)
 
     def connect(self, stage: int | None = None) -> DistComm:
         """A transport for this process's ``stage`` (None: its only one)."""
-        return DistComm(self.ranks, groups=self.groups, replica=self.replica, deliver=self.deliver,
+        return DistComm(self.ranks, groups=self.groups, replica=self.lane, deliver=self.deliver,
                         device=self.transport, headers=self.headers, stage=stage)
 
     def connect_chunks(self, stages: Sequence[int]) -> dict[int, Comm]:
@@ -63,7 +65,7 @@ class StageLinks:
         return {s: ChunkComm(self.connect(s), local[s], frozenset(t for t in stages if t != s)) for s in stages}
 
     def watched(self, stage: int) -> int:
-        """The failure watchdog's id of ``stage`` of this replica ([Note: judging progress]): its process's."""
-        if self.replicas > 1:
+        """The failure watchdog's id of ``stage`` of this lane ([Note: judging progress]): its process's."""
+        if self.lanes > 1:
             return self.ranks[stage]
         return self.devices[stage] if self.devices is not None else stage

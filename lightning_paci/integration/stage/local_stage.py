@@ -157,8 +157,9 @@ class LocalStage:
             view = self.optimizer if single else self.optimizer.chunk(
                 owned[stage], chunk_hook.before_step if chunk_hook is not None else None)
             prediction = weight_prediction_for(self.config.compensation, optimizer, view.pairs, warn=warn)
-            if prediction is not None and (sharded or self.config.deferred_update):
-                _refuse_or_warn_prediction(self.config.compensation, warn, sharded=sharded)
+            tensor = self.config.tensor_parallel_size > 1
+            if prediction is not None and (sharded or self.config.deferred_update or tensor):
+                _refuse_or_warn_prediction(self.config.compensation, warn, sharded=sharded, tensor=tensor)
                 prediction = None
             if prediction is not None and not single:
                 prediction.before = view.own_hyperparameters
@@ -168,6 +169,7 @@ class LocalStage:
                                    skip_nonfinite=self.config.nonfinite == "skip", hooks=chunk_hook,
                                    prediction=prediction)
             _time_on_device(runtime, self.links.deliver, self.config.compensation)
+            runtime.records.sharded_weights = tensor  # [Note: tensor parallelism in a stage]
             if self.config.schedule == "layered":  # [Note: layered backward]
                 runtime.run_layer_major(LayeredBackward(LayerCuts(self.plan.block_modules(self.module, stage))))
             if warn is not None and runtime.prediction:
@@ -362,14 +364,21 @@ def _drop_spent_logs(runtime: StageRuntime) -> None:
         del runtime.logs[key]
 
 
-def _refuse_or_warn_prediction(compensation: str, warn: Callable[[str], None] | None, *, sharded: bool) -> None:
+def _refuse_or_warn_prediction(compensation: str, warn: Callable[[str], None] | None, *, sharded: bool,
+                               tensor: bool = False) -> None:
     """The weight prediction reads every tensor's optimizer state, which ``dp_shard="optimizer"`` leaves on one
-    replica each, and predicts the updates at their ``OPT``, which ``deferred_update`` moves: ``"predict"`` is
-    refused, ``"auto"`` trains uncompensated and says so."""
-    option = "`dp_shard='optimizer'`" if sharded else "`deferred_update=True`"
-    rule = ("the weight prediction of `compensation` reads every tensor's optimizer state, and `dp_shard='optimizer'` "
-            "keeps each tensor's state on one replica") if sharded else \
-        "the weight prediction of `compensation` does not model the update `deferred_update=True` moves"
+    replica each, predicts the updates at their ``OPT``, which ``deferred_update`` moves, and does not move DTensor
+    shards in this release: ``"predict"`` is refused, ``"auto"`` trains uncompensated and says so."""
+    if tensor:
+        option = "`tensor_parallel_size` > 1"
+        rule = "the weight prediction of `compensation` does not move the DTensor shards of a tensor-parallel stage"
+    elif sharded:
+        option = "`dp_shard='optimizer'`"
+        rule = ("the weight prediction of `compensation` reads every tensor's optimizer state, and "
+                "`dp_shard='optimizer'` keeps each tensor's state on one replica")
+    else:
+        option = "`deferred_update=True`"
+        rule = "the weight prediction of `compensation` does not model the update `deferred_update=True` moves"
     if compensation == "predict":
         raise ValueError(f"`compensation='predict'` with {option}: {rule}. Pass `compensation='none'` or drop "
                          f"{option}.")

@@ -39,15 +39,18 @@ __all__ = [
     "SubprocessScriptLauncher",
     "all_gather_if_available",
     "batches_started",
+    "call_configure_model",
     "configured_optimizers",
     "distributed_is_initialized",
     "init_dist_connection",
     "keep_user_samplers",
     "loaded_checkpoint",
     "multiprocessing_launcher",
+    "overrides_configure_model",
     "ResultMetric",
     "patch_class_method",
     "patch_method",
+    "set_device_mesh",
     "should_validate_after_batch",
     "sigterm_without_a_collective",
     "step_dataloader",
@@ -83,7 +86,7 @@ SubprocessScriptLauncher: type = _require("lightning.pytorch.strategies.launcher
 # the script launcher's thread that SIGKILLs every process, itself included, once a child ended with an error
 ChildProcessObserver: type = _require("lightning.fabric.strategies.launchers.subprocess_script",
                                       "_ChildProcessObserver")
-for _method in ("get_extra_results", "update_main_process_results", "_wrapping_function"):
+for _method in ("get_extra_results", "update_main_process_results", "_wrapping_function", "_collect_rank_zero_results"):
     if not callable(getattr(MultiProcessingLauncher, _method, None)):
         raise _missing(f"lightning.pytorch.strategies.launchers._MultiProcessingLauncher.{_method}", "does not have")
 _init_optimizers: Callable[..., Any] = _require(
@@ -99,7 +102,8 @@ def configured_optimizers(module: Any) -> list[Any]:
 
 def multiprocessing_launcher(strategy: ParallelStrategy, start_method: str, *, send: Callable[[Any], Any],
                              receive: Callable[[Any, Any], None],
-                             on_exception: Callable[[BaseException], None], freeze_heap: bool = True) -> Any:
+                             on_exception: Callable[[BaseException], None], freeze_heap: bool = True,
+                             weights_context: Callable[[Any], Any] | None = None) -> Any:
     """Lightning's fork/spawn launcher, also handing ``send(trainer)`` (called on rank 0 after the run) to
     ``receive(trainer, sent)`` in the main process, which never ran a stage or a loop: what ``save_checkpoint``
     after ``fit`` needs there (the gathered optimizer state, the loops' progress, the callbacks' states). Under
@@ -108,9 +112,12 @@ def multiprocessing_launcher(strategy: ParallelStrategy, start_method: str, *, s
 
     A worker's exception also reaches ``on_exception`` before it unwinds: Lightning calls ``Strategy.on_exception``
     only around the launch in the main process, so without it a failing forked stage was noticed by the others only
-    when its heartbeat stopped (20 s), and named as "stopped responding" instead of by its error."""
+    when its heartbeat stopped (20 s), and named as "stopped responding" instead of by its error.
+
+    ``weights_context(module)``: a context around the worker's ``module.state_dict()`` for the weights handed to the
+    main process (every rank takes it at once)."""
     return _PipelineLauncher(strategy, start_method=start_method, send=send, receive=receive,
-                             on_exception=on_exception, freeze_heap=freeze_heap)
+                             on_exception=on_exception, freeze_heap=freeze_heap, weights_context=weights_context)
 
 
 class _PipelineLauncher(MultiProcessingLauncher):
@@ -118,10 +125,11 @@ class _PipelineLauncher(MultiProcessingLauncher):
 
     def __init__(self, strategy: ParallelStrategy, *, start_method: str, send: Callable[[Any], Any],
                  receive: Callable[[Any, Any], None], on_exception: Callable[[BaseException], None],
-                 freeze_heap: bool) -> None:
+                 freeze_heap: bool, weights_context: Callable[[Any], Any] | None = None) -> None:
         super().__init__(strategy, start_method=start_method)
         self._send, self._receive, self._on_exception = send, receive, on_exception
         self._freeze_heap = freeze_heap
+        self._weights_context = weights_context
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         """[Note: fork with a frozen heap]: under ``"fork"`` every object alive in the main process is moved to the
@@ -148,6 +156,12 @@ class _PipelineLauncher(MultiProcessingLauncher):
                 # a SystemExit ends the worker with status 0, and the main process would wait for its results
                 raise RuntimeError("lightning_paci: this rank stopped for a SIGTERM") from err
             raise
+
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        if self._weights_context is None:
+            return super()._collect_rank_zero_results(trainer, results)
+        with self._weights_context(trainer.lightning_module):
+            return super()._collect_rank_zero_results(trainer, results)
 
     # through a file, as Lightning sends the weights: the main process reads the result queue only after the
     # workers exit, so a message larger than the pipe's buffer would block rank 0 forever
@@ -368,3 +382,30 @@ def whole_model_summaries(trainer: Any, module: Any, flops: int = 0) -> list[Cal
             undo.append(patch_method(callback, "_summary", lambda trainer, pl_module, frozen=frozen: frozen,
                                      parameters=("trainer", "pl_module")))
     return undo
+
+
+def overrides_configure_model(module: Any) -> bool:
+    """Whether ``module``'s class defines its own ``configure_model``."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return bool(is_overridden("configure_model", module))
+
+
+def set_device_mesh(module: Any, mesh: Any) -> None:
+    """What ``ModelParallelStrategy`` does for ``module.device_mesh``: the property reads ``_device_mesh``."""
+    if not hasattr(module, "_device_mesh") or not isinstance(inspect.getattr_static(type(module), "device_mesh",
+                                                                                     None), property):
+        raise _missing("lightning.pytorch.core.module.LightningModule._device_mesh",
+                       "does not define (read by the `device_mesh` property)")
+    module._device_mesh = mesh
+
+
+def call_configure_model(module: Any) -> None:
+    """``module.configure_model()`` as Lightning's hook call makes it (``_current_fx_name`` set around it)."""
+    if not hasattr(module, "_current_fx_name"):
+        raise _missing("lightning.pytorch.core.module.LightningModule._current_fx_name", "does not define")
+    previous, module._current_fx_name = module._current_fx_name, "configure_model"
+    try:
+        module.configure_model()
+    finally:
+        module._current_fx_name = previous
