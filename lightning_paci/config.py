@@ -96,11 +96,12 @@ class PACIConfig:
             which ranks form a stage's data-parallel group.
         tensor_parallel_size: ranks per stage and replica that split each of the stage's layers (tensor
             parallelism, as Lightning's ``ModelParallelStrategy``): ``devices x num_nodes`` = stages x replicas x
-            this. The module's ``configure_model`` runs after the stage is cut, with ``self.device_mesh`` the
-            stage's 2D sub-mesh ``("data_parallel", "tensor_parallel")``, and applies its own plan
-            (``parallelize_module``); every tensor-parallel rank of a stage reads the same batches, and each sends to
-            the rank of the same coordinate in the next stage ([Note: rank layout], [Note: tensor parallelism in a
-            stage]).
+            this. Given (1 included), the module's ``configure_model`` runs after the stage is cut, with
+            ``self.device_mesh`` the stage's 2D sub-mesh ``("data_parallel", "tensor_parallel")``, and applies its
+            own parallelism (``parallelize_module``, ``fully_shard`` over the replicas); every tensor-parallel rank
+            of a stage reads the same batches, and each sends to the rank of the same coordinate in the next stage
+            ([Note: rank layout], [Note: tensor parallelism in a stage]). None (default): no mesh, layers whole,
+            replicas averaged by the strategy.
         local_sgd_steps: with replicas, average the replicas' parameters every this many local steps of a stage
             (and at every drain) instead of their gradients before every step (LocalSGD, as Accelerate's): fewer
             collectives for a slow interconnect, at some loss per sample (benchmarks/RESULTS.md).
@@ -177,7 +178,7 @@ class PACIConfig:
     compensation: Literal["auto", "predict", "none"] = "auto"
     pipeline_parallel_size: int | Literal["auto"] = "auto"
     data_parallel_size: int | Literal["auto"] = "auto"
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int | None = None  # None: no module mesh; an int: ModelParallelStrategy's way
     local_sgd_steps: int | None = None
     reduce_bucket_mb: float | None = 25.0
     dp_shard: Literal["none", "optimizer"] = "none"
@@ -217,8 +218,9 @@ class PACIConfig:
         check_size_option("pipeline_parallel_size", self.pipeline_parallel_size)
         check_size_option("data_parallel_size", self.data_parallel_size)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size, "Split each layer over T ranks of its stage, "
-                      "e.g. `tensor_parallel_size=2`; 1 (default) keeps layers whole.")
-        if self.tensor_parallel_size > 1 and self.compensation == "predict":
+                      "e.g. `tensor_parallel_size=2`; 1 gives each stage's module its mesh without splitting layers; "
+                      "None (default) no mesh.", optional=True)
+        if self.model_parallel and self.compensation == "predict":
             raise ValueError(f"`PACIStrategy(tensor_parallel_size={self.tensor_parallel_size})` with "
                              f"`compensation='predict'`: the weight prediction does not move DTensor shards in this "
                              f"release. Use `compensation='none'` (or 'auto', which is then off).")
@@ -270,6 +272,12 @@ class PACIConfig:
                              f"stages recompute. Pass `PACIStrategy(recompute='blocks', recompute_stages=...)`.")
 
     @property
+    def model_parallel(self) -> bool:
+        """Whether each stage's module gets its mesh and applies its own parallelism in ``configure_model``, as under
+        Lightning's ``ModelParallelStrategy`` (``tensor_parallel_size`` given, 1 included)."""
+        return self.tensor_parallel_size is not None
+
+    @property
     def budget_bytes(self) -> float | None:
         """``memory_budget`` in bytes (a string like ``"24GiB"`` is parsed at construction)."""
         assert not isinstance(self.memory_budget, str)
@@ -277,7 +285,7 @@ class PACIConfig:
 
     def topology(self, devices: int, num_nodes: int) -> Topology:
         """Stages x replicas over ``devices x num_nodes`` processes, checked ([Note: rank layout])."""
-        world, tensor = devices * num_nodes, self.tensor_parallel_size
+        world, tensor = devices * num_nodes, self.tensor_parallel_size or 1
         if world % tensor:
             raise ValueError(
                 f"`Trainer(devices={devices}, num_nodes={num_nodes})` starts {world} processes, which "
@@ -292,7 +300,7 @@ class PACIConfig:
         topology = Topology(*sizes, mirrored=self.virtual_stages > 1 and self.placement == "v", held=held,
                             tensor=tensor)
         return check_topology(topology, nonfinite=self.nonfinite, local_sgd_steps=self.local_sgd_steps,
-                              virtual_stages=self.virtual_stages)
+                              virtual_stages=self.virtual_stages, model_parallel=self.model_parallel)
 
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,

@@ -112,7 +112,7 @@ class PACIStrategy(ParallelStrategy):
         compensation: Literal["auto", "predict", "none"] = "auto",
         pipeline_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_size: int | Literal["auto"] = "auto",
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int | None = None,
         local_sgd_steps: int | None = None,
         reduce_bucket_mb: float | None = 25.0,
         dp_shard: Literal["none", "optimizer"] = "none",
@@ -309,7 +309,7 @@ class PACIStrategy(ParallelStrategy):
     @contextlib.contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Lightning's, plus [Note: stage-only construction] for ``configure_model`` and ``init_module``."""
-        with deferred_configure_model(self.lightning_module, self.config.tensor_parallel_size), \
+        with deferred_configure_model(self.lightning_module, self.config.model_parallel), \
                 self._builder.context(empty_init, lambda: super(PACIStrategy, self).tensor_init_context(empty_init)):
             yield
 
@@ -471,8 +471,8 @@ class PACIStrategy(ParallelStrategy):
         self._life.end(self._stage, checkpoints=lambda: self._checkpoints.pipeline,
                        schedulers=[cfg.scheduler for cfg in self.lr_scheduler_configs],
                        replicas=self.data_parallel_size,  # tensor-parallel stages keep their shards, as meta-built
-                       built_on_meta=self._builder.built_on_meta() or self.tensor_parallel_size > 1,
-                       optimizer_states=self.tensor_parallel_size == 1)
+                       built_on_meta=self._builder.built_on_meta() or self.config.model_parallel,
+                       optimizer_states=not self.config.model_parallel)
         self._stage = None  # the runtime goes with the stage
         with meta_stays_on_meta(self.lightning_module):
             super().teardown()

@@ -13,6 +13,7 @@ import lightning as L
 import torch
 import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
 
 from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
 
@@ -245,3 +246,28 @@ def run_forked_ranks(target: Any, world: int, rendezvous: Path, timeout: float =
         p.join(timeout)
     assert errors.empty(), errors.get()
     assert [p.exitcode for p in processes] == [0] * world
+
+
+class RecordBatches(L.Callback):
+    """Stage 0 of every replica saves the batches it trained on (``batches<replica>.pt``)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.seen = directory, []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
+        if trainer.strategy.stage_index == 0:
+            self.seen.append(tuple(t.clone() for t in batch))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.strategy.stage_index == 0:
+            torch.save(self.seen, self.directory / f"batches{trainer.strategy.replica_index}.pt")
+
+
+def replica_batches(directory: Path, loader: DataLoader, replicas: int) -> list[list[tuple[torch.Tensor, ...]]]:
+    """What each replica trained on, checked to be disjoint shards of the dataset (Lightning's
+    ``DistributedSampler`` by the data-parallel coordinate only)."""
+    out = [torch.load(directory / f"batches{r}.pt") for r in range(replicas)]
+    rows = [tuple(x.tolist()) for batches in out for batch in batches for x in batch[0]]
+    dataset_rows = {tuple(x.tolist()) for x in loader.dataset.tensors[0]}  # type: ignore[attr-defined]
+    assert len(set(rows)) == len(rows) and set(rows) <= dataset_rows  # no sample twice, all from the dataset
+    return out

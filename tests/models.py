@@ -558,14 +558,21 @@ class TensorParallelFeedForward(LightningModule):
         self.lr, self.optimizer = lr, optimizer
 
     def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         if self.device_mesh is None:
             return
-        mesh = self.device_mesh["tensor_parallel"]
-        for block in self.blocks:
-            parallelize_module(block, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
-                                             "w2": RowwiseParallel()})
+        tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        if tp.size() > 1:
+            for block in self.blocks:
+                parallelize_module(block, tp, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                               "w2": RowwiseParallel()})
+        if dp.size() > 1:  # FSDP2 over the replicas, as Lightning's tp_fsdp guide does
+            for block in self.blocks:
+                fully_shard(block, mesh=dp)
+            fully_shard(self.embed, mesh=dp)
+            fully_shard(self.head, mesh=dp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(self.embed(x)))

@@ -15,39 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.multiprocessing import ProcessRaisedException
-from torch.utils.data import DataLoader
 
 from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
 from lightning_paci.engine.replicas.data_parallel import ReplicaMismatchError, average_gradients
 from lightning_paci.engine.replicas.topology import Topology, resolve_sizes
 
-from helpers import fit, run_forked_ranks
+from helpers import RecordBatches, fit, replica_batches, run_forked_ranks
 from models import SequentialMLP, reference_accumulation, regression_loader
-
-
-class RecordBatches(L.Callback):
-    """Stage 0 of every replica saves the batches it trained on (``batches<replica>.pt``)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory, self.seen = directory, []
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
-        if trainer.strategy.stage_index == 0:
-            self.seen.append(tuple(t.clone() for t in batch))
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.strategy.stage_index == 0:
-            torch.save(self.seen, self.directory / f"batches{trainer.strategy.replica_index}.pt")
-
-
-def _replica_batches(directory: Path, loader: DataLoader, replicas: int) -> list[list[tuple[torch.Tensor, ...]]]:
-    """What each replica trained on, checked to be disjoint shards of the dataset (Lightning's
-    ``DistributedSampler`` by the data-parallel coordinate only)."""
-    out = [torch.load(directory / f"batches{r}.pt") for r in range(replicas)]
-    rows = [tuple(x.tolist()) for batches in out for batch in batches for x in batch[0]]
-    dataset_rows = {tuple(x.tolist()) for x in loader.dataset.tensors[0]}  # type: ignore[attr-defined]
-    assert len(set(rows)) == len(rows) and set(rows) <= dataset_rows  # no sample twice, all from the dataset
-    return out
 
 
 def _assert_state_close(model: torch.nn.Module, expected: dict[str, torch.Tensor], rtol: float) -> None:
@@ -64,7 +38,7 @@ def test_two_stages_by_two_replicas_flush_equals_one_device_on_the_replicas_samp
     steps = 3
     fit(model, loader, devices=4, max_steps=steps, schedule="1f1b", microbatches=2, pipeline_parallel_size=2,
         trainer_kwargs={"use_distributed_sampler": True}, callbacks=[RecordBatches(tmp_path)])
-    per_replica = _replica_batches(tmp_path, loader, 2)
+    per_replica = replica_batches(tmp_path, loader, 2)
     union = [tuple(torch.cat(parts) for parts in zip(*(per_replica[r][k] for r in range(2)))) for k in range(steps)]
     reference_accumulation(reference, union, num_microbatches=1, num_steps=steps)  # one device, 8 samples a step
     _assert_state_close(model, reference.state_dict(), rtol=1e-5)
@@ -80,7 +54,7 @@ def test_paci_replicas_equal_the_reference_executor_with_averaged_gradients(tmp_
     steps, m = 4, 2
     fit(model, loader, devices=4, max_steps=steps, schedule="paci", microbatches=m, accumulation=accumulation,
         data_parallel_size=2, trainer_kwargs={"use_distributed_sampler": True}, callbacks=[RecordBatches(tmp_path)])
-    per_replica = _replica_batches(tmp_path, loader, 2)
+    per_replica = replica_batches(tmp_path, loader, 2)
     reference = ReferencePipeline(initial, plan_partition(initial, 2), replicas=2)
     reference.run(build_schedule("paci", 2, m, accumulation, steps), per_replica)
     replica1 = {k: v for module in reversed(reference.replica_modules[1]) for k, v in module.state_dict().items()}
@@ -180,8 +154,6 @@ def test_replicas_draw_their_own_dropout_masks():
     assert torch.equal(before, draw(0))
 
 
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["sharded", "consolidated"])
 def test_checkpoint_one_copy_per_stage_and_resume_exact_or_onto_another_shape(tmp_path, layout):
@@ -277,7 +249,7 @@ def test_local_sgd_equals_the_reference_executor_and_ends_with_one_model(tmp_pat
     steps, m = 5, 2
     fit(model, loader, devices=4, max_steps=steps, schedule="paci", microbatches=m, data_parallel_size=2,
         local_sgd_steps=3, trainer_kwargs={"use_distributed_sampler": True}, callbacks=[RecordBatches(tmp_path)])
-    per_replica = _replica_batches(tmp_path, loader, 2)
+    per_replica = replica_batches(tmp_path, loader, 2)
     reference = ReferencePipeline(initial, plan_partition(initial, 2), replicas=2, local_sgd_steps=3)
     reference.run(build_schedule("paci", 2, m, m, steps), per_replica)
     replica1 = {k: v for module in reversed(reference.replica_modules[1]) for k, v in module.state_dict().items()}

@@ -1,6 +1,7 @@
-"""Tensor parallelism inside a stage ([Note: tensor parallelism in a stage]): a module written for Lightning's
-``ModelParallelStrategy`` (layers in ``__init__``, ``parallelize_module`` in ``configure_model``), unchanged, at
-2 stages x 2 tensor-parallel ranks on gloo, against one device's plain step on the whole batch (float64)."""
+"""Tensor parallelism and FSDP2 inside a stage ([Note: tensor parallelism in a stage]): a module written for
+Lightning's ``ModelParallelStrategy`` (layers in ``__init__``, ``parallelize_module`` and ``fully_shard`` in
+``configure_model``), unchanged, at 2 stages x TP 2, 2 x FSDP 2 and 2 x 2 x 2 on gloo, against one device's plain
+step on the replicas' batches together (float64) and the reference executor."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch.multiprocessing import ProcessRaisedException
 
 from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
 
-from helpers import fit
+from helpers import RecordBatches, fit, replica_batches
 from models import TensorParallelFeedForward, feed_forward_loader
 
 pytestmark = pytest.mark.distributed
@@ -72,20 +73,20 @@ def _reference(model: TensorParallelFeedForward, loader: Any, schedule: str) -> 
     return {k: v.detach() for k, v in reference.state_dict().items()}
 
 
-def _run(tmp_path: Path, optimizer: str, schedule: str, steps: int = 3,
+def _run(tmp_path: Path, optimizer: str, schedule: str, steps: int = 3, devices: int = 4,
          **settings: Any) -> tuple[dict[str, Any], dict[int, dict]]:
     torch.manual_seed(0)
     model = TensorParallelFeedForward(optimizer=optimizer, lr=0.05 if optimizer == "adamw" else 0.1).double()
     expected = _one_device(model, feed_forward_loader(), steps) if schedule == "1f1b" else \
         _reference(model, feed_forward_loader(num_batches=steps), schedule)
-    fit(model, feed_forward_loader(num_batches=steps), devices=4, max_steps=steps,
-        callbacks=[DumpOwnWeights(tmp_path)], schedule=schedule, tensor_parallel_size=2, microbatches=2,
-        partition="parameters", compensation="none", **settings)
+    fit(model, feed_forward_loader(num_batches=steps), devices=devices, max_steps=steps,
+        callbacks=[DumpOwnWeights(tmp_path)], schedule=schedule, microbatches=2, partition="parameters",
+        compensation="none", **{"tensor_parallel_size": 2, **settings})
     return expected, {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
 
 
-def _assert_equal(expected: dict[str, torch.Tensor], records: dict[int, dict]) -> None:
-    assert sorted(records) == [0, 1, 2, 3]
+def _assert_equal(expected: dict[str, torch.Tensor], records: dict[int, dict], world: int = 4) -> None:
+    assert sorted(records) == list(range(world))
     seen = set()
     for rank, record in records.items():
         for name, value in record["weights"].items():
@@ -112,18 +113,28 @@ def test_paci_with_tensor_parallel_stages_equals_the_reference_executor(tmp_path
     _assert_equal(expected, records)
 
 
-def test_tensor_parallel_stages_run_under_the_nccl_emulation(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("tensor", "data", "devices"), [(2, 1, 4), (2, 2, 8)])
+def test_tensor_parallel_and_fsdp2_stages_run_under_the_nccl_emulation(tmp_path, monkeypatch, tensor, data, devices):
     # [Note: NCCL emulation]: the 3D mesh's groups, the pipeline's per-lane groups and the host group created in
-    # one order on every rank, every point-to-point message on its lane's communicator
+    # one order on every rank, every point-to-point message on its lane's communicator, FSDP2's collectives
     monkeypatch.setenv("LIGHTNING_PACI_EMULATE_NCCL", "1")
-    expected, records = _run(tmp_path, "sgd", "1f1b")
-    _assert_equal(expected, records)
+    steps = 2
+    torch.manual_seed(0)
+    model = TensorParallelFeedForward().double()
+    initial, loader = copy.deepcopy(model), feed_forward_loader(num_batches=steps * data)
+    fit(model, loader, devices=devices, max_steps=steps, schedule="1f1b", microbatches=2, partition="parameters",
+        callbacks=[DumpOwnWeights(tmp_path), RecordBatches(tmp_path)], compensation="none",
+        tensor_parallel_size=tensor, data_parallel_size=data, trainer_kwargs={"use_distributed_sampler": True})
+    per_replica = replica_batches(tmp_path, loader, data)
+    union = [tuple(torch.cat(parts) for parts in zip(*(per_replica[r][k] for r in range(data)))) for k in range(steps)]
+    expected = _one_device(initial, union, steps)
+    _assert_equal(expected, {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")},
+                  world=devices)
 
 
 @pytest.mark.parametrize(("settings", "trainer_settings", "match"), [
-    (dict(tensor_parallel_size=2, data_parallel_size=2), {}, r"tensor_parallel_size=2\)` with 2 data-parallel"),
-    (dict(tensor_parallel_size=2, virtual_stages=2), {}, r"virtual_stages=2\)`: a process runs one stage"),
-    (dict(tensor_parallel_size=2, nonfinite="skip"), {}, r"nonfinite='skip'\)` is not supported with tensor"),
+    (dict(tensor_parallel_size=2, virtual_stages=2), {}, r"virtual_stages=2\)`: a process runs one stage with"),
+    (dict(tensor_parallel_size=2, nonfinite="skip"), {}, r"nonfinite='skip'\)` is not supported with `tens"),
     (dict(tensor_parallel_size=2, compensation="predict"), {}, r"compensation='predict'`: the weight prediction"),
     (dict(tensor_parallel_size=3), {}, r"`tensor_parallel_size=3` does not divide"),
 ])
@@ -198,17 +209,99 @@ class MeasureOwnBytes(Callback):
         (self.directory / f"bytes{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def test_each_rank_holds_its_share_of_its_stage(tmp_path):
-    # parameters, gradients and AdamW's two moments per rank: the stage's whole / T, within 10% (the embedding and
-    # the head are not split by the plan)
+@pytest.mark.parametrize(("tensor", "data", "devices"), [(2, 1, 4), (2, 2, 8)])
+def test_each_rank_holds_its_share_of_its_stage(tmp_path, tensor, data, devices):
+    # parameters, gradients and AdamW's two moments per rank: the stage's whole / (D x T), within 10% (the
+    # embedding and the head are split over the replicas only)
     torch.manual_seed(0)
     model = TensorParallelFeedForward(width=64, depth=4, optimizer="adamw", lr=0.01).double()
-    fit(model, feed_forward_loader(), devices=4, max_steps=2, callbacks=[MeasureOwnBytes(tmp_path)],
-        schedule="1f1b", tensor_parallel_size=2, microbatches=2, partition="parameters", compensation="none")
+    fit(model, feed_forward_loader(num_batches=2 * data), devices=devices, max_steps=2, schedule="1f1b",
+        callbacks=[MeasureOwnBytes(tmp_path)], tensor_parallel_size=tensor, data_parallel_size=data,
+        microbatches=2, partition="parameters", compensation="none", trainer_kwargs={"use_distributed_sampler": True})
+    assert len(list(tmp_path.glob("bytes*.json"))) == devices
     for path in sorted(tmp_path.glob("bytes*.json")):
         record = json.loads(path.read_text())
-        share = record["stage_parameters"] / 2
+        share = record["stage_parameters"] / (tensor * data)
         held = record["parameters"] + record["gradients"] + record["optimizer"]
         assert record["gradients"] == record["parameters"] and record["optimizer"] == 2 * record["parameters"]
         assert abs(held - 4 * share) <= 0.1 * 4 * share, (path.name, record)
         assert record["parameters"] < record["stage_parameters"]  # no rank holds its stage whole
+
+
+class CountReductions(Callback):
+    """Each rank counts FSDP2's gradient reduce-scatters during training."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.count = directory, 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import torch.distributed as dist
+
+        name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+        original = getattr(dist, name)  # what FSDP2 calls, by this torch's name
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return original(*args, **kwargs)
+
+        setattr(dist, name, counted)  # a forked rank's own module object
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        (self.directory / f"reductions{trainer.global_rank}.json").write_text(json.dumps(
+            {"count": self.count, "updates": trainer.strategy.runtime.version, "stage": trainer.strategy.stage_index}))
+
+
+@pytest.mark.parametrize(("tensor", "data", "devices", "optimizer"),
+                         [(1, 2, 4, "sgd"), (1, 2, 4, "adamw"), (2, 2, 8, "sgd")])
+def test_fsdp2_replicas_in_each_stage_train_as_one_device_under_1f1b(tmp_path, tensor, data, devices, optimizer):
+    # the module's `fully_shard(..., mesh=self.device_mesh["data_parallel"])` shards each stage over its replicas
+    # (and, at 2 x 2 x 2, over the tensor-parallel shards too); each replica reads its own half of the data; the
+    # gradients are reduce-scattered once per update, not per micro-batch
+    steps = 3
+    torch.manual_seed(0)
+    model = TensorParallelFeedForward(optimizer=optimizer, lr=0.05 if optimizer == "adamw" else 0.1).double()
+    initial, loader = copy.deepcopy(model), feed_forward_loader(num_batches=steps * data)
+    fit(model, loader, devices=devices, max_steps=steps, schedule="1f1b", microbatches=2, partition="parameters",
+        callbacks=[DumpOwnWeights(tmp_path), RecordBatches(tmp_path), CountReductions(tmp_path)],
+        compensation="none", tensor_parallel_size=tensor, data_parallel_size=data,
+        trainer_kwargs={"use_distributed_sampler": True})
+    for path in tmp_path.glob("reductions*.json"):
+        counted = json.loads(path.read_text())
+        modules = 3 if counted["stage"] == 0 else 3  # embed + 2 blocks; 2 blocks + head
+        assert counted["updates"] == steps and counted["count"] == steps * modules, (path.name, counted)
+    per_replica = replica_batches(tmp_path, loader, data)
+    union = [tuple(torch.cat(parts) for parts in zip(*(per_replica[r][k] for r in range(data)))) for k in range(steps)]
+    expected = _one_device(initial, union, steps)  # one device, the replicas' batches together
+    records = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    _assert_equal(expected, records, world=devices)
+    for record in records.values():
+        assert set(record["sharded"]) == set(record["weights"])  # every parameter a DTensor shard
+
+
+def test_an_unsharded_replica_is_refused_with_the_modules_own_parallelism(tmp_path):
+    class Unsharded(TensorParallelFeedForward):
+        def configure_model(self):  # no fully_shard: nothing would keep the replicas equal
+            pass
+
+    with pytest.raises(ProcessRaisedException, match=r"ValueError: .* parameters of this stage are not sharded over "
+                                                      r"the replicas \((embed|blocks)\..*Call `fully_shard"):
+        fit(Unsharded().double(), feed_forward_loader(), devices=4, max_steps=1, tensor_parallel_size=1,
+            data_parallel_size=2, partition="parameters")
+
+
+@pytest.mark.parametrize(("tensor", "devices"), [(1, 4), (2, 8)])
+def test_fsdp2_replicas_under_paci_equal_the_reference_executor_with_averaged_gradients(tmp_path, tensor, devices):
+    steps, data = 4, 2
+    torch.manual_seed(0)
+    model = TensorParallelFeedForward().double()
+    initial, loader = copy.deepcopy(model), feed_forward_loader(num_batches=steps * data)
+    fit(model, loader, devices=devices, max_steps=steps, schedule="paci", microbatches=2, partition="parameters",
+        callbacks=[DumpOwnWeights(tmp_path), RecordBatches(tmp_path)], compensation="none",
+        tensor_parallel_size=tensor, data_parallel_size=data, trainer_kwargs={"use_distributed_sampler": True})
+    per_replica = replica_batches(tmp_path, loader, data)
+    reference = ReferencePipeline(initial, plan_partition(initial, 2, partition="parameters"), replicas=data,
+                                  compensation="none")
+    reference.run(build_schedule("paci", 2, 2, 2, steps), per_replica)
+    expected = {k: v.detach() for k, v in reference.state_dict().items()}
+    _assert_equal(expected, {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")},
+                  world=devices)

@@ -104,6 +104,8 @@ class StageOptimizer:
         self._share: Callable[[], None] | None = None
         self._clock: _HyperparameterClock | None = None  # a chunk's view of a device's optimizer (see `chunk`)
         self.updates = 0  # steps taken (a chunk's own, for its view)
+        # DTensor parameters (the module's own parallelism, [Note: tensor parallelism in a stage])
+        self._sharded = any(isinstance(p, DTensor) for _, p in self.pairs)
 
     def chunk(self, params: Sequence[nn.Parameter], before_step: Callable[[torch.optim.Optimizer], None] | None
               ) -> StageOptimizer:
@@ -173,7 +175,10 @@ class StageOptimizer:
                       values: Sequence[torch.Tensor] = ()) -> tuple[bool, tuple[float, ...]]:
         """:meth:`nonfinite`, and the 0-dim ``values`` (e.g. [Note: the prediction's quality]) read in the same host
         read: ``(failed, values)``."""
-        grads = [g for g in (_local(t) for t in self.gradients() + list(extra)) if g.numel()]
+        grads = self.gradients() + list(extra)
+        if self._sharded:  # [Note: tensor parallelism in a stage]: each rank checks its own shards
+            grads = [_local(g) for g in grads]
+        grads = [g for g in grads if g.numel()]
         checks = list(flags)
         if grads:  # a max-norm is finite iff every element is (NaN propagates); one multi-tensor pass, no overflow
             checks.append(torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).all())

@@ -151,7 +151,7 @@ class Topology:
 
 
 def check_topology(topology: Topology, *, nonfinite: str, local_sgd_steps: int | None,
-                   virtual_stages: int = 1) -> Topology:
+                   virtual_stages: int = 1, model_parallel: bool = False) -> Topology:
     """Refuse what data or tensor parallelism cannot run with (or what needs it), naming the fix; return
     ``topology``."""
     if topology.tensor > 1 and topology.pipeline < 2:
@@ -159,32 +159,31 @@ def check_topology(topology: Topology, *, nonfinite: str, local_sgd_steps: int |
             f"`PACIStrategy` splits the model into `pipeline_parallel_size` >= 2 stages, got {topology.pipeline} "
             f"stage x tensor_parallel_size={topology.tensor}. Use `pipeline_parallel_size=2` or more (for tensor "
             f"parallelism alone, use Lightning's `ModelParallelStrategy`).")
-    if topology.tensor > 1 and topology.data > 1:
-        raise ValueError(
-            f"`PACIStrategy(tensor_parallel_size={topology.tensor})` with {topology.data} data-parallel replicas: "
-            f"tensor parallelism runs with one replica per stage in this release (replicas sharded with FSDP2 "
-            f"inside a stage are not supported yet). Use `data_parallel_size=1`, or `tensor_parallel_size=1` for "
-            f"replicas.")
-    if topology.tensor > 1 and virtual_stages > 1:
+    if model_parallel and virtual_stages > 1:
         raise ValueError(
             f"`PACIStrategy(tensor_parallel_size={topology.tensor}, virtual_stages={virtual_stages})`: a process "
-            f"runs one stage with tensor parallelism in this release. Use `virtual_stages=1`, or "
-            f"`tensor_parallel_size=1`.")
+            f"runs one stage with the module's own parallelism in this release. Use `virtual_stages=1`, or leave "
+            f"`tensor_parallel_size` unset.")
     if topology.data > 1 and topology.pipeline < 2:
         raise ValueError(
             f"`PACIStrategy` splits the model into `pipeline_parallel_size` >= 2 stages, got {topology.pipeline} "
             f"stage x {topology.data} replicas. Use `pipeline_parallel_size=2` or more (for data parallelism "
             f"alone, use Lightning's `strategy='ddp'`).")
-    if topology.tensor > 1 and nonfinite == "skip":
+    if model_parallel and nonfinite == "skip":
         raise ValueError(
-            "`PACIStrategy(nonfinite='skip')` is not supported with tensor parallelism: each rank checks its own "
-            "shard, and a micro-batch skipped on one rank of a stage and not on another would split the stage. Use "
-            "`nonfinite='raise'` (the default) or `tensor_parallel_size=1`.")
+            "`PACIStrategy(nonfinite='skip')` is not supported with `tensor_parallel_size`: each rank checks its "
+            "own shard, and a micro-batch skipped on one rank of a stage and not on another would split the stage. "
+            "Use `nonfinite='raise'` (the default) or leave `tensor_parallel_size` unset.")
     if topology.data > 1 and nonfinite == "skip":
         raise ValueError(
             "`PACIStrategy(nonfinite='skip')` is not supported with data parallelism: a micro-batch skipped on "
             "one replica and not on another would leave the replicas' gradients and logged values out of step. "
             "Use `nonfinite='raise'` (the default) or `data_parallel_size=1`.")
+    if model_parallel and local_sgd_steps is not None:
+        raise ValueError(
+            f"`PACIStrategy(tensor_parallel_size={topology.tensor}, local_sgd_steps={local_sgd_steps})`: with the "
+            f"module's own parallelism its replicas are sharded by its `configure_model` (`fully_shard`), not "
+            f"averaged by the strategy. Drop `local_sgd_steps`, or `tensor_parallel_size`.")
     if topology.data == 1 and local_sgd_steps is not None:
         raise ValueError(
             f"`PACIStrategy(local_sgd_steps={local_sgd_steps})` averages data-parallel replicas, but this run has "

@@ -244,6 +244,8 @@ class StageRuntime(RuntimeState):
         group = 1 if self.layered is None else 0 if mb in self.layered.done else len(self.held)
         if self.arm_reduction is not None and group and self.window_backwards + group == self.window_size:
             self.arm_reduction(group)  # the OPT follows these backwards
+        if self.gradient_sync is not None and group:
+            self.gradient_sync(self.window_backwards + group == self.window_size)
         held = self.held.pop(mb)
         self.records.activation_bytes.pop(mb, None)
         key = mb + self.microbatch_base

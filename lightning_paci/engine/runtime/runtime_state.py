@@ -36,6 +36,8 @@ class RuntimeState:
         self.reduce_gradients: Callable[[], Any] | None = None
         # data parallel, overlapped ([Note: overlapped reduction]): called before the backward that closes a window
         self.arm_reduction: Callable[[int], None] | None = None
+        # before every backward: whether it closes the update window (FSDP2's gradient reduction only then)
+        self.gradient_sync: Callable[[bool], None] | None = None
         # [Note: deferred update]: the reduction whose update waits for the next backward (``start``/``finish``)
         self.deferred: Any = None
         self.window_size: int | None = None  # backwards per accumulation window of the current stream
@@ -78,6 +80,12 @@ class RuntimeState:
         ``start()`` and ``finish()``): the update waits for the next backward instead ([Note: deferred update])."""
         self.replica, self.replica_tag = replica, f" (replica {replica})"
         self.reduce_gradients, self.arm_reduction, self.deferred = reduce_gradients, arm, deferred
+
+    def sync_gradients_with(self, hook: Callable[[bool], None]) -> None:
+        """Call ``hook(closes)`` before every backward, ``closes`` whether it closes the update window: the
+        module's own data parallelism (FSDP2) then reduces its gradients once per window, not per micro-batch
+        ([Note: tensor parallelism in a stage])."""
+        self.gradient_sync = hook
 
     def on_update(self, hook: Callable[[int], None]) -> None:
         """Call ``hook(version)`` right after every local update (the weights are then exactly that version here)."""

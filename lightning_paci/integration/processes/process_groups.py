@@ -142,11 +142,11 @@ def start_process_groups(environment: ClusterEnvironment, topology: Topology, *,
     groups = ProcessGroups(backend, topology, links, watchdog=watchdog)
     if (warning := connections_warning(backend, device, os.environ)) is not None:
         log.warning(warning)
-    if topology.lanes > 1:  # its groups are NCCL groups of torch's own, made after ours
+    if topology.lanes > 1 or config.model_parallel:  # its groups are NCCL groups of torch's own, made after ours
         from torch.distributed.device_mesh import DeviceMesh
 
         with activity.phase("setup: creating the device mesh", waits=ALL):
-            if topology.tensor > 1:  # [Note: tensor parallelism in a stage]
+            if config.model_parallel:  # [Note: tensor parallelism in a stage]
                 groups.mesh = DeviceMesh(device.type, torch.tensor(topology.mesh_ranks_3d()),
                                          mesh_dim_names=("pp", "data_parallel", "tensor_parallel"))
             else:

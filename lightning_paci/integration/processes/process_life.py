@@ -64,7 +64,7 @@ class ProcessLife:
             return api.multiprocessing_launcher(
                 strategy, self.config.start_method, send=self._send_after_fit, receive=self._receive_after_fit,
                 on_exception=strategy.on_exception, freeze_heap=self.config.freeze_gc,
-                weights_context=partial(whole_tensors, self.config.tensor_parallel_size))
+                weights_context=partial(whole_tensors, self.config.model_parallel))
         if not environment.creates_processes_externally:
             return api.SubprocessScriptLauncher(environment, processes, nodes)
         return None
@@ -139,11 +139,11 @@ def _nothing() -> None:
 
 
 @contextlib.contextmanager
-def whole_tensors(tensor: int, module: Any) -> Iterator[None]:
+def whole_tensors(model_parallel: bool, module: Any) -> Iterator[None]:
     """While every rank takes ``module.state_dict()`` at once (a fork/spawn run's end, which hands rank 0's
     weights to the main process): each DTensor in it whole, gathered over its stage's tensor-parallel ranks (a
     collective, hence only there), a meta one as a meta tensor of the whole shape."""
-    if tensor == 1 or module is None:
+    if not model_parallel or module is None:
         yield
         return
     from torch.distributed.tensor import DTensor

@@ -116,6 +116,7 @@ class LocalStage:
             return
         devices = self.links.devices or tuple(range(self.plan.num_stages))
         self.relays = find_relays(strategy, self.module, self.plan, list(self.carve), sample, devices)
+        _resharded(self.module)  # the probe's forward left FSDP2's roots gathered
         for carve in self.carve:
             with carve.entered():
                 install_relays(self.module, carve, self.relays)
@@ -157,7 +158,7 @@ class LocalStage:
             view = self.optimizer if single else self.optimizer.chunk(
                 owned[stage], chunk_hook.before_step if chunk_hook is not None else None)
             prediction = weight_prediction_for(self.config.compensation, optimizer, view.pairs, warn=warn)
-            tensor = self.config.tensor_parallel_size > 1
+            tensor = self.config.model_parallel
             if prediction is not None and (sharded or self.config.deferred_update or tensor):
                 _refuse_or_warn_prediction(self.config.compensation, warn, sharded=sharded, tensor=tensor)
                 prediction = None
@@ -185,7 +186,12 @@ class LocalStage:
                                    accumulation=accumulation, tied=bool(self.plan.tied),
                                    max_stream_batches=self.config.max_stream_batches,
                                    on_drain=lambda: self.fingerprint.check(self._broadcast), device=device)
-        if self.links.replicas > 1:
+        if self.links.replicas > 1 and self.config.model_parallel:  # the module's `fully_shard` reduces them
+            sync = _GradientSync(self.module)
+            for runtime in self.runtimes.values():
+                runtime.join_replicas(self.links.replica, None)
+                runtime.sync_gradients_with(sync)
+        elif self.links.replicas > 1:
             self._join_replicas()
 
     def _join_replicas(self) -> None:
@@ -346,6 +352,33 @@ class LocalStage:
         self.carve.restore(self.module, full, materialize=materialize)
 
 
+class _GradientSync:
+    """FSDP2's gradient reduction on the backward that closes an update window only: the others accumulate the
+    unsharded gradients on the rank ([Note: tensor parallelism in a stage]). Set when it changes, not per call."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.modules = [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
+        self.current: bool | None = None
+
+    def __call__(self, closes: bool) -> None:
+        if closes != self.current:
+            for module in self.modules:
+                module.set_requires_gradient_sync(closes, recurse=False)
+            self.current = closes
+
+
+def _resharded(module: torch.nn.Module) -> None:
+    """Every FSDP2 module of ``module`` back to its shards: a root does not reshard after its forward (its backward
+    follows), and the setup probe's forward has none; the optimizer holds the sharded parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
 def _first_busy(watched: list[Callable[[], Doing | None]]) -> Callable[[], Doing | None]:
     """What a process running several stages is doing: the one stage with an action under way (one at a time)."""
     if len(watched) == 1:
@@ -370,8 +403,8 @@ def _refuse_or_warn_prediction(compensation: str, warn: Callable[[str], None] | 
     replica each, predicts the updates at their ``OPT``, which ``deferred_update`` moves, and does not move DTensor
     shards in this release: ``"predict"`` is refused, ``"auto"`` trains uncompensated and says so."""
     if tensor:
-        option = "`tensor_parallel_size` > 1"
-        rule = "the weight prediction of `compensation` does not move the DTensor shards of a tensor-parallel stage"
+        option = "`tensor_parallel_size`"
+        rule = "the weight prediction of `compensation` does not move the DTensor shards of a stage's own parallelism"
     elif sharded:
         option = "`dp_shard='optimizer'`"
         rule = ("the weight prediction of `compensation` reads every tensor's optimizer state, and "
