@@ -52,12 +52,15 @@ class DumpOwnWeights(Callback):
         (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def _one_device(model: TensorParallelFeedForward, loader: Any, steps: int) -> dict[str, torch.Tensor]:
+def _one_device(model: TensorParallelFeedForward, loader: Any, steps: int,
+                clip: float | None = None) -> dict[str, torch.Tensor]:
     reference = copy.deepcopy(model)
     optimizer = reference.configure_optimizers()
     for (x, y), _ in zip(loader, range(steps)):
         optimizer.zero_grad()
         F.mse_loss(reference(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
         optimizer.step()
     return {k: v.detach() for k, v in reference.named_parameters()}
 
@@ -148,7 +151,7 @@ def test_what_a_tensor_parallel_stage_does_not_run_is_refused_naming_the_fix(tmp
 
 
 @pytest.mark.parametrize(("trainer_settings", "match"), [
-    (dict(gradient_clip_val=1.0), r" with `gradient_clip_val`: the global norm over tensor-parallel shards"),
+    (dict(gradient_clip_val=1.0), r" with `gradient_clip_val` under `schedule='paci'`: the stages' latest norms"),
     (dict(enable_checkpointing=True), r": checkpoints of tensor-parallel stages are not written in this release"),
 ])
 def test_what_a_tensor_parallel_stage_does_not_run_is_refused_at_setup(tmp_path, trainer_settings, match):
@@ -303,5 +306,26 @@ def test_fsdp2_replicas_under_paci_equal_the_reference_executor_with_averaged_gr
                                   compensation="none")
     reference.run(build_schedule("paci", 2, 2, 2, steps), per_replica)
     expected = {k: v.detach() for k, v in reference.state_dict().items()}
+    _assert_equal(expected, {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")},
+                  world=devices)
+
+
+@pytest.mark.parametrize(("tensor", "data", "devices"), [(2, 1, 4), (2, 2, 8)])
+def test_global_norm_clipping_over_shards_equals_one_device_under_1f1b(tmp_path, tensor, data, devices):
+    # the norm over every stage's whole gradients: DTensor shards summed over the ranks that split them, counted
+    # once where replicated ([Note: global-norm clipping]); 0.05 clips every step here
+    steps = 3
+    torch.manual_seed(0)
+    model = TensorParallelFeedForward().double()
+    initial, loader = copy.deepcopy(model), feed_forward_loader(num_batches=steps * data)
+    fit(model, loader, devices=devices, max_steps=steps, schedule="1f1b", microbatches=2, partition="parameters",
+        callbacks=[DumpOwnWeights(tmp_path), RecordBatches(tmp_path)], compensation="none",
+        tensor_parallel_size=tensor, data_parallel_size=data,
+        trainer_kwargs={"use_distributed_sampler": True, "gradient_clip_val": 0.05})
+    per_replica = replica_batches(tmp_path, loader, data)
+    union = [tuple(torch.cat(parts) for parts in zip(*(per_replica[r][k] for r in range(data)))) for k in range(steps)]
+    expected = _one_device(initial, union, steps, clip=0.05)
+    unclipped = _one_device(initial, union, steps)
+    assert not torch.allclose(expected["head.weight"], unclipped["head.weight"])  # the clip acts
     _assert_equal(expected, {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")},
                   world=devices)

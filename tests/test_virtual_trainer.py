@@ -13,12 +13,11 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_data_parallel import RecordBatches, _replica_batches
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_paci import PACIStrategy, ReferencePipeline, build_schedule, plan_partition
 
-from helpers import KeepMetrics, Momentum, fit, one_device
+from helpers import KeepMetrics, Momentum, RecordBatches, fit, one_device, replica_batches
 from models import HFCausalLM, SequentialMLP, regression_loader, token_loader
 
 pytestmark = pytest.mark.distributed
@@ -119,7 +118,7 @@ def test_replicas_of_two_stages_per_process_equal_the_reference_executor(tmp_pat
         partition="parameters", virtual_stages=V, data_parallel_size=2, dp_shard=dp_shard, compensation="none",
         trainer_kwargs={"use_distributed_sampler": True},
         callbacks=[RecordBatches(tmp_path), _StateBytes(tmp_path)])
-    per_replica = _replica_batches(tmp_path, loader, 2)
+    per_replica = replica_batches(tmp_path, loader, 2)
     for process in range(P):  # each replica holds the momentum of its share of the process's two stages
         held = [json.loads((tmp_path / f"state{process}_{r}.json").read_text()) for r in range(2)]
         whole = held[0]["params"]  # SGD's momentum: one buffer per parameter

@@ -29,9 +29,10 @@ unsharded). Each rank holds its stage's parameters, gradients and optimizer stat
 gathered for each forward and backward by FSDP2's own rule (the module's ``reshard_after_forward``).
 
 ``tensor_parallel_size`` given (1 included) switches this on; unset, a stage's module gets no mesh and its
-replicas are averaged by the strategy. In this release such a stage runs one stage per process, without
-global-norm clipping, weight prediction, the weight drift measurement or checkpoints (each refused at setup,
-naming the fix); at the end of ``fit`` each rank keeps its own stage's shards, as under ``ModelParallelStrategy``.
+replicas are averaged by the strategy. In this release such a stage runs one stage per process, without clipping
+under ``"paci"`` (the flush schedules clip by the global norm over the shards, trainer/clipping.py), weight
+prediction, the weight drift measurement or checkpoints (each refused at setup, naming the fix); at the end of
+``fit`` each rank keeps its own stage's shards, as under ``ModelParallelStrategy``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from lightning_paci.config import PACIConfig
 from lightning_paci.integration.trainer import lightning_api as api
-from lightning_paci.integration.trainer.clipping import clips_by_norm
+from lightning_paci.integration.trainer.clipping import FLUSH_SCHEDULES, clips_by_norm
 
 __all__ = ["check_tensor_parallel_run", "deferred_configure_model", "parallelize_stage"]
 
@@ -137,9 +138,10 @@ def check_tensor_parallel_run(trainer: Trainer, config: PACIConfig) -> None:
             raise ValueError(f"{settings} with `{option}={value!r}`: with the module's own parallelism its replicas "
                              f"are sharded by its `configure_model` (`fully_shard`), not by the strategy. Drop "
                              f"`{option}`, or leave `tensor_parallel_size` unset.")
-    if clips_by_norm(trainer):
-        raise ValueError(f"{settings} with `gradient_clip_val`: the global norm over tensor-parallel shards is not "
-                         f"computed in this release. Remove `gradient_clip_val`, or use `tensor_parallel_size=1`.")
+    if clips_by_norm(trainer) and config.schedule not in FLUSH_SCHEDULES:
+        raise ValueError(f"{settings} with `gradient_clip_val` under `schedule={config.schedule!r}`: the stages' "
+                         f"latest norms over DTensor shards are not carried in this release. Use a flush schedule "
+                         f"('1f1b', 'gpipe'), which clips by the global norm, or remove `gradient_clip_val`.")
     if any(isinstance(c, Checkpoint) for c in trainer.callbacks):  # type: ignore[attr-defined]
         raise ValueError(f"{settings}: checkpoints of tensor-parallel stages are not written in this release. Pass "
                          f"`Trainer(enable_checkpointing=False)` (and no checkpoint callback), or use "

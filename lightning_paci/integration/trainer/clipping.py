@@ -12,7 +12,9 @@ the sum is each replica's pipeline's, and the replicas' gradients, averaged befo
 the stage scales its gradients by ``min(1, c / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does,
 without a host read. Lightning's precision plugin clips through ``clip_grad_by_norm``, so a module's own
 ``configure_gradient_clipping`` calling ``self.clip_gradients(..., "norm")`` is global too; a direct call of
-``clip_grad_norm_`` in a hook stays the stage's own.
+``clip_grad_norm_`` in a hook stays the stage's own. With the module's own parallelism ([Note: tensor parallelism
+in a stage]) the gradients are DTensor shards: each rank adds its shards' squares, each counted once over the
+ranks holding the same values (``sharded_norm_clipping``), and one all-reduce of one number gives the total.
 
 Under ``"paci"`` the stages update at different times, and a collective at every update would be the global
 synchronisation PACI removes. There (with ``virtual_stages=1``) each stage clips by the norm over every stage's
@@ -42,7 +44,7 @@ from lightning_paci.engine.runtime.norm_table import NormTable, clip_scale, squa
 from lightning_paci.integration.trainer.pipeline_strategy import PipelineStrategy
 
 __all__ = ["FLUSH_SCHEDULES", "clipping_by_norm", "clips_by_norm", "global_norm_clipping", "per_stage_clipping",
-           "table_norm_clipping"]
+           "sharded_norm_clipping", "table_norm_clipping"]
 
 FLUSH_SCHEDULES = ("1f1b", "gpipe", "layered")  # every stage's k-th update at the same point of the stream
 
@@ -88,6 +90,39 @@ def global_norm_clipping(plugin: Any, replica: int, replicas: int) -> Callable[[
     return _clip_with(plugin, clip_grad_by_norm)
 
 
+def sharded_norm_clipping(plugin: Any, lanes: int) -> Callable[[], None]:
+    """Under the flush schedules with the module's own parallelism ([Note: tensor parallelism in a stage]): make
+    ``plugin`` clip by the norm over every stage's whole gradients, its parameters DTensor shards over the stage's
+    ``lanes`` ranks or plain tensors every one of them holds. Each rank adds its shards' squared norms, a shard held
+    alike by ``k`` ranks counted ``1 / k`` -- the stage's ranks outside the DTensor's mesh (an FSDP2 shard over the
+    replicas is the same on every tensor-parallel rank) times its replicated mesh dimensions; all ``lanes`` for a
+    plain tensor; one all-reduce over every rank gives the model's total; returns the undo."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def share(grad: torch.Tensor) -> tuple[torch.Tensor, float]:  # (what this rank holds, 1 / its holders)
+        if not isinstance(grad, DTensor):
+            return grad, 1.0 / lanes
+        holders = lanes // grad.device_mesh.size()
+        for size, placement in zip(grad.device_mesh.mesh.shape, grad.placements):
+            holders *= size if isinstance(placement, Replicate) else 1
+        return grad.to_local(), 1.0 / holders
+
+    def clip_grad_by_norm(self: Any, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        held = [share(p.grad) for p in self.main_params(optimizer) if p.grad is not None]
+        local = [g for g, _ in held]
+        device = local[0].device if local else torch.device("cpu")
+        dtype = local[0].dtype if local else torch.float32
+        total = torch.zeros((), dtype=dtype, device=device)
+        for weight in sorted({w for _, w in held}):  # one multi-tensor norm per weight
+            total += weight * squared_norm([g for g, w in held if w == weight], dtype)
+        dist.all_reduce(total)  # every stage, every lane: the model's squared norm, once
+        scale = clip_scale(total.sqrt(), clip_val)
+        if local:
+            torch._foreach_mul_(local, scale)
+
+    return _clip_with(plugin, clip_grad_by_norm)
+
+
 def table_norm_clipping(plugin: Any, table: NormTable) -> Callable[[], None]:
     """Make ``plugin`` clip by the norm over every stage's latest squared norms, ``table`` (the stage's, [Note: norm
     table]); returns the undo."""
@@ -119,6 +154,8 @@ def clipping_by_norm(trainer: Any, strategy: PipelineStrategy) -> list[Callable[
         return []
     if not clips_by_norm(trainer):
         return []
+    if strategy.config.schedule in FLUSH_SCHEDULES and strategy.config.model_parallel:
+        return [sharded_norm_clipping(strategy.precision_plugin, strategy.topology.lanes)]
     if strategy.config.schedule in FLUSH_SCHEDULES:
         return [global_norm_clipping(strategy.precision_plugin, strategy.replica_index, strategy.data_parallel_size)]
     runtime = strategy.runtime  # the process's one stage (virtual_stages=1)
