@@ -46,7 +46,7 @@ class DumpOwnWeights(Callback):
                 weights[name] = param.detach().tolist()
         mesh = pl_module.device_mesh
         record = {"weights": weights, "sharded": sharded, "rank": trainer.global_rank,
-                  "stage": trainer.strategy.stage_index,
+                  "stage": getattr(trainer.strategy, "stage_index", 0),
                   "mesh_names": list(mesh.mesh_dim_names) if mesh is not None else None,
                   "mesh": mesh.mesh.tolist() if mesh is not None else None}
         (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
@@ -255,7 +255,7 @@ class CountReductions(Callback):
 
 
 @pytest.mark.parametrize(("tensor", "data", "devices", "optimizer"),
-                         [(1, 2, 4, "sgd"), (1, 2, 4, "adamw"), (2, 2, 8, "sgd")])
+                         [(1, 2, 4, "sgd"), (1, 2, 4, "adamw"), (2, 2, 8, "sgd"), (2, 2, 8, "adamw")])
 def test_fsdp2_replicas_in_each_stage_train_as_one_device_under_1f1b(tmp_path, tensor, data, devices, optimizer):
     # the module's `fully_shard(..., mesh=self.device_mesh["data_parallel"])` shards each stage over its replicas
     # (and, at 2 x 2 x 2, over the tensor-parallel shards too); each replica reads its own half of the data; the
@@ -329,3 +329,48 @@ def test_global_norm_clipping_over_shards_equals_one_device_under_1f1b(tmp_path,
     assert not torch.allclose(expected["head.weight"], unclipped["head.weight"])  # the clip acts
     _assert_equal(expected, {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")},
                   world=devices)
+
+
+def _model_parallel_rank(rank: int, port: int, directory: str) -> None:
+    """One rank of Lightning's own ``ModelParallelStrategy`` (TP 2), started by the test as torchrun would: the
+    environment names the rank, so Lightning launches nothing."""
+    import os
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TensorParallelFeedForward().double()
+    trainer = L.Trainer(strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+                        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        callbacks=[DumpOwnWeights(Path(directory))])
+    trainer.fit(model, feed_forward_loader())
+
+
+def test_the_same_module_under_model_parallel_strategy_equals_one_device_too(tmp_path):
+    # the module is ModelParallelStrategy's own: under it (2 ranks, TP 2) it trains as one device, as under PACI
+    import multiprocessing
+    import socket
+
+    torch.manual_seed(0)
+    expected = _one_device(TensorParallelFeedForward().double(), feed_forward_loader(), 3)
+    with socket.socket() as probe:  # a free port, found now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=_model_parallel_rank, args=(r, port, str(tmp_path))) for r in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    records = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(records) == [0, 1] and records[0]["mesh_names"] == ["data_parallel", "tensor_parallel"]
+    for record in records.values():
+        assert set(record["weights"]) == set(expected)  # one rank holds the whole model, its blocks split
+        for name, value in record["weights"].items():
+            torch.testing.assert_close(torch.tensor(value, dtype=torch.float64), expected[name], rtol=1e-12,
+                                       atol=1e-12)

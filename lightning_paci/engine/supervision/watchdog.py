@@ -34,13 +34,14 @@ is never judged so, nor one done with its run, and one done waits for the others
 
 [Note: ending a run]
 On a failure every other process prints one line, ``lightning_paci: <failed> failed: <reason> -- stopping
-<itself>``, at once, says in the store that it heard it, and exits with status 1 -- it may be blocked in a
-receive or a gather that no exception can interrupt. A process that raised waits (at most ``dead_after``) until
-every other has heard it before it unwinds, so every line is said while the store it may host runs; the others
-exit once its process has ended (its pid on the same machine, else its ``ended`` key or heartbeat), so a launcher
-that joins its children (fork, spawn) raises its exception, the only traceback. An exception that follows another
-process's failure (a neighbour's connection closed) is its consequence: one line too. A process found hung or
-dead is named the same way, and stops itself. A launcher waits for the processes it started before it exits, and
+<itself>``, at once, says in the store that it heard it, and exits with status 1 -- it may be blocked in a receive
+or a gather that no exception can interrupt. A process that raised waits (at most ``dead_after``) until every other
+has heard it before it unwinds, so every line is said while the store it may host runs; the others exit once its
+process has ended (its pid on the same machine, else its ``ended`` key or heartbeat), so a launcher that joins its
+children (fork, spawn) raises its exception, the only traceback; there they exit with status 0, as torch's join
+raises the first failed worker's error in rank order when several ended before it looked. An exception that follows
+another process's failure (a neighbour's connection closed) is its consequence: one line too. A process found hung
+or dead is named the same way, and stops itself. A launcher waits for the processes it started before it exits, and
 a launched process whose launcher is gone stops: no process outlives its launcher.
 
 Without a failure each process sets ``done/<id>`` when its run returned and stays, watched and watching, until
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import multiprocessing
 import os
 import sys
 import threading
@@ -256,7 +258,9 @@ class StageWatchdog:
         if self.stage == self.store_host and not self.store.lost:  # the others read the store until they heard
             self._await_others("heard/", "unwinding/", "left/", "ended/", silent_ended=True)
         _wait_for(LAUNCHED, 2 * self.dead_after)  # each ends by itself within that
-        self._exit(1)
+        # a forked or spawned worker stopped by another's raised exception ends with status 0: its launcher joins
+        # the workers in rank order and raises the first failure it sees -- that exception, whichever ends first
+        self._exit(0 if self._await_end and multiprocessing.parent_process() is not None else 1)
         self._exited.set()  # (an ``exit_fn`` that returns: a test's)
 
     def _at_exit(self) -> None:
