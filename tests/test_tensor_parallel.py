@@ -374,3 +374,47 @@ def test_the_same_module_under_model_parallel_strategy_equals_one_device_too(tmp
         for name, value in record["weights"].items():
             torch.testing.assert_close(torch.tensor(value, dtype=torch.float64), expected[name], rtol=1e-12,
                                        atol=1e-12)
+
+
+class DTensorAtTheBoundary(TensorParallelFeedForward):
+    """Its plan hands each block's output on as a replicated DTensor (``use_local_output=False``) and takes a
+    block's input back to a local tensor: it runs within a stage, and what would cross between stages is a
+    DTensor."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            PrepareModuleOutput,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = self.device_mesh["tensor_parallel"]
+        for block in self.blocks:
+            parallelize_module(block, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                             "w2": RowwiseParallel()})
+            parallelize_module(block, mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                               desired_input_layouts=(Replicate(),),
+                                                               use_local_output=True))
+            parallelize_module(block, mesh, PrepareModuleOutput(output_layouts=Replicate(),
+                                                                desired_output_layouts=Replicate(),
+                                                                use_local_output=False))
+
+
+def test_a_dtensor_at_a_stage_boundary_is_refused_naming_its_placements_and_the_fix(tmp_path):
+    with pytest.raises(ProcessRaisedException, match=r"A DTensor of shape \(4, 8\) \(\(Replicate\(\),\)\) reached a "
+                                                      r"stage boundary.*`use_local_output=True`"):
+        fit(DTensorAtTheBoundary().double(), feed_forward_loader(), devices=4, max_steps=1, tensor_parallel_size=2,
+            partition="parameters", microbatches=2, compensation="none")
+
+
+def test_the_weight_drift_of_a_sharded_stage_is_refused_naming_the_fix(tmp_path):
+    from lightning_paci import DriftMonitor
+
+    with pytest.raises(ProcessRaisedException, match=r"weight drift of a stage with tensor parallelism is not "
+                                                      r"measured in this release.*remove `DriftMonitor`"):
+        fit(TensorParallelFeedForward().double(), feed_forward_loader(), devices=4, max_steps=1,
+            tensor_parallel_size=2, partition="parameters", microbatches=2, compensation="none",
+            callbacks=[DriftMonitor()], trainer_kwargs={"default_root_dir": tmp_path})
