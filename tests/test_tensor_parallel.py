@@ -99,9 +99,8 @@ def _assert_equal(expected: dict[str, torch.Tensor], records: dict[int, dict], w
     assert seen == set(expected)  # every parameter of the model lives on one of the stages
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_two_stages_of_two_tensor_parallel_ranks_train_as_one_device_under_1f1b(tmp_path, optimizer):
-    expected, records = _run(tmp_path, optimizer, "1f1b")
+def test_two_stages_of_two_tensor_parallel_ranks_train_as_one_device_under_1f1b(tmp_path):
+    expected, records = _run(tmp_path, "adamw", "1f1b")
     _assert_equal(expected, records)
     for rank, record in records.items():
         assert record["stage"] == (1 if rank < 2 else 0)  # rank 0 holds the last stage ([Note: rank layout])
@@ -110,20 +109,19 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_as_one_device_under_1f1b(
         assert record["sharded"] and all(n.startswith("blocks.") for n in record["sharded"])
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_paci_with_tensor_parallel_stages_equals_the_reference_executor(tmp_path, optimizer):
-    expected, records = _run(tmp_path, optimizer, "paci", steps=4)
+def test_paci_with_tensor_parallel_stages_equals_the_reference_executor(tmp_path):
+    expected, records = _run(tmp_path, "adamw", "paci", steps=4)
     _assert_equal(expected, records)
 
 
-@pytest.mark.parametrize(("tensor", "data", "devices"), [(2, 1, 4), (2, 2, 8)])
-def test_tensor_parallel_and_fsdp2_stages_run_under_the_nccl_emulation(tmp_path, monkeypatch, tensor, data, devices):
+def test_tensor_parallel_and_fsdp2_stages_run_under_the_nccl_emulation(tmp_path, monkeypatch):
     # [Note: NCCL emulation]: the 3D mesh's groups, the pipeline's per-lane groups and the host group created in
-    # one order on every rank, every point-to-point message on its lane's communicator, FSDP2's collectives
+    # one order on every rank, every point-to-point message on its lane's communicator, the tensor-parallel and
+    # FSDP2 collectives; 2 x 2 x 2 with AdamW, equal to one device under "1f1b"
     monkeypatch.setenv("LIGHTNING_PACI_EMULATE_NCCL", "1")
-    steps = 2
+    steps, tensor, data, devices = 2, 2, 2, 8
     torch.manual_seed(0)
-    model = TensorParallelFeedForward().double()
+    model = TensorParallelFeedForward(optimizer="adamw", lr=0.05).double()
     initial, loader = copy.deepcopy(model), feed_forward_loader(num_batches=steps * data)
     fit(model, loader, devices=devices, max_steps=steps, schedule="1f1b", microbatches=2, partition="parameters",
         callbacks=[DumpOwnWeights(tmp_path), RecordBatches(tmp_path)], compensation="none",
@@ -212,7 +210,7 @@ class MeasureOwnBytes(Callback):
         (self.directory / f"bytes{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-@pytest.mark.parametrize(("tensor", "data", "devices"), [(2, 1, 4), (2, 2, 8)])
+@pytest.mark.parametrize(("tensor", "data", "devices"), [(2, 2, 8)])
 def test_each_rank_holds_its_share_of_its_stage(tmp_path, tensor, data, devices):
     # parameters, gradients and AdamW's two moments per rank: the stage's whole / (D x T), within 10% (the
     # embedding and the head are split over the replicas only)
@@ -254,8 +252,7 @@ class CountReductions(Callback):
             {"count": self.count, "updates": trainer.strategy.runtime.version, "stage": trainer.strategy.stage_index}))
 
 
-@pytest.mark.parametrize(("tensor", "data", "devices", "optimizer"),
-                         [(1, 2, 4, "sgd"), (1, 2, 4, "adamw"), (2, 2, 8, "sgd"), (2, 2, 8, "adamw")])
+@pytest.mark.parametrize(("tensor", "data", "devices", "optimizer"), [(1, 2, 4, "adamw")])  # 2 x 2 x 2: below
 def test_fsdp2_replicas_in_each_stage_train_as_one_device_under_1f1b(tmp_path, tensor, data, devices, optimizer):
     # the module's `fully_shard(..., mesh=self.device_mesh["data_parallel"])` shards each stage over its replicas
     # (and, at 2 x 2 x 2, over the tensor-parallel shards too); each replica reads its own half of the data; the
@@ -292,7 +289,7 @@ def test_an_unsharded_replica_is_refused_with_the_modules_own_parallelism(tmp_pa
             data_parallel_size=2, partition="parameters")
 
 
-@pytest.mark.parametrize(("tensor", "devices"), [(1, 4), (2, 8)])
+@pytest.mark.parametrize(("tensor", "devices"), [(2, 8)])
 def test_fsdp2_replicas_under_paci_equal_the_reference_executor_with_averaged_gradients(tmp_path, tensor, devices):
     steps, data = 4, 2
     torch.manual_seed(0)
