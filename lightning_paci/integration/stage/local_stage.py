@@ -116,7 +116,8 @@ class LocalStage:
             return
         devices = self.links.devices or tuple(range(self.plan.num_stages))
         self.relays = find_relays(strategy, self.module, self.plan, list(self.carve), sample, devices)
-        _resharded(self.module)  # the probe's forward left FSDP2's roots gathered
+        if self.config.model_parallel:
+            _resharded(self.module)  # the probe's forward left FSDP2's roots gathered
         for carve in self.carve:
             with carve.entered():
                 install_relays(self.module, carve, self.relays)
@@ -357,9 +358,7 @@ class _GradientSync:
     unsharded gradients on the rank ([Note: tensor parallelism in a stage]). Set when it changes, not per call."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        self.modules = [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
+        self.modules = _fsdp_modules(module)
         self.current: bool | None = None
 
     def __call__(self, closes: bool) -> None:
@@ -369,14 +368,18 @@ class _GradientSync:
             self.current = closes
 
 
+def _fsdp_modules(module: torch.nn.Module) -> list[Any]:
+    """The FSDP2 modules inside ``module`` (the module's own ``fully_shard`` calls)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
+
+
 def _resharded(module: torch.nn.Module) -> None:
     """Every FSDP2 module of ``module`` back to its shards: a root does not reshard after its forward (its backward
     follows), and the setup probe's forward has none; the optimizer holds the sharded parameters."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):
-            sub.reshard()
+    for sub in _fsdp_modules(module):
+        sub.reshard()
 
 
 def _first_busy(watched: list[Callable[[], Doing | None]]) -> Callable[[], Doing | None]:

@@ -182,6 +182,16 @@ class _PipelineLauncher(MultiProcessingLauncher):
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
+def _check_parameters(owner: type, name: str, method: Callable[..., Any], parameters: tuple[str, ...],
+                      symbol: str) -> None:
+    """``method`` (``owner.name``) takes exactly ``parameters`` after ``self`` (a static method: its own)."""
+    found = tuple(inspect.signature(method).parameters)
+    if not isinstance(inspect.getattr_static(owner, name), staticmethod):
+        found = found[1:]  # after `self`
+    if found != parameters:
+        raise _missing(symbol, f"defines with parameters {found} instead of {parameters}")
+
+
 def patch_method(obj: Any, name: str, replacement: Callable[..., Any], *,
                  parameters: tuple[str, ...]) -> Callable[[], None]:
     """Shadow ``obj.name`` with an instance attribute; return the function that undoes it.
@@ -194,11 +204,7 @@ def patch_method(obj: Any, name: str, replacement: Callable[..., Any], *,
     method = getattr(owner, name, None)
     if not callable(method):
         raise _missing(symbol, "does not have")
-    found = tuple(inspect.signature(method).parameters)
-    if not isinstance(inspect.getattr_static(owner, name), staticmethod):
-        found = found[1:]  # after `self`
-    if found != parameters:
-        raise _missing(symbol, f"defines with parameters {found} instead of {parameters}")
+    _check_parameters(owner, name, method, parameters, symbol)
     setattr(obj, name, replacement)
 
     def undo() -> None:
@@ -216,11 +222,7 @@ def patch_class_method(owner: type, name: str, replacement: Callable[..., Any], 
     method = vars(owner).get(name)
     if not callable(method):
         raise _missing(symbol, "does not define")
-    found = tuple(inspect.signature(method).parameters)
-    if not isinstance(inspect.getattr_static(owner, name), staticmethod):
-        found = found[1:]  # after `self`
-    if found != parameters:
-        raise _missing(symbol, f"defines with parameters {found} instead of {parameters}")
+    _check_parameters(owner, name, method, parameters, symbol)
 
     def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
         return replacement(method, self, *args, **kwargs)
