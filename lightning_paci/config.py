@@ -66,9 +66,12 @@ class PACIConfig:
             epoch end, checkpoint). Each stage's action lists are built for the whole stream, so this bounds their
             memory and build time; the cost is one pipeline fill per ``max_stream_batches`` batches (about
             ``(N-1) / (max_stream_batches * m)`` of the time: 0.3% for N = m = 8 at the default 256).
-        checkpoint_layout: ``"consolidated"`` (default): one ordinary file, weights gathered on rank 0;
-            ``"sharded"``: a directory with one file per stage plus ``meta.pt``, nothing gathered (for models too
-            large for one process); ``python -m lightning_paci.checkpoint DIR FILE`` consolidates it.
+        checkpoint_layout: ``"consolidated"``: one ordinary file, weights gathered on rank 0; ``"sharded"``: a
+            directory with one file per stage plus ``meta.pt``, nothing gathered (for models too large for one
+            process); ``python -m lightning_paci.checkpoint DIR FILE`` consolidates it. With
+            ``tensor_parallel_size`` the sharded form is a ``torch.distributed.checkpoint`` directory, resumable on
+            another layout. ``"auto"`` (default): ``"sharded"`` with ``tensor_parallel_size``, else
+            ``"consolidated"``.
         freeze_gc: at the start of training, collect the young generations and move every object then alive into
             the garbage collector's permanent generation (``gc.freeze()``; undone at teardown, after which a cycle
             made before training can be collected). A full collection first would cost 0.5-0.6 s per rank: it walks
@@ -171,7 +174,7 @@ class PACIConfig:
     timeout: timedelta = timedelta(minutes=30)
     failure_timeout: float = 20.0
     nonfinite: Literal["raise", "skip"] = "raise"
-    checkpoint_layout: Literal["consolidated", "sharded"] = "consolidated"
+    checkpoint_layout: Literal["auto", "consolidated", "sharded"] = "auto"  # a resolved value once checked
     max_stream_batches: int = 256
     freeze_gc: bool = True
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
@@ -199,7 +202,7 @@ class PACIConfig:
         for name in ("microbatches", "accumulation"):
             _positive_int(name, getattr(self, name), f"Use e.g. `PACIStrategy({name}=8)`.", optional=True)
         _choice("nonfinite", self.nonfinite, ("raise", "skip"))
-        _choice("checkpoint_layout", self.checkpoint_layout, ("consolidated", "sharded"))
+        _choice("checkpoint_layout", self.checkpoint_layout, ("auto", "consolidated", "sharded"))
         _positive_int("max_stream_batches", self.max_stream_batches,
                       "The default 256 drains the pipeline at least every 256 batches.")
         if not isinstance(self.freeze_gc, bool):
@@ -220,6 +223,7 @@ class PACIConfig:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size, "Split each layer over T ranks of its stage, "
                       "e.g. `tensor_parallel_size=2`; 1 gives each stage's module its mesh without splitting layers; "
                       "None (default) no mesh.", optional=True)
+        _resolve_checkpoint_layout(self)
         if self.model_parallel and self.compensation == "predict":
             raise ValueError(f"`PACIStrategy(tensor_parallel_size={self.tensor_parallel_size})` with "
                              f"`compensation='predict'`: the weight prediction does not move DTensor shards in this "
@@ -301,6 +305,19 @@ class PACIConfig:
                             tensor=tensor)
         return check_topology(topology, nonfinite=self.nonfinite, local_sgd_steps=self.local_sgd_steps,
                               virtual_stages=self.virtual_stages, model_parallel=self.model_parallel)
+
+
+def _resolve_checkpoint_layout(config: PACIConfig) -> None:
+    """``"auto"``: sharded where the stages apply their own parallelism (no rank holds a stage whole, nothing is
+    gathered), else one file; a consolidated file of DTensor stages is refused."""
+    if config.checkpoint_layout == "auto":
+        object.__setattr__(config, "checkpoint_layout", "sharded" if config.model_parallel else "consolidated")
+    elif config.model_parallel and config.checkpoint_layout == "consolidated":
+        raise ValueError(
+            f"`checkpoint_layout='consolidated'` with `tensor_parallel_size={config.tensor_parallel_size}`: a "
+            f"stage's DTensor shards are not gathered into one file in this release. Use "
+            f"`checkpoint_layout='sharded'` (a torch.distributed.checkpoint directory, the default 'auto' with "
+            f"tensor parallelism).")
 
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,

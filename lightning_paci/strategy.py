@@ -105,7 +105,7 @@ class PACIStrategy(ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         failure_timeout: float = 20.0,
         nonfinite: Literal["raise", "skip"] = "raise",
-        checkpoint_layout: Literal["consolidated", "sharded"] = "consolidated",
+        checkpoint_layout: Literal["auto", "consolidated", "sharded"] = "auto",
         max_stream_batches: int = 256,
         freeze_gc: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -316,7 +316,8 @@ class PACIStrategy(ParallelStrategy):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        return self._builder.on_meta(self.lightning_module)  # a meta-built model reads its checkpoint after carving
+        # a meta-built model reads its checkpoint after carving; a DCP checkpoint into the stage's shards
+        return self._builder.on_meta(self.lightning_module) or self.config.model_parallel
 
     # -- setup (integration/setup/stage_setup.py) --------------------------------------------------------------------
     @override

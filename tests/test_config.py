@@ -16,7 +16,11 @@ from lightning_paci.config import PACIConfig
     ({"microbatches": 0}, r"`microbatches` must be an int >= 1 \(or None for the default\), got 0\. Use e\.g\."),
     ({"accumulation": True}, r"`accumulation` must be an int >= 1 .*got True"),
     ({"nonfinite": "ignore"}, r"`nonfinite` must be one of 'raise', 'skip', got 'ignore'"),
-    ({"checkpoint_layout": "zip"}, r"`checkpoint_layout` must be one of 'consolidated', 'sharded', got 'zip'"),
+    ({"checkpoint_layout": "zip"}, r"`checkpoint_layout` must be one of 'auto', 'consolidated', 'sharded', got 'zip'"),
+    ({"checkpoint_layout": "consolidated", "tensor_parallel_size": 2}, r"`checkpoint_layout='consolidated'` with "
+                                                                       r"`tensor_parallel_size=2`: a stage's DTensor "
+                                                                       r"shards are not gathered.*Use "
+                                                                       r"`checkpoint_layout='sharded'`"),
     ({"max_stream_batches": 0}, r"`max_stream_batches` must be an int >= 1, got 0\. The default 256"),
     ({"freeze_gc": "yes"}, r"`freeze_gc` must be True or False, got 'yes'"),
     ({"failure_timeout": 0}, r"`failure_timeout` must be > 0 seconds, got 0\. The default 20\.0"),
@@ -90,3 +94,9 @@ def test_the_old_compensation_name_is_weight_prediction_with_a_deprecation_warni
     with pytest.warns(DeprecationWarning, match=r"`compensation='lookahead'` is `compensation='predict'`"):
         config = PACIConfig(compensation="lookahead")  # type: ignore[arg-type]
     assert config.compensation == "predict"
+
+
+def test_the_checkpoint_layout_auto_is_sharded_with_the_modules_own_parallelism_else_one_file():
+    assert PACIConfig().checkpoint_layout == "consolidated"
+    assert PACIConfig(tensor_parallel_size=1).checkpoint_layout == "sharded"
+    assert PACIConfig(checkpoint_layout="sharded").checkpoint_layout == "sharded"

@@ -114,23 +114,60 @@ def test_paci_with_tensor_parallel_stages_equals_the_reference_executor(tmp_path
     _assert_equal(expected, records)
 
 
-def test_tensor_parallel_and_fsdp2_stages_run_under_the_nccl_emulation(tmp_path, monkeypatch):
+def _read_weights(directory: Path) -> dict[int, dict]:
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in directory.glob("rank*.json")}
+
+
+def test_2x2x2_under_the_nccl_emulation_and_its_distributed_checkpoint_resuming_bit_for_bit_and_on_another_layout(
+        tmp_path, monkeypatch):
     # [Note: NCCL emulation]: the 3D mesh's groups, the pipeline's per-lane groups and the host group created in
     # one order on every rank, every point-to-point message on its lane's communicator, the tensor-parallel and
-    # FSDP2 collectives; 2 x 2 x 2 with AdamW, equal to one device under "1f1b"
-    monkeypatch.setenv("LIGHTNING_PACI_EMULATE_NCCL", "1")
-    steps, tensor, data, devices = 2, 2, 2, 8
+    # FSDP2 collectives and the checkpoint's (DCP over the host group); 2 x 2 x 2 with AdamW, two epochs of two
+    # steps, equal to one device under "1f1b". [Note: distributed checkpoints]: the checkpoint of the first epoch
+    # resumes at 2 x 2 x 2 to the same bits, and at 2 stages x FSDP 2 x TP 1 (4 processes) to one device's weights
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    tensor, data, devices = 2, 2, 8
     torch.manual_seed(0)
     model = TensorParallelFeedForward(optimizer="adamw", lr=0.05).double()
-    initial, loader = copy.deepcopy(model), feed_forward_loader(num_batches=steps * data)
-    fit(model, loader, devices=devices, max_steps=steps, schedule="1f1b", microbatches=2, partition="parameters",
-        callbacks=[DumpOwnWeights(tmp_path), RecordBatches(tmp_path)], compensation="none",
-        tensor_parallel_size=tensor, data_parallel_size=data, trainer_kwargs={"use_distributed_sampler": True})
-    per_replica = replica_batches(tmp_path, loader, data)
-    union = [tuple(torch.cat(parts) for parts in zip(*(per_replica[r][k] for r in range(data)))) for k in range(steps)]
-    expected = _one_device(initial, union, steps)
-    _assert_equal(expected, {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")},
-                  world=devices)
+    initial, loader = copy.deepcopy(model), feed_forward_loader(num_batches=2 * data)
+    options: dict[str, Any] = dict(max_steps=-1, schedule="1f1b", microbatches=2, partition="parameters",
+                                   compensation="none", data_parallel_size=data)
+    trainer_options = dict(use_distributed_sampler=True, max_epochs=2, enable_checkpointing=True)
+    first, saved = tmp_path / "first", tmp_path / "checkpoints"
+    first.mkdir()
+    with monkeypatch.context() as emulated:
+        emulated.setenv("LIGHTNING_PACI_EMULATE_NCCL", "1")
+        fit(model, loader, devices=devices, tensor_parallel_size=tensor, **options,
+            callbacks=[DumpOwnWeights(first), RecordBatches(first),
+                       ModelCheckpoint(dirpath=saved, filename="{epoch}", save_top_k=-1)],
+            trainer_kwargs=trainer_options)
+    per_replica = [torch.load(first / f"batches{r}.pt") for r in range(data)]
+    assert all(len(batches) == 4 for batches in per_replica)  # two epochs of two batches per replica
+    union = [tuple(torch.cat(parts) for parts in zip(*(per_replica[r][k] for r in range(data)))) for k in range(4)]
+    expected = _one_device(initial, union, 4)
+    trained = _read_weights(first)
+    _assert_equal(expected, trained, world=devices)
+
+    checkpoint = saved / "epoch=0.ckpt"
+    assert (checkpoint / ".metadata").is_file() and (checkpoint / "meta.pt").is_file()
+    meta = torch.load(checkpoint / "meta.pt", weights_only=False)
+    assert "state_dict" not in meta and meta["paci_layout"] == {"pipeline": 2, "data": 2, "tensor": 2}
+    again = tmp_path / "again"
+    again.mkdir()
+    fit(TensorParallelFeedForward(optimizer="adamw", lr=0.05).double(), loader, devices=devices,
+        tensor_parallel_size=tensor, **options, callbacks=[DumpOwnWeights(again)],
+        trainer_kwargs={**trainer_options, "enable_checkpointing": False}, ckpt_path=str(checkpoint))
+    resumed = _read_weights(again)
+    for rank, record in trained.items():  # the same layout: the same bits
+        assert resumed[rank]["weights"] == record["weights"], rank
+
+    other = tmp_path / "other"
+    other.mkdir()
+    fit(TensorParallelFeedForward(optimizer="adamw", lr=0.05).double(), loader, devices=4, tensor_parallel_size=1,
+        **options, callbacks=[DumpOwnWeights(other)],
+        trainer_kwargs={**trainer_options, "enable_checkpointing": False}, ckpt_path=str(checkpoint))
+    _assert_equal(expected, _read_weights(other), world=4)
 
 
 @pytest.mark.parametrize(("settings", "trainer_settings", "match"), [
@@ -150,7 +187,6 @@ def test_what_a_tensor_parallel_stage_does_not_run_is_refused_naming_the_fix(tmp
 
 @pytest.mark.parametrize(("trainer_settings", "match"), [
     (dict(gradient_clip_val=1.0), r" with `gradient_clip_val` under `schedule='paci'`: the stages' latest norms"),
-    (dict(enable_checkpointing=True), r": checkpoints of tensor-parallel stages are not written in this release"),
 ])
 def test_what_a_tensor_parallel_stage_does_not_run_is_refused_at_setup(tmp_path, trainer_settings, match):
     with pytest.raises(ProcessRaisedException, match=r"ValueError: `PACIStrategy\(tensor_parallel_size=2\)`" + match):
@@ -415,3 +451,35 @@ def test_the_weight_drift_of_a_sharded_stage_is_refused_naming_the_fix(tmp_path)
         fit(TensorParallelFeedForward().double(), feed_forward_loader(), devices=4, max_steps=1,
             tensor_parallel_size=2, partition="parameters", microbatches=2, compensation="none",
             callbacks=[DriftMonitor()], trainer_kwargs={"default_root_dir": tmp_path})
+
+
+def test_a_distributed_checkpoint_and_a_run_without_the_modules_own_parallelism_refuse_each_other(tmp_path):
+    # [Note: distributed checkpoints]: each form is resumed by its own kind of run, the other refused naming the fix
+    import torch.distributed.checkpoint as dcp
+
+
+    torch.manual_seed(0)
+    directory = tmp_path / "dcp"
+    dcp.save({"model": TensorParallelFeedForward().double().state_dict()}, checkpoint_id=directory, no_dist=True)
+    with pytest.raises(ProcessRaisedException, match=r"is a torch.distributed.checkpoint directory, written by stages "
+                                                      r"with their own parallelism.*Resume with `tensor_parallel_size"):
+        fit(TensorParallelFeedForward().double(), feed_forward_loader(), devices=2, max_steps=1,
+            partition="parameters", ckpt_path=str(directory))
+    single = tmp_path / "one.ckpt"
+    torch.save({"state_dict": TensorParallelFeedForward().double().state_dict()}, single)
+    with pytest.raises(ProcessRaisedException, match=r"is a checkpoint of stages without their own parallelism; this "
+                                                      r"run .* resumes torch.distributed.checkpoint directories only"):
+        fit(TensorParallelFeedForward().double(), feed_forward_loader(), devices=2, max_steps=1,
+            partition="parameters", tensor_parallel_size=1, ckpt_path=str(single))
+
+
+def test_a_checkpoint_inside_an_open_fsdp2_window_is_refused_naming_the_fix(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    with pytest.raises(ProcessRaisedException, match=r"A checkpoint after 2 of the 3 backwards of an update window: "
+                                                      r"FSDP2 holds the window's gradients unsharded.*Use an "
+                                                      r"`accumulation` that is a multiple of `microbatches`"):
+        fit(TensorParallelFeedForward().double(), feed_forward_loader(num_batches=2), devices=4, max_steps=-1,
+            partition="parameters", tensor_parallel_size=1, data_parallel_size=2, microbatches=2, accumulation=3,
+            compensation="none", callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="{epoch}")],
+            trainer_kwargs={"max_epochs": 1, "use_distributed_sampler": True, "enable_checkpointing": True})

@@ -74,25 +74,27 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().cpu()
 
 
-def _cpu_grad(param: nn.Parameter) -> torch.Tensor | None:
-    return None if param.grad is None else _host(param.grad)
-
-
 def stage_optimizer_state(optimizer: StageOptimizer, module: nn.Module,
-                          tied_copies: Sequence[nn.Parameter] = ()) -> dict[str, Any]:
+                          tied_copies: Sequence[nn.Parameter] = (), *, host: bool = True) -> dict[str, Any]:
     """This stage's optimizer state keyed by parameter name (its own parameters only), with the gradients of the
     accumulation window still open (a checkpoint inside a window resumes exactly) -- also those of the tied-weight
-    copies (``tied_copies``), which the stage's optimizer never steps (see [Note: tied weights])."""
+    copies (``tied_copies``), which the stage's optimizer never steps (see [Note: tied weights]). ``host``: tensors
+    copied to the host (else as held: DTensor shards for a distributed checkpoint)."""
     names = parameter_names(module)  # a pruned weight by its one-device name (pruning.py)
     group_of = {id(alias): group for group in optimizer.optimizer.param_groups for alias in group["params"]}
+    place = _host if host else torch.Tensor.detach
+
+    def grad(param: nn.Parameter) -> torch.Tensor | None:
+        return None if param.grad is None else place(param.grad)
+
     out: dict[str, Any] = {}
     for alias, real in optimizer.pairs:
         group = {k: v for k, v in group_of[id(alias)].items() if k != "params"}
-        state = {k: (_host(v) if isinstance(v, torch.Tensor) else v)
+        state = {k: (place(v) if isinstance(v, torch.Tensor) else v)
                  for k, v in optimizer.optimizer.state.get(alias, {}).items()}
-        out[names[id(real)]] = {"state": state, "group": group, "grad": _cpu_grad(real)}
+        out[names[id(real)]] = {"state": state, "group": group, "grad": grad(real)}
     for copy in tied_copies:
-        out[names[id(copy)]] = {"grad": _cpu_grad(copy)}
+        out[names[id(copy)]] = {"grad": grad(copy)}
     return out
 
 
@@ -202,8 +204,10 @@ class PipelineCheckpoints:
     """
 
     def __init__(self, layout: str, stage: int, num_stages: int, checkpoint_io: CheckpointIO, *,
-                 rank: int = 0, first_replica: bool = True, replicas: int = 1, group: Any = None) -> None:
+                 rank: int = 0, first_replica: bool = True, replicas: int = 1, group: Any = None,
+                 host_copies: bool = True) -> None:
         self.layout, self.stage, self.num_stages = layout, stage, num_stages
+        self.host_copies = host_copies  # False: optimizer tensors as held ([Note: distributed checkpoints])
         self.checkpoint_io = checkpoint_io
         self.writes = rank == 0
         self.writes_shard = first_replica
@@ -237,7 +241,7 @@ class PipelineCheckpoints:
         ``merge``: makes the stage's whole state from this replica's share ([Note: optimizer shards])."""
         counters = {"num_stages": self.num_stages, "backwards": backwards, "steps": steps,
                     "window_start": window_start}
-        local = stage_optimizer_state(optimizer, module, tied_copies)
+        local = stage_optimizer_state(optimizer, module, tied_copies, host=self.host_copies)
         if merge is not None:
             local = merge(local)
         if self.layout == "sharded":

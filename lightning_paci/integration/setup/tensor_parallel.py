@@ -29,10 +29,11 @@ unsharded). Each rank holds its stage's parameters, gradients and optimizer stat
 gathered for each forward and backward by FSDP2's own rule (the module's ``reshard_after_forward``).
 
 ``tensor_parallel_size`` given (1 included) switches this on; unset, a stage's module gets no mesh and its
-replicas are averaged by the strategy. In this release such a stage runs one stage per process, without clipping
-under ``"paci"`` (the flush schedules clip by the global norm over the shards, trainer/clipping.py), weight
-prediction, the weight drift measurement or checkpoints (each refused at setup, naming the fix); at the end of
-``fit`` each rank keeps its own stage's shards, as under ``ModelParallelStrategy``.
+replicas are averaged by the strategy. Its checkpoints are
+``torch.distributed.checkpoint`` directories ([Note: distributed checkpoints]). In this release such a stage runs one
+stage per process, without clipping under ``"paci"`` (the flush schedules clip by the global norm over the shards,
+trainer/clipping.py), weight prediction or the weight drift measurement (each refused at setup, naming the fix); at
+the end of ``fit`` each rank keeps its own stage's shards, as under ``ModelParallelStrategy``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Checkpoint
 
 from lightning_paci.config import PACIConfig
 from lightning_paci.integration.trainer import lightning_api as api
@@ -142,7 +142,3 @@ def check_tensor_parallel_run(trainer: Trainer, config: PACIConfig) -> None:
         raise ValueError(f"{settings} with `gradient_clip_val` under `schedule={config.schedule!r}`: the stages' "
                          f"latest norms over DTensor shards are not carried in this release. Use a flush schedule "
                          f"('1f1b', 'gpipe'), which clips by the global norm, or remove `gradient_clip_val`.")
-    if any(isinstance(c, Checkpoint) for c in trainer.callbacks):  # type: ignore[attr-defined]
-        raise ValueError(f"{settings}: checkpoints of tensor-parallel stages are not written in this release. Pass "
-                         f"`Trainer(enable_checkpointing=False)` (and no checkpoint callback), or use "
-                         f"`tensor_parallel_size=1`.")

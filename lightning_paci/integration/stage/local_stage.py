@@ -285,6 +285,13 @@ class LocalStage:
                 # data parallel: an open window's gradients differ per replica until the step averages them; average
                 # them now (the step's average is linear: the same update), so the one copy saved is every replica's
                 chunk.reduce_gradients().verify()
+        open_window = (runtime.microbatch_base - runtime.window_base) % self.accumulation
+        if open_window and self.config.model_parallel and self.links.replicas > 1:
+            raise ValueError(
+                f"A checkpoint after {open_window} of the {self.accumulation} backwards of an update window: FSDP2 "
+                f"holds the window's gradients unsharded until its last backward, so they cannot be saved ([Note: "
+                f"distributed checkpoints]). Use an `accumulation` that is a multiple of `microbatches` (windows "
+                f"then close with each Lightning batch), or save at an update.")
         merge = None
         if self._shards:  # the stage's whole state, from its replicas' shares
             mine = set().union(*(shards.owned for shards in self._shards.values()))

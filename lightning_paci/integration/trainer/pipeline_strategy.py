@@ -76,6 +76,9 @@ class PipelineStrategy(Protocol):
     def data_parallel_size(self) -> int: ...
 
     @property
+    def tensor_parallel_size(self) -> int: ...
+
+    @property
     def num_microbatches(self) -> int: ...
 
     @property
