@@ -278,7 +278,8 @@ class PACIStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         _ = self.topology  # an impossible split fails here, in the main process, before any start
-        launcher = self._life.launcher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+        launcher = self._life.launcher(self, self.cluster_environment, self.num_processes, self.num_nodes,
+                                       built_on_meta=self._builder.built_on_meta)
         if launcher is not None:
             self._launcher = launcher
 

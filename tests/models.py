@@ -589,8 +589,9 @@ class TensorParallelFeedForward(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def feed_forward_loader(num_batches: int = 3, batch_size: int = 8, seed: int = 0) -> DataLoader:
+def feed_forward_loader(num_batches: int = 3, batch_size: int = 8, seed: int = 0,
+                        dtype: torch.dtype = torch.float64) -> DataLoader:
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_batches * batch_size, 4, generator=generator, dtype=torch.float64)
-    y = torch.randn(num_batches * batch_size, 1, generator=generator, dtype=torch.float64)
+    x = torch.randn(num_batches * batch_size, 4, generator=generator, dtype=dtype)
+    y = torch.randn(num_batches * batch_size, 1, generator=generator, dtype=dtype)
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)

@@ -246,23 +246,90 @@ class MeasureOwnBytes(Callback):
         (self.directory / f"bytes{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-@pytest.mark.parametrize(("tensor", "data", "devices"), [(2, 2, 8)])
-def test_each_rank_holds_its_share_of_its_stage(tmp_path, tensor, data, devices):
-    # parameters, gradients and AdamW's two moments per rank: the stage's whole / (D x T), within 10% (the
-    # embedding and the head are split over the replicas only)
-    torch.manual_seed(0)
-    model = TensorParallelFeedForward(width=64, depth=4, optimizer="adamw", lr=0.01).double()
-    fit(model, feed_forward_loader(num_batches=2 * data), devices=devices, max_steps=2, schedule="1f1b",
-        callbacks=[MeasureOwnBytes(tmp_path)], tensor_parallel_size=tensor, data_parallel_size=data,
+def _status_bytes(field: str) -> int:
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(f"{field}:"))
+    return int(line.split()[1]) * 1024
+
+
+class MeasurePeaks(MeasureOwnBytes):
+    """Also each rank's host memory peak (``VmHWM``) over its resident size when the peak was last reset: from
+    before the strategy's setup (materialization and the module's ``configure_model``) to the start of training, and
+    through training."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.peaks: dict[str, int] = {}
+        self.base = 0
+
+    def _reset(self) -> None:
+        Path("/proc/self/clear_refs").write_text("5")  # the peak is the resident size from here on
+        self.base = _status_bytes("VmRSS")
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._reset()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.peaks["setup"] = _status_bytes("VmHWM") - self.base
+        self._reset()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.peaks["training"] = _status_bytes("VmHWM") - self.base
+        super().on_train_end(trainer, pl_module)
+        path = self.directory / f"bytes{trainer.global_rank}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **self.peaks}))
+
+
+@pytest.mark.heavy
+def test_a_1gb_model_built_on_meta_never_held_whole_by_a_rank_each_holding_its_share(tmp_path):
+    # [Note: a stage built in shards]: 2 x 2 x 2, a 1.08 GB model (8 blocks of width 2368, float32) built on the meta
+    # device: the module's `configure_model` shards each stage there and each rank materializes its shards only.
+    # Parameters, gradients and AdamW's two moments per rank: the stage's whole / (D x T), within 10% (the
+    # embedding and the head are split over the replicas only). A rank's host memory from before setup to the start
+    # of training (its shards made and initialized, then the setup's sample step, for which FSDP2 gathers the
+    # blocks' tensor-parallel halves and their gradients) grows by less than its stage's parameters alone; no rank
+    # gathers its stage at the end (the main process's model stays on the meta device)
+    tensor, data, devices, width, depth = 2, 2, 8, 2368, 8
+    with torch.device("meta"):
+        model = TensorParallelFeedForward(width=width, depth=depth, optimizer="adamw", lr=0.01)
+    block = 6 * width * width * 4  # bytes of one block
+    assert 8 * block > 2**30
+    fit(model, feed_forward_loader(num_batches=data, dtype=torch.float32), devices=devices, max_steps=1,
+        schedule="1f1b", callbacks=[MeasurePeaks(tmp_path)], tensor_parallel_size=tensor, data_parallel_size=data,
         microbatches=2, partition="parameters", compensation="none", trainer_kwargs={"use_distributed_sampler": True})
     assert len(list(tmp_path.glob("bytes*.json"))) == devices
+    assert all(p.is_meta for p in model.parameters())
+    figures = []
     for path in sorted(tmp_path.glob("bytes*.json")):
         record = json.loads(path.read_text())
-        share = record["stage_parameters"] / (tensor * data)
+        stage = record["stage_parameters"]  # its parameters' bytes whole (a DTensor's numel is the whole's)
+        assert stage > depth // 2 * block
+        share = stage / (tensor * data)
         held = record["parameters"] + record["gradients"] + record["optimizer"]
         assert record["gradients"] == record["parameters"] and record["optimizer"] == 2 * record["parameters"]
         assert abs(held - 4 * share) <= 0.1 * 4 * share, (path.name, record)
-        assert record["parameters"] < record["stage_parameters"]  # no rank holds its stage whole
+        figures.append(f"{path.stem}: setup +{record['setup'] / 2**20:.0f} MiB, training +"
+                       f"{record['training'] / 2**20:.0f} MiB, share {share / 2**20:.0f} MiB, stage "
+                       f"{stage / 2**20:.0f} MiB")
+        assert record["setup"] < stage, figures[-1]
+    print("; ".join(figures))
+
+
+def test_a_model_built_on_meta_reads_its_shards_from_weights_and_trains_as_one_device_at_2x2x2(tmp_path):
+    # [Note: a stage built in shards]: the stage's DTensor shards are made on meta by `configure_model`, then each
+    # rank copies its own slice of every tensor of a `weights=` file: the run equals one device from those weights
+    steps, data = 2, 2
+    torch.manual_seed(0)
+    model = TensorParallelFeedForward(optimizer="sgd", lr=0.1).double()
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    with torch.device("meta"):
+        meta_model = TensorParallelFeedForward(optimizer="sgd", lr=0.1).double()
+    loader = feed_forward_loader(num_batches=steps * data)
+    fit(meta_model, loader, devices=8, max_steps=steps, callbacks=[DumpOwnWeights(tmp_path), RecordBatches(tmp_path)],
+        schedule="1f1b", microbatches=2, partition="parameters", compensation="none", tensor_parallel_size=2,
+        data_parallel_size=data, weights=str(tmp_path / "weights.pt"), trainer_kwargs={"use_distributed_sampler": True})
+    per_replica = replica_batches(tmp_path, loader, data)
+    union = [tuple(torch.cat(parts) for parts in zip(*(per_replica[r][k] for r in range(data)))) for k in range(steps)]
+    _assert_equal(_one_device(model, union, steps), _read_weights(tmp_path), world=8)
 
 
 class CountReductions(Callback):

@@ -56,15 +56,15 @@ class ProcessLife:
 
     # -- the start ---------------------------------------------------------------------------------------------------
     def launcher(self, strategy: ParallelStrategy, environment: ClusterEnvironment, processes: int,
-                 nodes: int) -> Any:
+                 nodes: int, *, built_on_meta: Callable[[], bool]) -> Any:
         """Lightning's launcher for ``config.start_method``: forked or spawned workers that send rank 0's state after
         ``fit`` back to the main process; started as scripts (``"popen"``) unless the processes already exist
-        (torchrun, SLURM: None)."""
+        (torchrun, SLURM: None). ``built_on_meta``: whether the ranks built the model on the meta device."""
         if self.config.start_method != "popen":
             return api.multiprocessing_launcher(
                 strategy, self.config.start_method, send=self._send_after_fit, receive=self._receive_after_fit,
                 on_exception=strategy.on_exception, freeze_heap=self.config.freeze_gc,
-                weights_context=partial(whole_tensors, self.config.model_parallel))
+                weights_context=partial(whole_tensors, self.config.model_parallel, built_on_meta))
         if not environment.creates_processes_externally:
             return api.SubprocessScriptLauncher(environment, processes, nodes)
         return None
@@ -139,18 +139,24 @@ def _nothing() -> None:
 
 
 @contextlib.contextmanager
-def whole_tensors(model_parallel: bool, module: Any) -> Iterator[None]:
+def whole_tensors(model_parallel: bool, built_on_meta: Callable[[], bool], module: Any) -> Iterator[None]:
     """While every rank takes ``module.state_dict()`` at once (a fork/spawn run's end, which hands rank 0's
     weights to the main process): each DTensor in it whole, gathered over its stage's tensor-parallel ranks (a
-    collective, hence only there), a meta one as a meta tensor of the whole shape."""
-    if not model_parallel or module is None:
+    collective, hence only there), a meta one as a meta tensor of the whole shape. A model the ranks built on the
+    meta device is on the meta device in the main process too (with or without the module's own parallelism):
+    every tensor is handed back as a meta tensor of its whole shape, and no rank gathers its stage ([Note: a stage
+    built in shards])."""
+    on_meta = built_on_meta()
+    if not (model_parallel or on_meta) or module is None:
         yield
         return
     from torch.distributed.tensor import DTensor
 
     def whole(_: Any, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         for key, value in state.items():
-            if isinstance(value, DTensor):
+            if isinstance(value, torch.Tensor) and on_meta:
+                state[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+            elif isinstance(value, DTensor):
                 meta = value.to_local().is_meta
                 state[key] = torch.empty(value.shape, dtype=value.dtype, device="meta") if meta else \
                     value.full_tensor().detach()

@@ -48,9 +48,9 @@ def build_stage(strategy: PipelineStrategy, trainer: Trainer, builder: StageBuil
     # one device's optimizer layout, read off the whole module before carving
     one_device = OneDeviceOptimizer.of(module) if trainer.state.fn == TrainerFn.FITTING else None
     carve = carve_chunks(module, plan, strategy.topology.stages_on(strategy.stage_index))
-    builder.materialize(module, carve, has_checkpoint=trainer.ckpt_path is not None)
-    if strategy.config.model_parallel:  # [Note: tensor parallelism in a stage]
+    if strategy.config.model_parallel:  # [Note: tensor parallelism in a stage], [Note: a stage built in shards]
         parallelize_stage(module, strategy.process_groups.mesh)
+    builder.materialize(module, carve, has_checkpoint=trainer.ckpt_path is not None)
     links = StageLinks.of(strategy.process_groups, strategy.global_rank, strategy.root_device, strategy.stage_devices)
     return LocalStage(module, plan, carve, config=strategy.config, num_microbatches=strategy.num_microbatches,
                       one_device=one_device, links=links, broadcast=strategy.pipeline_broadcast,

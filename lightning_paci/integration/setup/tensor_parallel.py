@@ -115,8 +115,7 @@ def _check_sharded(module: LightningModule) -> None:
         names = p.device_mesh.mesh_dim_names or ()
         return "data_parallel" in names and not isinstance(p.placements[names.index("data_parallel")], Replicate)
 
-    unsharded = [name for name, p in module.named_parameters()
-                 if not (p.is_meta or (isinstance(p, DTensor) and p.to_local().is_meta)) and not sharded(p)]
+    unsharded = [name for name, p in module.named_parameters() if not sharded(p)]  # (the stage's own: on meta too)
     if unsharded:
         raise ValueError(
             f"`PACIStrategy(tensor_parallel_size=..., data_parallel_size>1)`: {len(unsharded)} parameters of this "
