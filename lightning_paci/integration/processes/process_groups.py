@@ -9,12 +9,15 @@ engine/replicas/data_parallel.py). Ranks and stages: engine/replicas/topology.py
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
+import re
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -32,6 +35,7 @@ from lightning_paci.engine.supervision.watchdog import StageWatchdog, is_setup_e
 from lightning_paci.engine.transport import nccl_emulation
 from lightning_paci.engine.transport.collectives import broadcast_object, collective_waits, reduce_over
 from lightning_paci.engine.transport.groups import PipelineLinks, connections_warning
+from lightning_paci.integration.processes.host_interface import gloo_interface, named_interface
 from lightning_paci.integration.trainer import lightning_api as api
 from lightning_paci.schedules import Communicator, stage_devices
 
@@ -114,6 +118,8 @@ def start_process_groups(environment: ClusterEnvironment, topology: Topology, *,
     if (shared := share_cpu_cores(device, local_processes)) is not None:
         log.info(shared)
     print_setup_errors_once(rank)
+    if (said := gloo_interface()) is not None and environment.local_rank() == 0:  # once per node
+        say(said)
     emulated = nccl_emulation.enabled()
     if emulated:  # [Note: NCCL emulation]: the NCCL branch of everything below, carried over gloo
         nccl_emulation.install()
@@ -124,7 +130,7 @@ def start_process_groups(environment: ClusterEnvironment, topology: Topology, *,
         kwargs["store"] = rendezvous_store(environment, rank, topology.world, config.timeout, launcher=launcher)
     activity.begin("setup", patient=True)  # until the strategy's setup ends: building, loading, user hooks
     watchdog = start_watchdog(topology, topology.watch_id(rank), config.failure_timeout, launcher=launcher)
-    with activity.phase("setup: joining the world's process group", waits=ALL):
+    with activity.phase("setup: joining the world's process group", waits=ALL), _interface_named():
         if backend == "nccl":  # bound: NCCL connects the world eagerly
             kwargs["device_id"] = device
         api.init_dist_connection(environment, backend, **kwargs)
@@ -133,7 +139,8 @@ def start_process_groups(environment: ClusterEnvironment, topology: Topology, *,
     stage, lane = topology.stage_of(rank), topology.lane_of(rank)
     # pipeline messages on their own communicators, apart from Lightning's collectives: the layout the deadlock
     # model proves deadlock-free under NCCL, connected at setup (engine/transport/groups.py)
-    with activity.phase("setup: creating and connecting the pipeline's process groups", waits=ALL):
+    with activity.phase("setup: creating and connecting the pipeline's process groups", waits=ALL), \
+            _interface_named():
         placement = stage_devices(topology.pipeline, config.virtual_stages, config.placement) \
             if config.virtual_stages > 1 else None
         links = PipelineLinks.setup(topology.pipeline, topology.lanes, topology.rank_of, device=device,
@@ -153,6 +160,19 @@ def start_process_groups(environment: ClusterEnvironment, topology: Topology, *,
                 groups.mesh = DeviceMesh(device.type, torch.tensor(topology.mesh_ranks()),
                                          mesh_dim_names=("pp", "dp"))
     return groups
+
+
+@contextlib.contextmanager
+def _interface_named() -> Iterator[None]:
+    """A connection failure (a timeout, a refused connection) names the host group's interface ([Note: the host
+    group's interface]); a check's error at setup passes as it is."""
+    try:
+        yield
+    except RuntimeError as err:
+        connecting = isinstance(err, dist.DistError) or re.search(r"time[d ]?out|connect", str(err), re.IGNORECASE)
+        if is_setup_error(err) or not connecting:
+            raise
+        raise named_interface(err) from err
 
 
 def share_cpu_cores(device: torch.device, local_processes: int, environ: Any = os.environ) -> str | None:
