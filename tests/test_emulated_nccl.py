@@ -105,3 +105,24 @@ def test_virtual_stages_train_and_validate_under_nccl_rules_as_off_the_emulation
         if key.endswith("weight"):
             assert not torch.equal(value, initial.state_dict()[key]), f"{key} did not train"
     assert set(metrics[True]) == {"train_loss", "val_loss"} and metrics[True] == metrics[False]
+
+
+def test_save_pretrained_gathers_its_index_over_the_host_group_under_nccl_rules(tmp_path, monkeypatch):
+    # the shards' names and sizes are objects: gathered over the host group (gloo), never over the NCCL world,
+    # which NCCL's rule for objects refuses
+    from safetensors.torch import load_file
+
+    from lightning_paci import SavePretrained
+
+    monkeypatch.setenv("LIGHTNING_PACI_EMULATE_NCCL", "1")
+    torch.manual_seed(0)
+    model = _Momentum(depth=4)
+    fit(model, regression_loader(num_batches=2), devices=2, max_steps=2, partition="parameters",
+        callbacks=[SavePretrained(tmp_path / "export", prefix="")])
+    index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(model.state_dict())
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                         "model-00002-of-00002.safetensors"]
+    for key, value in model.state_dict().items():  # the trained weights, as the end of fit handed them back
+        written = load_file(tmp_path / "export" / index["weight_map"][key])[key]
+        torch.testing.assert_close(written, value, rtol=0, atol=0)

@@ -3,7 +3,8 @@
 Every stage writes ``model-<s+1>-of-<N>.safetensors`` with its own tensors (the names less ``prefix``, the attribute
 that holds the transformers model), after the run's last drain; rank 0 then writes ``model.safetensors.index.json``
 (which file holds which key) and the model's ``config.json``, so ``from_pretrained(directory)`` reads the trained
-weights. Nothing is gathered: each stage's tensors go from its own memory to its own file. A tied weight is written
+weights. Nothing is gathered but the shards' names and sizes (over the host group: [Note: host groups on a bound
+world]): each stage's tensors go from its own memory to its own file. A tied weight is written
 once, by its owner (stage 0); the last stage's replica is left out, as transformers leaves out ``lm_head.weight``.
 """
 
@@ -51,11 +52,7 @@ class SavePretrained(L.Callback):
             save_file(tensors, str(self.directory / name), metadata={"format": "pt"})
         shard = {"file": name, "keys": sorted(tensors), "bytes": sum(t.numel() * t.element_size()
                                                                        for t in tensors.values())} if first else None
-        shards: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
-        if dist.is_initialized():
-            dist.all_gather_object(shards, shard)  # names and sizes only
-        else:
-            shards = [shard]
+        shards = _gather(strategy, shard)  # names and sizes only
         if trainer.is_global_zero:
             listed = [s for s in shards if s is not None]
             index = {"metadata": {"total_size": sum(s["bytes"] for s in listed)},
@@ -65,5 +62,16 @@ class SavePretrained(L.Callback):
             config = getattr(model, "config", None)
             if config is not None and hasattr(config, "save_pretrained"):
                 config.save_pretrained(self.directory)
-        if dist.is_initialized():
-            dist.barrier()
+        strategy.barrier()
+
+
+def _gather(strategy: Any, obj: Any) -> list[Any]:
+    """Every rank's ``obj``: a PACIStrategy gathers objects over its host group (gloo), never over NCCL, whose
+    object collectives read device memory back; another strategy over its world."""
+    if hasattr(strategy, "all_gather_object"):
+        return list(strategy.all_gather_object(obj))
+    if not dist.is_initialized():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
