@@ -168,3 +168,61 @@ def test_through_the_trainer_with_the_monitors_reads_stay_per_update(tmp_path, r
         # batches, so also the first epoch's end)
         assert per_file["optim/stage_optimizer.py"] <= 6 and per_file["engine/runtime/records.py"] <= 5, (stage, sites)
         assert per_file["integration/trainer/fingerprint.py"] <= (1 if replicas == 1 else 2), (stage, sites)
+
+
+_LOGGING = (str(Path(L.__file__).parent / "pytorch" / "trainer" / "connectors" / "logger_connector"),
+            str(Path(_PACKAGE) / "integration" / "stage" / "logs.py"))
+
+
+class LoggingReads(TorchFunctionMode):
+    """Counts value reads (``item``, ``float``, ``tolist``, ...) made anywhere below Lightning's logger connector
+    or lightning_paci's log replay: what logging costs a rank per batch, whoever's code makes the read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in _READS - {"cpu", "numpy"}:
+            frame = sys._getframe(1)
+            while frame is not None and not frame.f_code.co_filename.startswith(_LOGGING):
+                frame = frame.f_back
+            self.count += frame is not None
+        return func(*args, **(kwargs or {}))
+
+
+class _CountLoggingReads(L.Callback):
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.mode = directory, LoggingReads()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        runtime = trainer.strategy.runtime
+        runtime.device_losses, runtime.program.device_logs = True, True  # the device forms, on the CPU
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
+        if index == 1:  # from the second batch: every rank has replayed records by then
+            self.mode.__enter__()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.mode.__exit__(None, None, None)
+        record = {"reads": self.mode.count, "stage": trainer.strategy.stage_index,
+                  "bar": sorted(trainer.progress_bar_metrics), "callback": sorted(trainer.callback_metrics)}
+        (self.directory / f"logging{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.distributed
+def test_no_device_read_from_logging_on_the_stage_that_does_not_show_the_progress_bar(tmp_path):
+    # [Note: no log read off the logging rank]: `self.log("train_loss", loss, prog_bar=True)` (SequentialMLP), its
+    # values kept on the device; Lightning reads every prog_bar value at every batch's end on every rank it is
+    # logged on. Rank 0 (the last stage, which shows the bar) reads it once per batch; stage 0 never does, and
+    # its callback_metrics still hold the value
+    from helpers import fit
+    from models import SequentialMLP, regression_loader
+
+    torch.manual_seed(0)
+    fit(SequentialMLP(depth=4), regression_loader(num_batches=6), devices=2, max_steps=6, partition="parameters",
+        callbacks=[_CountLoggingReads(tmp_path)], trainer_kwargs={"log_every_n_steps": 1})
+    shown, upstream = (json.loads((tmp_path / f"logging{r}.json").read_text()) for r in (0, 1))
+    assert shown["stage"] == 1 and upstream["stage"] == 0
+    assert shown["reads"] >= 5 and shown["bar"] == ["train_loss"]  # the counter sees the bar's reads
+    assert upstream["reads"] == 0 and upstream["bar"] == [] and "train_loss" in upstream["callback"]

@@ -54,7 +54,8 @@ def build_stage(strategy: PipelineStrategy, trainer: Trainer, builder: StageBuil
     links = StageLinks.of(strategy.process_groups, strategy.global_rank, strategy.root_device, strategy.stage_devices)
     return LocalStage(module, plan, carve, config=strategy.config, num_microbatches=strategy.num_microbatches,
                       one_device=one_device, links=links, broadcast=strategy.pipeline_broadcast,
-                      eval_context=strategy.precision_plugin.val_step_context, index=strategy.stage_index)
+                      eval_context=strategy.precision_plugin.val_step_context, index=strategy.stage_index,
+                      shows_logs=strategy.is_global_zero)
 
 
 def start_stage(strategy: PipelineStrategy, trainer: Trainer, stage: LocalStage, builder: StageBuilder,

@@ -75,12 +75,14 @@ class LocalStage:
         one_device: one device's optimizer, its param groups by name (one_device_optimizer.py): consolidated
             checkpoints then also resume on one device, and one-device checkpoints resume here.
         index: this process's place in the pipeline (its stage, or its device with virtual stages).
+        shows_logs: this process's progress bar and loggers show the logged values (global rank 0; [Note: no log
+            read off the logging rank]).
     """
 
     def __init__(self, module: LightningModule, plan: PartitionPlan, carve: DeviceCarve, *, config: PACIConfig,
                  num_microbatches: int, links: StageLinks, broadcast: Callable[[Any, int], Any],
                  eval_context: _Context, one_device: OneDeviceOptimizer | None = None,
-                 index: int | None = None) -> None:
+                 index: int | None = None, shows_logs: bool = True) -> None:
         self.module, self.plan, self.carve, self.config = module, plan, carve, config
         self.one_device = one_device
         self.accumulation = num_microbatches
@@ -96,7 +98,7 @@ class LocalStage:
         self.runtimes: dict[int, StageRuntime] = {}  # every chunk's, by stage
         self.optimizer: StageOptimizer | None = None  # the process's optimizer (its chunks step views of it)
         self.driver: StreamDriver | None = None
-        self.relay = LogRelay(num_microbatches)
+        self.relay = LogRelay(num_microbatches, shown=shows_logs)
         self.fingerprint = BatchFingerprint(self.index)
         self._broadcast = broadcast
         self._resumed_gradients: list[tuple[torch.nn.Parameter, torch.Tensor]] = []

@@ -11,6 +11,15 @@ Lightning's loggers and progress bar live on global rank 0, which runs the *last
 process_groups.py): mini-batch k's records are complete there in its own call k, so the value logged at step k is
 mini-batch k's, under every schedule. The stages before it receive the records with the gradients, some calls
 later (their ``callback_metrics`` lag by that much; nothing is logged from them).
+
+[Note: no log read off the logging rank]
+Lightning turns every ``prog_bar=True`` value into a Python number at the end of every batch, on every rank
+(``_ResultCollection.metrics``: ``.item()``), and every ``logger=True`` value at every logging step: on a GPU a
+device read that waits for the stream, per batch, on ranks whose progress bar and loggers show nothing. On every
+rank but global rank 0 the records are therefore replayed with ``prog_bar=False, logger=False``: their
+``callback_metrics`` hold the same values (device tensors, read only by whoever reads them), and their
+``progress_bar_metrics`` and ``logged_metrics`` stay empty. Counted in tests/test_host_reads.py: no read from
+logging on the stage that does not show the bar, one per batch on the one that does.
 """
 
 from __future__ import annotations
@@ -83,10 +92,14 @@ def host_records(records: list[LogRecord]) -> list[LogRecord]:
     return [r._replace(value=float(r.value)) if isinstance(r.value, torch.Tensor) else r for r in records]
 
 
-def replay_logs(module: LightningModule, records: list[LogRecord]) -> float | torch.Tensor | None:
+def replay_logs(module: LightningModule, records: list[LogRecord], *,
+                shown: bool = True) -> float | torch.Tensor | None:
     """Call the real ``self.log`` once per key with the micro-batches' values combined as Lightning combines values
     of one key (``reduce_fx``): the batch-size-weighted mean (the default), the sum, the max or the min -- what one
-    device computing the whole batch would have logged. Returns the loss record's mean."""
+    device computing the whole batch would have logged. Returns the loss record's mean.
+
+    ``shown=False`` on a rank whose progress bar and loggers show nothing ([Note: no log read off the logging
+    rank]): the values are replayed with ``prog_bar=False, logger=False``."""
     totals: dict[str, tuple[str, list[LogRecord]]] = {}
     for record in records:
         options = dict(record.options)
@@ -116,7 +129,10 @@ def replay_logs(module: LightningModule, records: list[LogRecord]) -> float | to
         if name == LOSS_KEY:
             loss = value
             continue
-        module.log(name, value, batch_size=size, **dict(group[0].options))
+        options = dict(group[0].options)
+        if not shown:
+            options.update(prog_bar=False, logger=False)
+        module.log(name, value, batch_size=size, **options)
     return loss
 
 
@@ -127,8 +143,9 @@ class LogRelay:
     each received gradient. Records leave it when replayed, so it holds at most the micro-batches in flight.
     """
 
-    def __init__(self, num_microbatches: int) -> None:
+    def __init__(self, num_microbatches: int, *, shown: bool = True) -> None:
         self.num_microbatches = num_microbatches
+        self.shown = shown  # this rank's progress bar and loggers show the values (global rank 0)
         # the mean loss of the last mini-batch replayed here, and that mini-batch's index in the run (-1: none yet)
         self.last_loss: float | torch.Tensor = 0.0
         self.last_minibatch = -1
@@ -144,6 +161,6 @@ class LogRelay:
             records: list[LogRecord] = []
             for i in range(m):
                 records.extend(pending.pop(k * m + i))
-            loss = replay_logs(module, records)
+            loss = replay_logs(module, records, shown=self.shown)
             if loss is not None:
                 self.last_loss, self.last_minibatch = loss, k
