@@ -45,9 +45,10 @@ inside a hung call:
   graphs: ``memory_allocated`` / ``max_memory_allocated`` deltas and the bytes autograd saved, autocast around each
   forward against one around all (the difference: one bf16 weight copy per micro-batch in flight);
 * ``gloo_four_processes``: four processes sharing the GPU over gloo (messages staged through host memory), a tied
-  transformers GPT-2 through ``PACIStrategy`` (``"paci"``, the default compensation, ``precision="bf16-mixed"``,
+  transformers GPT-2 through ``PACIStrategy`` (``"paci"``, ``compensation="predict"``, ``precision="bf16-mixed"``,
   a ``DriftMonitor``), launched as four single-process nodes; weights and losses against the reference executor
-  on the same device, each stage's drift within its bound, compensated forwards on the stages that have drift;
+  on the same device with the same compensation (``"auto"`` could switch itself off from a CUDA timing in the
+  Trainer run and never in the reference), each stage's drift within its bound, compensated forwards on the stages that have drift;
 * ``gloo_two_processes``: two processes, 2 stages under 1f1b against ``Trainer(devices=1)`` on the GPU (SGD, rel
   1e-5);
 * ``fused_adamw_resume``: the same two processes with ``AdamW(fused=True)``: fit 2 epochs, and fit 1 + save + resume
@@ -326,7 +327,8 @@ def check_gloo_four_processes(device: torch.device) -> dict[str, Any]:
     if device.type == "cpu":  # a CPU kernel's sums depend on its threads: the workers' number
         torch.set_num_threads(worker_threads(4))
     try:
-        reference, figures = _reference(device, deterministic=True, lr=1e-3, autocast_on_cpu=True)
+        reference, figures = _reference(device, deterministic=True, lr=1e-3, autocast_on_cpu=True,
+                                        compensation="predict")  # as the Trainer run (gpu_processes.py)
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(False)
