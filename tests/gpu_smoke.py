@@ -48,7 +48,8 @@ inside a hung call:
   transformers GPT-2 through ``PACIStrategy`` (``"paci"``, ``compensation="predict"``, ``precision="bf16-mixed"``,
   a ``DriftMonitor``), launched as four single-process nodes; weights and losses against the reference executor
   on the same device with the same compensation (``"auto"`` could switch itself off from a CUDA timing in the
-  Trainer run and never in the reference), each stage's drift within its bound, compensated forwards on the stages that have drift;
+  Trainer run and never in the reference), each stage's drift within its bound, compensated forwards on the stages
+  that have drift;
 * ``gloo_two_processes``: two processes, 2 stages under 1f1b against ``Trainer(devices=1)`` on the GPU (SGD, rel
   1e-5);
 * ``fused_adamw_resume``: the same two processes with ``AdamW(fused=True)``: fit 2 epochs, and fit 1 + save + resume

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from lightning_paci.engine.transport.local_mailbox import LocalComm
 from lightning_paci.engine.transport.messages import FIRST_BYTES, flatten
-from lightning_paci.engine.transport.point_to_point import DistComm
+from lightning_paci.engine.transport.point_to_point import DistComm, ReceivesAhead
 from lightning_paci.engine.transport.wire import HeaderReader, HeaderWriter, frame
 from lightning_paci.schedules import layout_communicators
 
@@ -276,3 +276,50 @@ def test_flush_waits_for_each_send_once_where_wait_returns_before_the_send_compl
     # NCCL's wait() returns at once: a flush that looped on is_completed() called it again thousands of times while
     # the device sent (a busy host, and one more stream wait queued per turn)
     run_forked_ranks(_flush_worker, 2, tmp_path / "rdv")
+
+
+def _early_payload_worker(rank: int, path: str, errors: Any) -> None:
+    """[Note: payloads received early], on the host-header wire forced on the CPU: stage 1 runs RECV_F 0, F 0,
+    RECV_F 1, F 1 through ``ReceivesAhead``; once message 1's header is in, the action before its consumer (F 0)
+    posts its payload's receive, so the consumer finds it posted."""
+    from lightning_paci.schedules.actions import RECV_F, Action, F
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=30))
+        groups = {key: dist.new_group(list(members)) for key, members in layout_communicators("directed", 2).items()}
+        comm = DistComm([0, 1], groups=groups, headers=dist.new_group([0, 1]))
+        messages = [{"x": torch.arange(12.0).reshape(3, 4) + i, "i": i} for i in range(2)]
+        if rank == 0:
+            for message in messages:
+                comm.send(message, 1)
+            comm.flush()
+        else:
+            actions = [Action(1, RECV_F, 0), Action(1, F, 0), Action(1, RECV_F, 1), Action(1, F, 1)]
+            ahead = ReceivesAhead(comm, 1, actions)  # posts message 0's header
+            order: list[str] = []
+            for action in actions:
+                if action.kind is RECV_F:
+                    order.append(f"recv {action.microbatch}, payloads posted {comm.payloads_posted}")
+                    _assert_same(comm.recv(0), messages[action.microbatch])
+                else:  # the compute before the next receive; it starts once the next header is in
+                    deadline = time.monotonic() + 20
+                    while action.microbatch == 0 and not comm.arrived(0) and time.monotonic() < deadline:
+                        time.sleep(0.001)
+                    order.append(f"F {action.microbatch}")
+                    torch.ones(8, 8) @ torch.ones(8, 8)
+                ahead.taken(action)
+            # message 0's payload is posted by its own receive (no action ran before it); message 1's by F 0
+            assert order == ["recv 0, payloads posted 0", "F 0", "recv 1, payloads posted 2", "F 1"], order
+            assert comm.posted == 0
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+@pytest.mark.timeout(60)
+def test_a_payload_receive_is_posted_before_the_compute_that_precedes_its_consumer(tmp_path: Path) -> None:
+    run_forked_ranks(_early_payload_worker, 2, tmp_path / "rdv")

@@ -21,10 +21,13 @@ other at the same time cannot deadlock (waiting on a send right after posting it
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import struct
+import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -39,7 +42,7 @@ from lightning_paci.engine.transport.messages import (
     as_bytes,
     from_bytes,
 )
-from lightning_paci.engine.transport.split_wire import frame_split, read_split_header, unpack_split
+from lightning_paci.engine.transport.split_wire import SplitHeader, frame_split, read_split_header, unpack_split
 from lightning_paci.engine.transport.wire import HEADER, HeaderReader, HeaderWriter, frame, header_bytes, place_floats
 from lightning_paci.schedules.actions import RECV_B, RECV_F, Action
 from lightning_paci.schedules.communicators import Communicator, communicator
@@ -100,6 +103,12 @@ class DistComm:
         # [Note: receives posted ahead]: stage -> (work, buffer) of the posted receive of its next channel-0 message
         self._posted: dict[int, tuple[Any, torch.Tensor]] = {}
         self._can_post = groups is not None and layout == "directed"
+        # [Note: payloads received early]: stage -> the next channel-0 message whose header is read and whose
+        # payload's receive is posted; the communication stream (CUDA, made at first use); receives so posted
+        self._early: dict[int, _Arriving] = {}
+        self._stream: Any = None
+        self._waiters: dict[int, _HeaderWaiter] = {}  # by the stage a link receives from
+        self.payloads_posted = 0
         self.sent_messages = self.sent_bytes = 0  # framed bytes (header + payload) of every message sent
         self._writer, self._reader = HeaderWriter(), HeaderReader()  # [Note: header reuse]
 
@@ -183,6 +192,13 @@ class DistComm:
 
     def _recv_split(self, stage: int, channel: int, group: dist.ProcessGroup, peer: int,
                     first: torch.Tensor | None) -> Any:
+        return self._take_payload(self._post_payload(stage, channel, group, peer, first))
+
+    def _post_payload(self, stage: int, channel: int, group: dist.ProcessGroup, peer: int,
+                      first: torch.Tensor | None) -> _Arriving:
+        """Read a message's header (received into ``first`` already, or now) and post its payload's receive: on
+        CUDA on the transport's communication stream, so it waits for no compute ([Note: payloads received
+        early])."""
         header_group, header_peer, tag = self._route(channel, stage, self._stage, header=True)
         if first is None:
             first = torch.empty(FIRST_BYTES, dtype=torch.uint8)
@@ -194,12 +210,33 @@ class DistComm:
             return more
 
         header = read_split_header(first, rest, reader=self._reader, link=(channel, stage), receiver=self._stage)
-        payload = None
-        if header.device_bytes:
+        if not header.device_bytes:
+            return _Arriving(header, None, None)
+        with self._communication_stream():
             payload = torch.empty(header.device_bytes, dtype=torch.uint8, device=self._device)
-            group.recv([payload], peer, 0).wait()  # under NCCL the stream waits, not the host
+            work = group.recv([payload], peer, 0)
+        self.payloads_posted += 1
+        return _Arriving(header, payload, work)
+
+    def _take_payload(self, arriving: _Arriving) -> Any:
+        """The message whose payload receive :meth:`_post_payload` posted: the current stream waits for it (under
+        NCCL the stream waits, not the host), and the payload, made on the communication stream, is marked used
+        by the current one (the allocator keeps its block until the current stream is done with it)."""
+        header, payload, work = arriving
+        if work is not None:
+            work.wait()
+            if self._stream is not None and payload is not None:
+                payload.record_stream(torch.cuda.current_stream(self._device))
         self._reap()
         return unpack_split(header, payload, device=self._device)
+
+    def _communication_stream(self) -> Any:
+        """A context on the transport's communication stream (made at first use), on CUDA; nothing elsewhere."""
+        if self._device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._device)
+        return torch.cuda.stream(self._stream)
 
     def _reap(self) -> None:
         while self._pending and self._pending[0][0].is_completed():
@@ -218,14 +255,55 @@ class DistComm:
         Only with the ``"directed"`` layout: each link's communicator then carries nothing but this sequence of
         messages, in order, so a receive issued early changes no order on any communicator and the rendezvous proof
         ([Note: deadlock model]) still holds; on one shared group it could take a message of the other channel."""
-        if self._can_post and stage not in self._posted:
-            header = self._headers is not None  # then the header is what is posted, on the host
-            group, peer, tag = self._route(0, stage, self._stage, header=header)
-            buffer = torch.empty(FIRST_BYTES, dtype=torch.uint8, device="cpu" if header else self._device)
-            try:
-                self._posted[stage] = (group.recv([buffer], peer, tag), buffer)
-            except (RuntimeError, ConnectionError) as err:  # a dead peer: told by the receive that takes it, which
-                self._posted[stage] = (err, buffer)  # the runtime reports naming the peer, the action and the step
+        if not self._can_post or stage in self._early:
+            return
+        if stage in self._posted:
+            if self._headers is not None:
+                self._advance(stage)
+            return
+        header = self._headers is not None  # then the header is what is posted, on the host
+        group, peer, tag = self._route(0, stage, self._stage, header=header)
+        buffer = torch.empty(FIRST_BYTES, dtype=torch.uint8, device="cpu" if header else self._device)
+        try:
+            work: Any = group.recv([buffer], peer, tag)
+            # gloo's receive says it completed only once waited for: a thread waits, the host reads its flag
+            if header:  # one thread per link: a link's headers arrive in order, two links' in any
+                work = self._waiters.setdefault(stage, _HeaderWaiter()).watch(work)
+            self._posted[stage] = (work, buffer)
+        except (RuntimeError, ConnectionError) as err:  # a dead peer: told by the receive that takes it, which
+            self._posted[stage] = (err, buffer)  # the runtime reports naming the peer, the action and the step
+
+    def _advance(self, stage: int) -> None:
+        """[Note: payloads received early]
+        Under NCCL the header of a posted receive arrives on the host long before the host reaches the action that
+        takes the message (the host runs ahead of its device); if its payload's receive were posted only then, it
+        would start behind every kernel queued before it on the stream. So each time the stage has run an action
+        (``ReceivesAhead.taken``) the posted header is checked without waiting (``is_completed``, a host flag); once
+        it is in, the header is read and the payload's receive posted at once, on the communication stream, where
+        it waits for nothing queued for compute. The action that takes the message makes the compute stream wait
+        for that receive (an event, not the host) and marks the payload used on that stream (``record_stream``),
+        since it was allocated on the other. The order on each link's communicator is the order of its messages,
+        as before (the deadlock model's proof holds: a payload is received after its header, by the call that
+        posted it). On the CPU the same code posts the payload's gloo or emulated receive early: counted by
+        ``payloads_posted`` and tested (tests/test_communicators.py)."""
+        work, first = self._posted[stage]
+        if isinstance(work, BaseException) or not work.is_completed():
+            return
+        del self._posted[stage]
+        try:
+            work.wait()
+            group, peer, _ = self._route(0, stage, self._stage)
+            self._early[stage] = self._post_payload(stage, 0, group, peer, first)
+        except (RuntimeError, ConnectionError) as err:  # a dead peer: told by the receive that takes it
+            self._posted[stage] = (err, first)
+
+    def arrived(self, stage: int) -> bool:
+        """Whether the posted receive of ``stage``'s next channel-0 message has its header (or all of it, on one
+        buffer) in: a host flag, no wait."""
+        if stage in self._early:
+            return True
+        posted = self._posted.get(stage)
+        return posted is not None and not isinstance(posted[0], BaseException) and posted[0].is_completed()
 
     @property
     def reused_headers(self) -> int:
@@ -235,10 +313,13 @@ class DistComm:
     @property
     def posted(self) -> int:
         """Receives posted ahead and not yet taken."""
-        return len(self._posted)
+        return len(self._posted) + len(self._early)
 
     def recv(self, stage: int, channel: int = 0) -> Any:
         group, peer, _ = self._route(channel, stage, self._stage)
+        early = self._early.pop(stage, None) if channel == 0 else None
+        if early is not None:  # [Note: payloads received early]
+            return self._take_payload(early)
         ahead = self._posted.pop(stage, None) if channel == 0 else None
         if ahead is not None:
             work, first = ahead
@@ -323,12 +404,73 @@ class ReceivesAhead:
                 comm.post(self._sources[kind])
 
     def taken(self, action: Action) -> None:
-        """Call after each action: a receive that completed posts the next of its link, if the call has one."""
+        """Call after each action: a receive that completed posts the next of its link, if the call has one; any
+        other action advances the links' posted receives ([Note: payloads received early])."""
         left = self._left.get(action.kind)
         if left is not None:
             self._left[action.kind] = left - 1
             if left > 1:
                 self._comm.post(self._sources[action.kind])
+            return
+        for kind, count in self._left.items():
+            if count:
+                self._comm.post(self._sources[kind])
+
+
+class _Arrival:
+    """A posted header receive as the host sees it: ``is_completed`` without waiting, ``wait`` until it is in (its
+    error raised there)."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class _HeaderWaiter:
+    """One daemon thread per link that waits for its posted header receives in turn ([Note: payloads received
+    early]): gloo's receive work reports completion only from ``wait()`` (``is_completed()`` stays False until
+    then, measured with torch 2.13), and a second ``wait()`` would wait for a second message, so only this thread
+    waits on the work and the host reads the :class:`_Arrival` it sets. Per link, not per transport: one thread
+    waiting for a header of one link could not flag the other link's, which may have to arrive first."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, _Arrival]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, work: Any) -> _Arrival:
+        arrival = _Arrival()
+        self._queue.put((work, arrival))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lightning_paci headers", daemon=True)
+            self._thread.start()
+        return arrival
+
+    def _run(self) -> None:
+        while True:
+            work, arrival = self._queue.get()
+            try:
+                work.wait()
+            except BaseException as err:  # a dead peer, a timeout: raised by the receive that takes it
+                arrival.error = err
+            arrival.done.set()
+
+
+class _Arriving(NamedTuple):
+    """A message whose header is read and whose payload's receive is posted ([Note: payloads received early])."""
+
+    header: SplitHeader
+    payload: torch.Tensor | None
+    work: Any  # the payload's receive (None without a payload)
 
 
 _SPARE = 8  # host send buffers kept for reuse
