@@ -44,6 +44,7 @@ from torch import nn
 
 from lightning_paci.integration.checkpoints.checkpoint import recorded_cut
 from lightning_paci.integration.setup.auto_plan import choose_plan, plan_meta_built
+from lightning_paci.integration.setup.batch_coupling import coupling_warning
 from lightning_paci.integration.setup.trainer_checks import batch_norm_warning
 from lightning_paci.integration.stage.setup_probe import (
     Sample,
@@ -230,6 +231,11 @@ class StageBuilder:
             if (warning := host_memory_warning(module, strategy.num_processes)) is not None:
                 rank_zero_warn(warning)
             trace, self.flops = trace_call_order(strategy, module, self.sample)
+            if whole and self.sample is not None and self.sample.whole is not None and (warning := coupling_warning(
+                    module, self.sample.whole, strategy.num_microbatches,
+                    context=strategy.precision_plugin.train_step_context,
+                    cuda_devices=cuda_devices(strategy.root_device))) is not None:
+                rank_zero_warn(warning)  # [Note: a loss that couples a batch's samples]
             if strategy.config.plan == "auto" and trainer.state.fn == TrainerFn.FITTING:
                 choose_plan(strategy, trainer, module, self.sample, trace)  # replaces strategy.config
             elif timed:
@@ -238,6 +244,8 @@ class StageBuilder:
             rank_zero_warn("lightning_paci: plan='auto' measures the whole model on a sample batch; this one is built "
                            "on the meta device, so the options are used as given (`python -m lightning_paci.plan` "
                            "measures it wherever it fits in one process, and prints the options to pass)")
+        if self.sample is not None:
+            self.sample.whole = None  # (checked, or not to be)
         if whole:  # before carving: the whole model (on meta when built there)
             strategy.undo_at_teardown(api.whole_model_summaries(trainer, module, self.flops))
         config = strategy.config  # (plan="auto" replaced it)

@@ -49,6 +49,7 @@ class Sample:
     data: Any
     size: int  # samples in the whole batch (what ``self.log`` is told)
     step_name: str
+    whole: Any = None  # the whole first batch, until setup has checked its loss ([Note: a loss that couples ...])
 
 
 def draw_sample(trainer: Any, num_microbatches: int, cuda_devices: list[int]) -> Sample | None:
@@ -65,7 +66,7 @@ def draw_sample(trainer: Any, num_microbatches: int, cuda_devices: list[int]) ->
                     f"outside modules are placed by registration order and no value is relayed past a stage")
         return None
     size = microbatch_size(batch)
-    return Sample(split_microbatches(batch, max(1, min(num_microbatches, size)))[0], size, step_name)
+    return Sample(split_microbatches(batch, max(1, min(num_microbatches, size)))[0], size, step_name, whole=batch)
 
 
 def run_sample(module: LightningModule, sample: Sample, context: Callable[[], Any]) -> Callable[[], Any]:
