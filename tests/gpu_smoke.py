@@ -33,7 +33,8 @@ inside a hung call:
   same stage (CUDA events; host time beside), on 2 GPT-2-small blocks (8 x 1024 tokens) and on one
   Llama-7B-shaped decoder layer (2 x 1024 tokens), AdamW with state and half a window of gradient; the aten
   operations per apply+revert (a ``TorchDispatchMode``), the weights moved and back within one unit in the last
-  place (tests/gpu_stage_checks.py);
+  place (tests/gpu_stage_checks.py); on CUDA both paths, the multi-tensor passes and the fused pass (the default
+  there, ``*_fused``: every bin compiled, [Note: the fused prediction pass]);
 * ``nccl_world_size_1``: NCCL initialised on one rank bound to the GPU, a gloo host group of every rank created after
   binding (what the strategy does under NCCL), GPU memory per communicator (free-memory deltas), the number of
   point-to-point communicators a rank of an N-stage pipeline creates (4 for N >= 2); a send to itself and its

@@ -153,14 +153,14 @@ def _ulps(error: torch.Tensor, magnitude: torch.Tensor) -> float:
 
 
 def _prediction_figures(stage: nn.Module, forward: Forward, shape: tuple[int, ...], device: torch.device,
-                        repeats: int) -> dict[str, Any]:
+                        repeats: int, *, fused: bool = False) -> dict[str, Any]:
     from lightning_paci.optim.stage_optimizer import StageOptimizer
     from lightning_paci.optim.weight_prediction import WeightPrediction
 
     params = list(stage.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
     stage_optimizer = StageOptimizer(optimizer, params)
-    prediction = WeightPrediction(optimizer, stage_optimizer.pairs)
+    prediction = WeightPrediction(optimizer, stage_optimizer.pairs, fused=fused)
     x = torch.randn(shape, device=device, requires_grad=True)  # a middle stage: the input's gradient is sent back
     grad = torch.randn(shape, device=device)
 
@@ -180,8 +180,9 @@ def _prediction_figures(stage: nn.Module, forward: Forward, shape: tuple[int, ..
 
     predict()  # the first prediction after an update reads the step counts once ([Note: step counts on the host])
     counter = AtenOps()
-    with counter:
-        predict()
+    if not fused:  # (the compiled pass's kernels are counted on the CPU: tests/test_fused_prediction.py)
+        with counter:
+            predict()
     before = [p.detach().clone() for p in params]
     with prediction.moved(1, 0.5):
         inside = [p.detach().clone() for p in params]
@@ -204,7 +205,13 @@ def _prediction_figures(stage: nn.Module, forward: Forward, shape: tuple[int, ..
     predict_host, predict_device = _timed(predict, device, repeats)
     fb_host, fb_device = _timed(forward_backward, device, repeats)
     ops = sum(counter.ops.values())
+    if fused:  # every bin on the compiled pass (a failed compile falls back, said once)
+        bins = prediction.apply(1, 0.5)
+        prediction.revert(bins)
+        if any(one.fused is None for one in bins):
+            raise AssertionError("the fused prediction fell back to the multi-tensor passes")
     return {
+        "path": "fused" if fused else "multi-tensor",
         "tensors": len(params), "parameters": sum(p.numel() for p in params),
         "weight_dtype": str(params[0].dtype).replace("torch.", ""), "tokens": f"{shape[0]} x {shape[1]}",
         "forward_backward_ms": round(fb_device, 3), "forward_backward_host_ms": round(fb_host, 3),
@@ -231,6 +238,9 @@ def check_prediction_cost(device: torch.device) -> dict[str, Any]:
     stage, forward, width = gpt2_stage(device, blocks=blocks)
     out["gpt2_small"] = {"blocks": blocks, **_prediction_figures(stage, forward, (batch, seq, width), device,
                                                                  3 if rehearse else 20)}
+    if not rehearse:  # the default on CUDA ([Note: the fused prediction pass]); the CPU keeps the multi-tensor passes
+        out["gpt2_small_fused"] = {"blocks": blocks, **_prediction_figures(stage, forward, (batch, seq, width), device,
+                                                                           20, fused=True)}
     del stage, forward
     _free(device)
     shape = dict(hidden=1024, intermediate=2752, heads=8) if rehearse else dict(hidden=4096, intermediate=11008,
@@ -239,6 +249,9 @@ def check_prediction_cost(device: torch.device) -> dict[str, Any]:
     stage, forward, width = llama_stage(device, seq=seq, **shape)
     out["llama_7b_layer" if not rehearse else "llama_layer_quarter_width"] = {
         **shape, **_prediction_figures(stage, forward, (batch, seq, width), device, 3 if rehearse else 10)}
+    if not rehearse:
+        out["llama_7b_layer_fused"] = {**shape, **_prediction_figures(stage, forward, (batch, seq, width), device, 10,
+                                                                      fused=True)}
     del stage, forward
     _free(device)
     return out

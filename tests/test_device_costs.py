@@ -29,7 +29,7 @@ PREDICTION_LAUNCHES_PER_TENSOR = PREDICTION_BUDGETS["adamw"][0]
 EXTRA_FORWARD, EXTRA_BACKWARD, EXTRA_UPDATE = 4, 12, 20
 
 
-def _gpt2_small_block(optimizer: str, seed: int = 0) -> tuple[list[nn.Parameter], StageOptimizer]:
+def gpt2_small_block(optimizer: str, seed: int = 0) -> tuple[list[nn.Parameter], StageOptimizer]:
     """One transformers GPT2Block at GPT-2 small's width (n_embd 768: 12 tensors, 7.1M parameters), its optimizer
     stepped twice (state, step counts), then half a window of gradient accumulated."""
     from transformers import GPT2Config
@@ -53,8 +53,8 @@ def _gpt2_small_block(optimizer: str, seed: int = 0) -> tuple[list[nn.Parameter]
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_amsgrad", "sgd"])
 @pytest.mark.parametrize("rest", [0.5, 1.0])
 def test_the_weight_prediction_of_a_gpt2_small_block_is_a_few_multi_tensor_passes(optimizer: str, rest: float):
-    params, stage = _gpt2_small_block(optimizer)
-    prediction = WeightPrediction(stage.optimizer, stage.pairs)
+    params, stage = gpt2_small_block(optimizer)
+    prediction = WeightPrediction(stage.optimizer, stage.pairs, fused=False)  # the fused pass: test_fused_prediction
     with prediction.moved(1, rest):  # the first move reads the step counts once ([Note: step counts on the host])
         pass
     before = [p.detach().clone() for p in params]

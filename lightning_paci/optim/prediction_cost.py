@@ -1,11 +1,13 @@
 """The weight prediction's cost against the stage's own compute, on CUDA under ``compensation="auto"``.
 
 [Note: the prediction's budget]
-The weight prediction reads and writes ~120 bytes per parameter per compensated forward (AdamW with a known
-gradient, float32 weights: tests/test_device_costs.py), while a transformer stage's forward and backward cost ~6
-FLOPs per parameter and token. By arithmetic on an H200 (~200 FLOPs per byte of memory bandwidth; not measured
-here) that is 25-50% of a stage's forward+backward at 8 x 1024 tokens per micro-batch, a few percent at 64k: whether
-the compensation pays depends on the shape, so ``"auto"`` measures instead of assuming. On CUDA the stage times its
+The weight prediction's multi-tensor passes read and write ~120 bytes per parameter per compensated forward (AdamW
+with a known gradient, float32 weights, move and way back: tests/test_device_costs.py); the fused pass, the default
+on CUDA, 40 (20 each way: [Note: the fused prediction pass]). A transformer stage's forward and backward cost ~6
+FLOPs per parameter and token. By arithmetic at ~120 FLOPs per byte of memory bandwidth (an H100 at 40% of its
+bf16 peak; not measured here) that is ~2400/T of a stage's forward+backward for T tokens per micro-batch on the
+multi-tensor passes (29% at 8 x 1024 tokens), ~800/T fused (10%), a few percent at 64k: whether the compensation
+pays depends on the shape, so ``"auto"`` measures instead of assuming. On CUDA the stage times its
 first compensated forward's move and way back with CUDA events, and at its next update -- after that update's one
 host read ([Note: one host read per update]) the events are complete, so reading them waits for nothing -- compares
 them with the mean forward+backward device time recorded so far ([Note: device clocks]). Above ``share`` (10%) the

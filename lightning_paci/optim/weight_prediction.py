@@ -41,7 +41,16 @@ Adam's prediction with a known gradient needs two temporaries of the bin's size 
 denominator): the transient memory is at most the stage's largest parameter tensor (``peak_extra_bytes``). Every
 scalar is folded on the host, from the step counts kept there ([Note: step counts on the host]). Passes per bin,
 each way: SGD 1 (nothing known) or 2; Adam 3 (nothing known) or 5 (6 with ``amsgrad``). One GPT-2-small block
-with AdamW: 7 bins, 70 operations per move and way back, 5.8 per parameter tensor (tests/test_device_costs.py).
+with AdamW: 7 bins, 70 operations per move and way back, 5.8 per parameter tensor, ~120 bytes read and written per
+parameter (tests/test_device_costs.py).
+
+On CUDA (where ``torch.compile`` generates Triton kernels; ``WeightPrediction(fused=...)`` elsewhere) the move and
+the way back are instead *one* compiled pass per bin each, the same formula with every scalar in a small table
+copied to the device once per move, and no temporary ([Note: the fused prediction pass] in
+optim/fused_prediction.py): for that block 5 bins, 5 kernels each way and one scalar copy per move, 20 bytes read
+and written per parameter each way (tests/test_fused_prediction.py). A tensor whose weights, state or gradient
+are not contiguous, and every tensor after a pass failed to compile (said once), take the multi-tensor passes; the
+CPU keeps them by default.
 
 [Note: step counts on the host]
 Adam's bias corrections need each tensor's ``step``; reading it from the device per forward would stop the host
@@ -57,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +74,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_paci.optim.fused_prediction import (
+    ADAM,
+    MOST_SLICES,
+    SGD,
+    FusedPass,
+    PassSignature,
+    chunks,
+    cuts,
+    fused_by_default,
+    fused_pass,
+    kind_of,
+    scalar_row,
+    scalar_table,
+)
 from lightning_paci.optim.prediction_quality import PredictionQuality
 
 __all__ = ["COMPENSATIONS", "WeightPrediction", "prediction_unsupported", "weight_prediction_for"]
@@ -72,12 +96,14 @@ COMPENSATIONS = ("auto", "predict", "none")
 
 _NOTHING = contextlib.nullcontext()
 _WEIGHT_DTYPES = (torch.float32, torch.float64)
+_SCRATCH = 2**20  # elements a fused bin may hold at least (its compile's scratch weights): more if a tensor is larger
 
 
 @dataclass
 class _Bin:
     """Slices of the stage's tensors moved by the same passes: ``key`` holds the hyperparameters the passes take
-    as one scalar; per slice the weights, the state and gradient read, and the scalars folded per tensor."""
+    as one scalar (a fused bin: its compiled signature); per slice the weights, the state and gradient read, and the
+    scalars folded per tensor."""
 
     key: tuple
     known: bool  # the window's gradient is part of the prediction
@@ -92,11 +118,36 @@ class _Bin:
     alpha: float = 0.0  # the gradient's (or the moment's) weight in the numerator
     square: float = 0.0  # Adam with a known gradient: the squared gradient's weight in the second moment
     beta2: float = 1.0
+    # a fused bin ([Note: the fused prediction pass]): its compiled pass, its slices' rows of scalars, and the
+    # move's table of them on the device (``[2, slices, ROW]``: the move's and the way back's)
+    fused: FusedPass | None = None
+    rows: list[tuple[float, ...]] = field(default_factory=list)
+    scalars: torch.Tensor | None = None
+
+
+@dataclass
+class _Moved:
+    """One tensor a move takes: the key of its multi-tensor bins, its tensors and its folded scalars."""
+
+    key: tuple
+    group: dict
+    weight: torch.Tensor
+    first: torch.Tensor
+    second: torch.Tensor | None
+    peak: torch.Tensor | None
+    grad: torch.Tensor | None
+    factor: float
+    eps: float
 
 
 def _slices(tensor: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """``tensor`` itself when ``[lo, hi)`` is all of it, else that flat slice (a view: no copy, no kernel)."""
     return tensor if lo == 0 and hi == tensor.numel() else tensor.view(-1)[lo:hi]
+
+
+def _flat(tensor: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The flat slice ``[lo, hi)`` of a contiguous tensor, always one-dimensional (a view: the fused pass's input)."""
+    return tensor.view(-1)[lo:hi]
 
 
 def prediction_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
@@ -119,18 +170,21 @@ def prediction_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 class WeightPrediction:
-    """Moves a stage's weights to ``w + k * d`` for one forward and back (see [Note: weight prediction]), in a few
-    multi-tensor passes ([Note: weight prediction in multi-tensor passes]).
+    """Moves a stage's weights to ``w + k * d`` for one forward and back (see [Note: weight prediction]), in one
+    compiled pass per bin ([Note: the fused prediction pass]) or a few multi-tensor passes ([Note: weight prediction
+    in multi-tensor passes]).
 
     Args:
         optimizer: the stage optimizer (its ``param_groups`` hold the aliases, see [Note: alias optimizer]).
         pairs: ``(alias, real)`` parameter pairs of the stage optimizer (its own list: pairs it gains later are
             moved from the next move on).
         gradient: use the window's gradient accumulated so far in the prediction (else the momentum alone).
+        fused: one compiled pass per bin (``None``: on CUDA where ``torch.compile`` generates Triton kernels, else
+            the multi-tensor passes); a pass that fails to compile falls back to the multi-tensor passes, said once.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], *,
-                 gradient: bool = True) -> None:
+                 gradient: bool = True, fused: bool | None = None) -> None:
         reason = prediction_unsupported(optimizer)
         if reason is not None:
             raise ValueError(f"compensation='predict': {reason}.")
@@ -159,6 +213,7 @@ class WeightPrediction:
         # under compensation="auto": measures how close the moves come ([Note: the prediction's quality])
         self.quality: PredictionQuality | None = None
         self._follow_groups()
+        self.fused = fused if fused is not None else fused_by_default([alias.device for alias, _, _ in self.entries])
 
     def _follow_groups(self) -> None:
         """Take in the pairs joined since the last move (all of them at construction), each with its group."""
@@ -182,6 +237,8 @@ class WeightPrediction:
         timer = self.timer if self.timer is not None and self.timer.timing and self.optimizer.state else None
         if (probe := self.quality if self.quality is not None and self.quality.measuring else None) is not None:
             probe.start(k)  # [Note: the prediction's quality], outside the timed move
+        if timer is not None and self.fused:
+            self._bins(float(k), rest)  # a fused pass's first compile, outside the timed move
         if timer is not None:
             timer.mark()
         bins = self.apply(k, rest)
@@ -204,16 +261,41 @@ class WeightPrediction:
         """Move every weight with optimizer state by ``k`` predicted updates; returns what :meth:`revert` needs
         (the bins: views and scalars, no tensor of its own)."""
         bins = self._bins(float(k), rest)
-        for one in bins:
-            self._pass(one, 1.0)
+        self._move(bins, 1.0)
         return bins
 
     @torch.no_grad()
     def revert(self, bins: list[_Bin]) -> None:
         """Undo :meth:`apply`: every weight within one unit in the last place of where it was ([Note: weight
         prediction])."""
+        self._move(bins, -1.0)
+
+    @torch.no_grad()
+    def _move(self, bins: list[_Bin], sign: float) -> None:
+        """Add ``sign * d`` to every bin's weights; the move (``sign > 0``) first puts the fused bins' scalars on the
+        device, one table per dtype and device with the way back's rows too."""
+        if sign > 0:
+            self._scalars(bins)
         for one in bins:
-            self._pass(one, -1.0)
+            if one.fused is None:
+                self._pass(one, sign)
+            else:
+                assert one.scalars is not None
+                one.fused(one.weights, one.first, one.second, one.peak, one.grads, one.scalars[0 if sign > 0 else 1])
+
+    def _scalars(self, bins: list[_Bin]) -> None:
+        """One host-to-device copy per dtype and device for the fused bins' rows; each bin gets its view."""
+        tables: dict[tuple, list[_Bin]] = {}
+        for one in bins:
+            if one.fused is not None:
+                tables.setdefault((one.fused.signature.dtype, one.fused.signature.device), []).append(one)
+        for (dtype, device), members in tables.items():
+            table = scalar_table([row for one in members for row in one.rows], dtype, device)
+            self.peak_extra_bytes = max(self.peak_extra_bytes, table.numel() * table.element_size())
+            start = 0
+            for one in members:
+                one.scalars = table[:, start:start + len(one.rows)]
+                start += len(one.rows)
 
     def _pass(self, one: _Bin, sign: float) -> None:
         """Add ``sign * d`` to the bin's weights: the same operations both ways, so ``d`` has the same bits."""
@@ -252,12 +334,24 @@ class WeightPrediction:
         self.peak_extra_bytes = max(self.peak_extra_bytes, held)
 
     def _bins(self, scale: float, rest: float) -> list[_Bin]:
-        """Every moved tensor's slices, packed into bins of at most ``bin_bytes`` per temporary, one kind of pass
-        and one set of scalar hyperparameters per bin."""
+        """Every moved tensor's slices in bins: fused ones ([Note: the fused prediction pass]) where the fused pass is
+        on and the tensor is contiguous, else bins of at most ``bin_bytes`` per temporary, one kind of pass and one
+        set of scalar hyperparameters per bin."""
+        moved = self._moved(scale, rest)
+        fusable = [m for m in moved if self.fused and _contiguous(m)]
+        bins = self._fused_bins(fusable, rest) if fusable else []
+        if bins is None:  # the compile failed: said once, the multi-tensor passes from now on
+            fusable, bins = [], []
+        if len(fusable) < len(moved):
+            taken = {id(m) for m in fusable}
+            bins += self._packed([m for m in moved if id(m) not in taken], rest)
+        return bins
+
+    def _moved(self, scale: float, rest: float) -> list[_Moved]:
+        """Every tensor the move takes (with optimizer state that predicts a step), its tensors and scalars."""
         self._follow_groups()
         steps = self._step_counts()
-        open_bins: dict[tuple, _Bin] = {}
-        bins: list[_Bin] = []
+        moved: list[_Moved] = []
         known_share = rest < 1.0 and self.gradient
         for i, (alias, real, group) in enumerate(self.entries):
             state = self.optimizer.state.get(alias)
@@ -269,32 +363,98 @@ class WeightPrediction:
                 continue
             key, factor, eps = folded
             key = (*key, grad is not None, alias.device, alias.dtype)
-            size, numel = alias.element_size(), alias.numel()
-            tensors = [alias.data, state["momentum_buffer" if not self.adam else "exp_avg"]]
-            if self.adam:
-                tensors.append(state["exp_avg_sq"])
-                tensors.append(state["max_exp_avg_sq"] if group.get("amsgrad") else None)
+            second = state["exp_avg_sq"] if self.adam else None
+            peak = state["max_exp_avg_sq"] if self.adam and group.get("amsgrad") else None
+            moved.append(_Moved(key, group, alias.data, state["momentum_buffer" if not self.adam else "exp_avg"],
+                                second, peak, grad, factor, eps))
+        return moved
+
+    def _packed(self, moved: list[_Moved], rest: float) -> list[_Bin]:
+        """Bins for the multi-tensor passes: at most ``bin_bytes`` per temporary, a tensor cut across bins."""
+        open_bins: dict[tuple, _Bin] = {}
+        bins: list[_Bin] = []
+        for m in moved:
+            size, numel = m.weight.element_size(), m.weight.numel()
             lo = 0
             while lo < numel:
-                one = open_bins.get(key)
+                one = open_bins.get(m.key)
                 if one is None or one.room < size:
-                    one = open_bins[key] = _Bin(key, grad is not None, self.bin_bytes)
-                    self._hyperparameters(one, group, rest)
+                    one = open_bins[m.key] = _Bin(m.key, m.grad is not None, self.bin_bytes)
+                    self._hyperparameters(one, m.group, rest)
                     bins.append(one)
                 hi = min(numel, lo + one.room // size)
                 one.room -= (hi - lo) * size
-                one.weights.append(_slices(tensors[0], lo, hi))
-                one.first.append(_slices(tensors[1], lo, hi))
-                if self.adam:
-                    one.second.append(_slices(tensors[2], lo, hi))
-                    if tensors[3] is not None:
-                        one.peak.append(_slices(tensors[3], lo, hi))
-                if grad is not None:
-                    one.grads.append(_slices(grad, lo, hi))
-                one.scales.append(factor)
-                one.eps.append(eps)
+                one.weights.append(_slices(m.weight, lo, hi))
+                one.first.append(_slices(m.first, lo, hi))
+                if m.second is not None:
+                    one.second.append(_slices(m.second, lo, hi))
+                if m.peak is not None:
+                    one.peak.append(_slices(m.peak, lo, hi))
+                if m.grad is not None:
+                    one.grads.append(_slices(m.grad, lo, hi))
+                one.scales.append(m.factor)
+                one.eps.append(m.eps)
                 lo = hi
         return bins
+
+    def _fused_bins(self, moved: list[_Moved], rest: float) -> list[_Bin] | None:
+        """Bins of the fused pass: per kind, dtype and device, the tensors cut into slices of few common lengths
+        (``fused_prediction.cuts``), each length's slices in bins of at most ``MOST_SLICES`` slices and of at most
+        the largest tensor's size or 2^20 elements (the compile's scratch); every signature compiled before any
+        weight moves (``None`` where one fails)."""
+        groups: dict[tuple, list[_Moved]] = {}
+        for m in moved:
+            kind = kind_of(self.adam, m.grad is not None, bool(m.group.get("amsgrad")))
+            groups.setdefault((kind, m.weight.dtype, m.weight.device), []).append(m)
+        most = max(_SCRATCH, *(m.weight.numel() for m in moved))  # elements per bin: the compile's scratch
+        bins: list[_Bin] = []
+        for (kind, dtype, device), members in groups.items():
+            rows = [self._row(kind, m, rest) for m in members]
+            lengths: dict[int, list[tuple[int, int, int]]] = {}  # length -> (member, lo, hi)
+            for j, pieces in enumerate(cuts([m.weight.numel() for m in members], members[0].weight.element_size())):
+                for lo, hi in pieces:
+                    lengths.setdefault(hi - lo, []).append((j, lo, hi))
+            for length, slices in lengths.items():
+                start = 0
+                for count in chunks(len(slices), max(1, min(MOST_SLICES, most // length))):
+                    signature = PassSignature(kind, count, length, dtype, device)
+                    one = _Bin(signature, kind not in (SGD, ADAM), 0, fused=fused_pass(signature))
+                    for j, lo, hi in slices[start:start + count]:
+                        m = members[j]
+                        one.weights.append(_flat(m.weight, lo, hi))
+                        one.first.append(_flat(m.first, lo, hi))
+                        if kind == ADAM:  # nothing known: amsgrad's max_exp_avg_sq in exp_avg_sq's place
+                            read = m.peak if m.peak is not None else m.second
+                            assert read is not None
+                            one.second.append(_flat(read, lo, hi))
+                        elif m.second is not None:
+                            one.second.append(_flat(m.second, lo, hi))
+                            if m.peak is not None:
+                                one.peak.append(_flat(m.peak, lo, hi))
+                        if m.grad is not None:
+                            one.grads.append(_flat(m.grad, lo, hi))
+                        one.rows.append(rows[j])
+                    start += count
+                    bins.append(one)
+        for one in bins:
+            assert one.fused is not None
+            if one.fused.compiled:
+                continue
+            try:
+                scratch = one.fused.compile(one.first, one.second, one.peak, one.grads)
+            except Exception as error:  # whatever the compiler raised: the multi-tensor passes work
+                self.fused = False
+                warnings.warn(f"lightning_paci: the fused weight prediction did not compile ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''}); the weight prediction runs "
+                              f"in multi-tensor passes instead.", stacklevel=2)
+                return None
+            self.peak_extra_bytes = max(self.peak_extra_bytes, scratch)
+        return bins
+
+    def _row(self, kind: str, m: _Moved, rest: float) -> tuple[float, ...]:
+        """A tensor's row of the fused pass's scalars: the multi-tensor passes' folded scalars."""
+        alpha, square, beta2 = self._constants(m.group, rest) if m.grad is not None else (0.0, 0.0, 1.0)
+        return scalar_row(kind, m.factor, m.eps, alpha, square, beta2)
 
     def _fold(self, state: dict, group: dict, scale: float, rest: float, step: float,
               known: bool) -> tuple[tuple, float, float] | None:
@@ -322,17 +482,18 @@ class WeightPrediction:
 
     def _hyperparameters(self, one: _Bin, group: dict, rest: float) -> None:
         """The scalars a bin's passes take once (the same for every tensor of the bin's key)."""
-        if not one.known:
-            return
+        if one.known:
+            one.alpha, one.square, one.beta2 = self._constants(group, rest)
+
+    def _constants(self, group: dict, rest: float) -> tuple[float, float, float]:
+        """``(alpha, square, beta2)`` of a known gradient: the gradient's (SGD) or the moment's (Adam) weight in the
+        numerator, the squared gradient's weight in the second moment, and beta2."""
         c = _window_factor(group, rest)
         if not self.adam:
             mu, damping = group["momentum"], group["dampening"]
-            one.alpha = ((mu * (1 - damping) + 1) / (mu * mu) if group["nesterov"] else (1 - damping) / mu) * c
-            return
+            return ((mu * (1 - damping) + 1) / (mu * mu) if group["nesterov"] else (1 - damping) / mu) * c, 0.0, 1.0
         beta1, beta2 = group["betas"]
-        one.alpha = beta1 / ((1 - beta1) * c)
-        one.beta2 = beta2
-        one.square = (1 - beta2) * c * c / beta2
+        return beta1 / ((1 - beta1) * c), (1 - beta2) * c * c / beta2, beta2
 
     def _step_counts(self) -> list[float]:
         """Every entry's ``step`` count (0 without state), read from the device only when a ``step`` tensor is not
@@ -354,6 +515,11 @@ class WeightPrediction:
             for i, (alias, _, _) in enumerate(self.entries):
                 if alias.grad is not None:
                     self._steps[i] += 1.0
+
+
+def _contiguous(m: _Moved) -> bool:
+    """Whether a tensor's weights, state and gradient are all contiguous: the fused pass takes flat slices."""
+    return all(t is None or t.is_contiguous() for t in (m.weight, m.first, m.second, m.peak, m.grad))
 
 
 def _window_factor(group: dict, rest: float) -> float:
