@@ -28,6 +28,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                 "compile=\"blocks\" against eager: a stage's GPT-2 blocks, forward and backward per micro-batch"),
     "compensation": ("benchmarks.compensation",
                      "six transformers models: final loss of one device and PACI with compensation none/predict/auto"),
+    "prediction": ("benchmarks.prediction_cost",
+                   "the weight prediction's bytes per parameter (counted) and its share of a GPU stage's F+B"),
     "plan": ("benchmarks.plan",
              "plan=\"auto\" under a memory budget against the best run of a measured grid (emulated cluster)"),
 }

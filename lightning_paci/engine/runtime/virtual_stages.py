@@ -29,6 +29,7 @@ class ChunkComm:
 
     def __init__(self, remote: Comm, local: LocalComm, local_stages: frozenset[int]) -> None:
         self.remote, self.local, self.local_stages = remote, local, local_stages
+        self.advances = bool(getattr(remote, "advances", False))  # [Note: payloads received early]
 
     def _to(self, stage: int) -> Comm:
         return self.local if stage in self.local_stages else self.remote

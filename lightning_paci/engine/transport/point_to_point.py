@@ -107,6 +107,7 @@ class DistComm:
         # payload's receive is posted; the communication stream (CUDA, made at first use); receives so posted
         self._early: dict[int, _Arriving] = {}
         self._stream: Any = None
+        self.advances = self._can_post and headers is not None  # ReceivesAhead advances its posted receives
         self._waiters: dict[int, _HeaderWaiter] = {}  # by the stage a link receives from
         self.payloads_posted = 0
         self.sent_messages = self.sent_bytes = 0  # framed bytes (header + payload) of every message sent
@@ -394,6 +395,7 @@ class ReceivesAhead:
 
     def __init__(self, comm: Comm, stage: int, actions: Sequence[Action]) -> None:
         self._comm = comm
+        self._advances = bool(getattr(comm, "advances", False))  # [Note: payloads received early]
         self._sources = {RECV_F: stage - 1, RECV_B: stage + 1}
         self._left = {RECV_F: 0, RECV_B: 0}  # receives of each link still to come in this call
         for action in actions:
@@ -412,9 +414,10 @@ class ReceivesAhead:
             if left > 1:
                 self._comm.post(self._sources[action.kind])
             return
-        for kind, count in self._left.items():
-            if count:
-                self._comm.post(self._sources[kind])
+        if self._advances:
+            for kind, count in self._left.items():
+                if count:
+                    self._comm.post(self._sources[kind])
 
 
 class _Arrival:
