@@ -84,7 +84,8 @@ def _one_line_per_survivor(said: str, killed: str, survivors: list[str], traceba
         if warnings:  # its stack ends where the next line of ours or of Lightning's begins
             stack = r"^\[rank\d\]:\[W[^\n]*TCPStore\.cpp[^\n]*\n(?:(?:Exception raised|frame #|<omitting)[^\n]*\n)*"
             said = re.sub(stack, "", said, flags=re.MULTILINE)
-    assert traceback not in said and "frame #" not in said, said[-4000:]
+    first = min((i for i in (said.find(traceback), said.find("frame #")) if i >= 0), default=-1)
+    assert first < 0, said[max(0, first - 2500):first + 1500]  # what printed the stack, and the stack
 
 
 def _none_left(pids: list[int], seconds: float = 10.0) -> list[int]:
