@@ -120,11 +120,13 @@ def test_sigkill_of_one_rank_under_torchrun_brings_every_rank_down_naming_it(tmp
 _SCRIPT_STAGES = {0: "stage 3", 1: "stage 2", 2: "stage 1", 3: "stage 0"}
 
 
-@pytest.mark.parametrize("rank", [0, 1, 3])
+@pytest.mark.parametrize("rank", [0, 3])
 def test_sigkill_of_one_rank_under_the_default_launcher_brings_every_rank_down_naming_it(tmp_path, rank):
     # global rank 0 is the launcher and hosts the store: killed, it is named as the stage it ran (not as "the
     # launcher"), and no rank calls its store again (each call to a lost store prints a C++ stack); another rank
-    # killed, Lightning's launcher leaves the ending to the watchdogs instead of SIGKILLing every rank and itself
+    # killed (stage 0, whose one neighbour's receive breaks; a rank with two neighbours and a data-parallel peer is
+    # the torchrun test's), Lightning's launcher leaves the ending to the watchdogs instead of SIGKILLing every rank
+    # and itself
     script = Path(__file__).parent / "scripts" / "kill_rank_script.py"
     out = subprocess.run([sys.executable, str(script), str(tmp_path / "OUT"), str(rank)], capture_output=True,
                          text=True, timeout=150, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
