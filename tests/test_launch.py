@@ -43,7 +43,13 @@ def _two_torchrun_nodes(workdir: Path, *args: str) -> tuple[list[subprocess.Comp
                               env=env, cwd=workdir) for command in commands]
     done = []
     for command, node in zip(commands, nodes):
-        stdout, stderr = node.communicate(timeout=150)
+        try:
+            stdout, stderr = node.communicate(timeout=150)
+        except subprocess.TimeoutExpired:  # what every node said so far, for the failure's message
+            for other in nodes:
+                other.kill()
+            said = "\n---\n".join(other.communicate()[1][-6000:] for other in nodes)
+            raise AssertionError(f"the torchrun nodes did not end in 150 s: {said}") from None
         done.append(subprocess.CompletedProcess(command, node.returncode, stdout, stderr))
     return done, time.monotonic() - start
 
