@@ -37,6 +37,16 @@ def _halves(batch):
 
 
 def _one_device(module, batch):
+    """One device's plain step on the whole batch."""
+    optimizer = module.configure_optimizers()
+    module.training_step(batch, 0).backward()
+    optimizer.step()
+    return module
+
+
+def _accumulated(module, batch):
+    """One device accumulating the pipeline's two micro-batches: the reference for a loss that couples the batch's
+    samples ([Note: a loss that couples a batch's samples]), which one device's plain step is not."""
     optimizer = module.configure_optimizers()
     for half in _halves(batch):
         (module.training_step(half, 0) / 2).backward()
@@ -44,15 +54,15 @@ def _one_device(module, batch):
     return module
 
 
-def _pipeline_equals_one_device(module, batch, stages):
-    """The plan (from a traced step), the pipeline after one "1f1b" step equal to one device, then four "paci"
-    steps lowering the loss."""
+def _pipeline_equals_one_device(module, batch, stages, reference_step=_one_device):
+    """The plan (from a traced step), the pipeline after one "1f1b" step equal to ``reference_step`` (one device's
+    plain step on the whole batch), then four "paci" steps lowering the loss."""
     reference = copy.deepcopy(module)
     plan = plan_partition(module, stages, trace=_trace(module, _halves(batch)[0]))
     pipeline = ReferencePipeline(module, plan)
     pipeline.run(build_schedule("1f1b", stages, 2, 2, 1, tied=bool(plan.tied)), [batch])
     with recording_logs(reference, [], 2, "training_step"):
-        _one_device(reference, batch)
+        reference_step(reference, batch)
     state = pipeline.state_dict()
     assert state.keys() == reference.state_dict().keys()
     for key, value in reference.state_dict().items():
@@ -115,8 +125,9 @@ def _clip():
 
 @pytest.mark.parametrize("stages", [2, 4])
 def test_a_two_tower_contrastive_model_with_a_learned_temperature_equals_one_device(stages):
+    # its contrastive loss couples the batch's samples: against one device accumulating the same micro-batches
     module, batch = _clip()
-    plan, pipeline = _pipeline_equals_one_device(module, batch, stages)
+    plan, pipeline = _pipeline_equals_one_device(module, batch, stages, reference_step=_accumulated)
     assert plan.containers == ("model.vision_model.encoder.layers", "model.text_model.encoder.layers")
     assert plan.direct == (("model.logit_scale", stages - 1),)  # used by the loss, after both towers
     # the image embedding is made where the vision tower ends and read by the loss on the last stage
