@@ -4,10 +4,12 @@ empty; a flush waits for each send once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import time
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -96,11 +98,31 @@ def _strictly_equal(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _worker(rank: int, path: str, errors: Any) -> None:
+@contextlib.contextmanager
+def _two_ranks(rank: int, path: str, errors: Any) -> Iterator[None]:
+    """This forked rank in a 2-rank gloo world (one intra-op thread) for the block, then a barrier and the world
+    left; a failure's traceback goes to ``errors``, for the test process."""
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
                                 timeout=timedelta(seconds=30))
+        yield
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+def _directed(*, split: bool = False) -> DistComm:
+    """Two stages' transport on the "directed" layout; ``split``: headers on the host group of every rank, a tag
+    per link ([Note: headers on a host side channel], forced on the CPU)."""
+    groups = {key: dist.new_group(list(members)) for key, members in layout_communicators("directed", 2).items()}
+    return DistComm([0, 1], groups=groups, headers=dist.new_group([0, 1]) if split else None)
+
+
+def _worker(rank: int, path: str, errors: Any) -> None:
+    with _two_ranks(rank, path, errors):
         comm = DistComm([0, 1])
         expected = _messages()
         if rank == 0:
@@ -111,11 +133,6 @@ def _worker(rank: int, path: str, errors: Any) -> None:
         else:
             for message in expected:
                 _assert_same(comm.recv(0), message)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
 
 
 def _assert_same(received: Any, sent: Any) -> None:
@@ -133,15 +150,8 @@ def _directed_worker(rank: int, path: str, errors: Any) -> None:
     """Two stages on the "directed" layout: stage 1 posts its next activation receive ahead while stage 0 sends a
     tied-weight message (channel 1) first and then a run of activations, small and large; stage 1 then sends the
     gradients back, taken through receives posted ahead on stage 0."""
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
-                                timeout=timedelta(seconds=30))
-        groups = {key: dist.new_group(list(members)) for key, members in layout_communicators("directed", 2).items()}
-        headers = None
-        if os.environ.get("PACI_TEST_SPLIT") == "1":  # [Note: headers on a host side channel], forced on the CPU:
-            headers = dist.new_group([0, 1])  # the host group of every rank, a tag per link
-        comm = DistComm([0, 1], groups=groups, headers=headers)
+    with _two_ranks(rank, path, errors):
+        comm = _directed(split=os.environ.get("PACI_TEST_SPLIT") == "1")
         messages = _messages() * 3  # more sends than spare buffers: reused buffers must not change a message
         if rank == 0:
             comm.send([torch.full((3,), 7.0)], 1, channel=1)
@@ -166,11 +176,6 @@ def _directed_worker(rank: int, path: str, errors: Any) -> None:
                 comm.send(message, 0)
             comm.flush()
             assert comm.reused_headers == 3 * REPEATED, comm.reused_headers
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
 
 
 @pytest.mark.timeout(60)
@@ -242,12 +247,8 @@ class _DeviceSend:
 
 
 def _flush_worker(rank: int, path: str, errors: Any) -> None:
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
-                                timeout=timedelta(seconds=30))
-        groups = {key: dist.new_group(list(members)) for key, members in layout_communicators("directed", 2).items()}
-        comm = DistComm([0, 1], groups=groups)
+    with _two_ranks(rank, path, errors):
+        comm = _directed()
         if rank == 0:  # this forked rank's sends behave as NCCL's (the test process is not patched)
             sends: list[_DeviceSend] = []
             send = dist.ProcessGroup.send
@@ -264,11 +265,6 @@ def _flush_worker(rank: int, path: str, errors: Any) -> None:
         else:
             for message in _messages()[:3]:
                 _assert_same(comm.recv(0), message)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
 
 
 @pytest.mark.timeout(60)
@@ -284,12 +280,8 @@ def _early_payload_worker(rank: int, path: str, errors: Any) -> None:
     posts its payload's receive, so the consumer finds it posted."""
     from lightning_paci.schedules.actions import RECV_F, Action, F
 
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
-                                timeout=timedelta(seconds=30))
-        groups = {key: dist.new_group(list(members)) for key, members in layout_communicators("directed", 2).items()}
-        comm = DistComm([0, 1], groups=groups, headers=dist.new_group([0, 1]))
+    with _two_ranks(rank, path, errors):
+        comm = _directed(split=True)
         messages = [{"x": torch.arange(12.0).reshape(3, 4) + i, "i": i} for i in range(2)]
         if rank == 0:
             for message in messages:
@@ -313,11 +305,6 @@ def _early_payload_worker(rank: int, path: str, errors: Any) -> None:
             # message 0's payload is posted by its own receive (no action ran before it); message 1's by F 0
             assert order == ["recv 0, payloads posted 0", "F 0", "recv 1, payloads posted 2", "F 1"], order
             assert comm.posted == 0
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
 
 
 @pytest.mark.timeout(60)
