@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -359,6 +360,24 @@ class HFModel(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def tiny_clip(*, layers: int = 3, batch_size: int = 4) -> tuple[HFModel, dict[str, Any]]:
+    """transformers' CLIP (two towers of ``layers`` layers, a learned temperature) in float64, and one batch of
+    ``batch_size`` text-image pairs asking for its contrastive loss (in-batch negatives)."""
+    import transformers as tr
+
+    torch.manual_seed(61)
+    config = tr.CLIPConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, max_position_embeddings=16, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0),
+        vision_config=dict(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=layers, num_attention_heads=4),
+        projection_dim=16)
+    batch = {"input_ids": torch.randint(3, 64, (batch_size, 6)),
+             "pixel_values": torch.randn(batch_size, 3, 16, 16, dtype=torch.float64), "return_loss": True}
+    return HFModel(tr.CLIPModel(config)).double(), batch
 
 
 def dict_loader(batches: list[dict[str, torch.Tensor]]) -> DataLoader:

@@ -15,28 +15,17 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-import transformers as tr
 from zoo import SKIP, causal_lm_families
 from zoo import build as build_family
 
 from lightning_paci.integration.setup.batch_coupling import TOLERANCE, batch_coupling, coupling_warning
 
 from helpers import fit
-from models import HFModel, dict_loader
+from models import HFModel, dict_loader, tiny_clip
 
 
 def _clip(batch_size: int = 8) -> tuple[HFModel, dict[str, Any]]:
-    torch.manual_seed(61)
-    config = tr.CLIPConfig(
-        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=16, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0),
-        vision_config=dict(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4),
-        projection_dim=16)
-    batch = {"input_ids": torch.randint(3, 64, (batch_size, 6)),
-             "pixel_values": torch.randn(batch_size, 3, 16, 16, dtype=torch.float64), "return_loss": True}
-    return HFModel(tr.CLIPModel(config)).double(), batch
+    return tiny_clip(layers=2, batch_size=batch_size)
 
 
 def _check(module: HFModel, batch: Any, m: int = 2) -> str | None:

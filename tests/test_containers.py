@@ -22,7 +22,7 @@ from lightning_paci.partition.plan import call_order, plan_partition
 from lightning_paci.schedules import build_schedule
 
 from helpers import fit
-from models import DiffusionUNet, HFModel, LongSkip, dict_loader, hf_model_reference, regression_loader
+from models import DiffusionUNet, HFModel, LongSkip, dict_loader, hf_model_reference, regression_loader, tiny_clip
 
 
 def _trace(module: nn.Module, half):
@@ -110,17 +110,7 @@ def test_an_encoder_decoder_at_four_stages_puts_its_encoders_layers_first_and_eq
 
 
 def _clip():
-    torch.manual_seed(61)
-    config = tr.CLIPConfig(
-        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, max_position_embeddings=16, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0),
-        vision_config=dict(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                           num_attention_heads=4),
-        projection_dim=16)
-    batch = {"input_ids": torch.randint(3, 64, (4, 6)), "pixel_values": torch.randn(4, 3, 16, 16, dtype=torch.float64),
-             "return_loss": True}
-    return HFModel(tr.CLIPModel(config)).double(), batch
+    return tiny_clip()
 
 
 @pytest.mark.parametrize("stages", [2, 4])
