@@ -259,7 +259,7 @@ class DistComm:
         if not self._can_post or stage in self._early:
             return
         if stage in self._posted:
-            if self._headers is not None:
+            if self.advances:
                 self._advance(stage)
             return
         header = self._headers is not None  # then the header is what is posted, on the host
@@ -287,10 +287,9 @@ class DistComm:
         as before (the deadlock model's proof holds: a payload is received after its header, by the call that
         posted it). On the CPU the same code posts the payload's gloo or emulated receive early: counted by
         ``payloads_posted`` and tested (tests/test_communicators.py)."""
-        work, first = self._posted[stage]
-        if isinstance(work, BaseException) or not work.is_completed():
+        if not self._header_in(stage):
             return
-        del self._posted[stage]
+        work, first = self._posted.pop(stage)
         try:
             work.wait()
             group, peer, _ = self._route(0, stage, self._stage)
@@ -301,8 +300,10 @@ class DistComm:
     def arrived(self, stage: int) -> bool:
         """Whether the posted receive of ``stage``'s next channel-0 message has its header (or all of it, on one
         buffer) in: a host flag, no wait."""
-        if stage in self._early:
-            return True
+        return stage in self._early or self._header_in(stage)
+
+    def _header_in(self, stage: int) -> bool:
+        """Whether ``stage``'s posted receive (header, or the whole message on one buffer) completed: no wait."""
         posted = self._posted.get(stage)
         return posted is not None and not isinstance(posted[0], BaseException) and posted[0].is_completed()
 

@@ -154,12 +154,12 @@ def whole_tensors(model_parallel: bool, built_on_meta: Callable[[], bool], modul
 
     def whole(_: Any, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and on_meta:
-                state[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+            if not isinstance(value, torch.Tensor):
+                continue
+            if on_meta or (isinstance(value, DTensor) and value.to_local().is_meta):
+                state[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")  # the whole shape
             elif isinstance(value, DTensor):
-                meta = value.to_local().is_meta
-                state[key] = torch.empty(value.shape, dtype=value.dtype, device="meta") if meta else \
-                    value.full_tensor().detach()
+                state[key] = value.full_tensor().detach()
 
     handle = module.register_state_dict_post_hook(whole)
     try:
