@@ -44,8 +44,7 @@ from lightning_paci.engine.replicas.topology import Topology
 from lightning_paci.engine.runtime.runtime import StageRuntime
 from lightning_paci.engine.supervision.activity import activity
 from lightning_paci.engine.supervision.watchdog import mark_setup_error
-from lightning_paci.engine.transport.collectives import broadcast_object, reduce_decision
-from lightning_paci.engine.transport.pickle_guard import check_no_tensors
+from lightning_paci.engine.transport.collectives import all_gather_object, broadcast_object, reduce_decision
 from lightning_paci.integration.checkpoints.checkpoint_hooks import CheckpointHooks
 from lightning_paci.integration.processes.process_groups import ProcessGroups, check_launched_world
 from lightning_paci.integration.processes.process_life import ProcessLife
@@ -405,14 +404,8 @@ class PACIStrategy(ParallelStrategy):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable, no device tensors), in global-rank order, on every rank: over the host
         group, never over NCCL ([Note: host groups on a bound world]); ``[obj]`` without a process group."""
-        if not api.distributed_is_initialized():
-            return [obj]
         host = None if self._life.groups is None else self._life.groups.host
-        check_no_tensors(obj, what="`strategy.all_gather_object(obj)`", host_tensors=True)
-        gathered: list[Any] = [None] * dist.get_world_size()
-        with activity.collective("an object gather"):
-            dist.all_gather_object(gathered, obj, group=host)
-        return gathered
+        return all_gather_object(obj, host, what="`strategy.all_gather_object(obj)`")
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:

@@ -19,8 +19,8 @@ from torch import Tensor
 from lightning_paci.engine.supervision.activity import ALL, activity
 from lightning_paci.engine.transport.pickle_guard import check_no_tensors
 
-__all__ = ["broadcast_object", "broadcast_objects", "collective_waits", "gather_everywhere", "gather_objects",
-           "gather_to_first", "merge_parts", "reduce_decision", "reduce_over"]
+__all__ = ["all_gather_object", "broadcast_object", "broadcast_objects", "collective_waits", "gather_everywhere",
+           "gather_objects", "gather_to_first", "merge_parts", "reduce_decision", "reduce_over"]
 
 
 def broadcast_objects(obj: Any, src: int, ranks: Sequence[int], host: dist.ProcessGroup | None, *, what: str) -> Any:
@@ -60,6 +60,18 @@ def collective_waits(watch_id: Callable[[int], int], group: Any) -> Any:
     if group is None:
         return ALL
     return frozenset(watch_id(r) for r in dist.get_process_group_ranks(group))
+
+
+def all_gather_object(obj: Any, group: Any, *, what: str) -> list[Any]:
+    """Every rank's ``obj`` (pickled, host tensors allowed, no device tensor), in global-rank order, on every rank of
+    ``group`` (every rank: the host group, never an NCCL one); ``[obj]`` without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    check_no_tensors(obj, what=what, host_tensors=True)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    with activity.collective(what):
+        dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def broadcast_object(obj: Any, src: int, group: Any, *, what: str, waits: Any = ALL,
