@@ -50,7 +50,7 @@ BOOKKEEPING: tuple[tuple[str, str, str, str], ...] = (
     ("records", "lightning_paci.engine.runtime.records", "StageRecords", "account"),
     ("records", "lightning_paci.engine.runtime.records", "StageRecords", "add_backward"),
     ("records", "lightning_paci.engine.runtime.records", "StageRecords", "record_update"),
-    ("look-ahead", "lightning_paci.engine.transport.point_to_point", "ReceivesAhead", "taken"),
+    ("look-ahead", "lightning_paci.engine.transport.receives_ahead", "ReceivesAhead", "taken"),
     ("cursor", "lightning_paci.engine.streams.cursor", "StreamCursor", "segment"),
     ("micro-batches", "lightning_paci.engine.streams.driver", "", "split_weighted"),  # the name the driver calls
     ("micro-batches", "lightning_paci.engine.runtime.runtime", "StageRuntime", "add_microbatch"),

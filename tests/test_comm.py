@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from lightning_paci.engine.transport.local_mailbox import LocalComm
 from lightning_paci.engine.transport.messages import FIRST_BYTES, flatten
-from lightning_paci.engine.transport.point_to_point import DistComm, ReceivesAhead
+from lightning_paci.engine.transport.point_to_point import DistComm
+from lightning_paci.engine.transport.receives_ahead import ReceivesAhead
 from lightning_paci.engine.transport.wire import HeaderReader, HeaderWriter, frame
 from lightning_paci.schedules import layout_communicators
 

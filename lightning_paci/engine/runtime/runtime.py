@@ -37,7 +37,8 @@ from lightning_paci.engine.runtime.records import BackwardRecord, StageRecords
 from lightning_paci.engine.runtime.runtime_state import RuntimeState
 from lightning_paci.engine.runtime.updates import checked_update
 from lightning_paci.engine.transport.messages import flatten
-from lightning_paci.engine.transport.point_to_point import Comm, ReceivesAhead
+from lightning_paci.engine.transport.point_to_point import Comm
+from lightning_paci.engine.transport.receives_ahead import ReceivesAhead
 from lightning_paci.errors import StageFailure
 from lightning_paci.optim.prediction_cost import prediction_pays
 from lightning_paci.optim.stage_optimizer import StageOptimizer

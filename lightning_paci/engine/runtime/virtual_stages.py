@@ -17,7 +17,8 @@ from typing import Any
 
 from lightning_paci.engine.runtime.runtime import StageRuntime
 from lightning_paci.engine.transport.local_mailbox import LocalComm
-from lightning_paci.engine.transport.point_to_point import Comm, ReceivesAhead
+from lightning_paci.engine.transport.point_to_point import Comm
+from lightning_paci.engine.transport.receives_ahead import ReceivesAhead
 from lightning_paci.schedules import Action, F
 
 __all__ = ["ChunkComm", "DeviceRuntime", "local_network"]

@@ -22,11 +22,9 @@ other at the same time cannot deadlock (waiting on a send right after posting it
 from __future__ import annotations
 
 import contextlib
-import queue
 import struct
-import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -42,12 +40,12 @@ from lightning_paci.engine.transport.messages import (
     as_bytes,
     from_bytes,
 )
+from lightning_paci.engine.transport.receives_ahead import HeaderWaiter
 from lightning_paci.engine.transport.split_wire import SplitHeader, frame_split, read_split_header, unpack_split
 from lightning_paci.engine.transport.wire import HEADER, HeaderReader, HeaderWriter, frame, header_bytes, place_floats
-from lightning_paci.schedules.actions import RECV_B, RECV_F, Action
 from lightning_paci.schedules.communicators import Communicator, communicator
 
-__all__ = ["Comm", "DistComm", "ReceivesAhead", "StageMismatchError"]
+__all__ = ["Comm", "DistComm", "StageMismatchError"]
 
 
 class Comm(Protocol):
@@ -108,7 +106,7 @@ class DistComm:
         self._early: dict[int, _Arriving] = {}
         self._stream: Any = None
         self.advances = self._can_post and headers is not None  # ReceivesAhead advances its posted receives
-        self._waiters: dict[int, _HeaderWaiter] = {}  # by the stage a link receives from
+        self._waiters: dict[int, HeaderWaiter] = {}  # by the stage a link receives from
         self.payloads_posted = 0
         self.sent_messages = self.sent_bytes = 0  # framed bytes (header + payload) of every message sent
         self._writer, self._reader = HeaderWriter(), HeaderReader()  # [Note: header reuse]
@@ -269,7 +267,7 @@ class DistComm:
             work: Any = group.recv([buffer], peer, tag)
             # gloo's receive says it completed only once waited for: a thread waits, the host reads its flag
             if header:  # one thread per link: a link's headers arrive in order, two links' in any
-                work = self._waiters.setdefault(stage, _HeaderWaiter()).watch(work)
+                work = self._waiters.setdefault(stage, HeaderWaiter()).watch(work)
             self._posted[stage] = (work, buffer)
         except (RuntimeError, ConnectionError) as err:  # a dead peer: told by the receive that takes it, which
             self._posted[stage] = (err, buffer)  # the runtime reports naming the peer, the action and the step
@@ -387,86 +385,6 @@ class DistComm:
         for _, buffer, view in pending:
             if view is not None and len(self._spare) < _SPARE:
                 self._spare.append((buffer, view))
-
-
-class ReceivesAhead:
-    """The receives a stage posts ahead while it runs one call's ``actions`` ([Note: receives posted ahead]): the
-    first activation and gradient receive at once, each next one of a link when the previous was taken, none past
-    the call's last receive of that link."""
-
-    def __init__(self, comm: Comm, stage: int, actions: Sequence[Action]) -> None:
-        self._comm = comm
-        self._advances = bool(getattr(comm, "advances", False))  # [Note: payloads received early]
-        self._sources = {RECV_F: stage - 1, RECV_B: stage + 1}
-        self._left = {RECV_F: 0, RECV_B: 0}  # receives of each link still to come in this call
-        for action in actions:
-            if action.kind in self._left:
-                self._left[action.kind] += 1
-        for kind, count in self._left.items():
-            if count:
-                comm.post(self._sources[kind])
-
-    def taken(self, action: Action) -> None:
-        """Call after each action: a receive that completed posts the next of its link, if the call has one; any
-        other action advances the links' posted receives ([Note: payloads received early])."""
-        left = self._left.get(action.kind)
-        if left is not None:
-            self._left[action.kind] = left - 1
-            if left > 1:
-                self._comm.post(self._sources[action.kind])
-            return
-        if self._advances:
-            for kind, count in self._left.items():
-                if count:
-                    self._comm.post(self._sources[kind])
-
-
-class _Arrival:
-    """A posted header receive as the host sees it: ``is_completed`` without waiting, ``wait`` until it is in (its
-    error raised there)."""
-
-    __slots__ = ("done", "error")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-    def is_completed(self) -> bool:
-        return self.done.is_set()
-
-    def wait(self) -> None:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-
-
-class _HeaderWaiter:
-    """One daemon thread per link that waits for its posted header receives in turn ([Note: payloads received
-    early]): gloo's receive work reports completion only from ``wait()`` (``is_completed()`` stays False until
-    then, measured with torch 2.13), and a second ``wait()`` would wait for a second message, so only this thread
-    waits on the work and the host reads the :class:`_Arrival` it sets. Per link, not per transport: one thread
-    waiting for a header of one link could not flag the other link's, which may have to arrive first."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, _Arrival]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def watch(self, work: Any) -> _Arrival:
-        arrival = _Arrival()
-        self._queue.put((work, arrival))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="lightning_paci headers", daemon=True)
-            self._thread.start()
-        return arrival
-
-    def _run(self) -> None:
-        while True:
-            work, arrival = self._queue.get()
-            try:
-                work.wait()
-            except BaseException as err:  # a dead peer, a timeout: raised by the receive that takes it
-                arrival.error = err
-            arrival.done.set()
 
 
 class _Arriving(NamedTuple):
