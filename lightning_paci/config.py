@@ -158,6 +158,14 @@ class PACIConfig:
             prediction is checked against the run ([Note: the plan at setup] in integration/setup/auto_plan.py).
         memory_budget: with ``plan="auto"``, the most bytes a process may hold for parameters, gradients,
             optimizer state and activations (a number, or text such as ``"24GiB"``); None: no bound.
+        whole_batch_loss: the name of the LightningModule method that ``training_step`` calls to compute a loss
+            over the whole batch from per-sample tensors (a contrastive loss with in-batch negatives), and whose
+            result it returns: the last stage then calls it once per batch on every micro-batch's arguments joined
+            along dim 0, as one device does, and sends each micro-batch its gradient ([Note: the whole-batch loss]
+            in engine/runtime/whole_batch.py). Every stage's warm-up grows by ``microbatches - 1``: ``"1f1b"`` runs
+            ``"gpipe"``'s order (all of a batch's activations held), ``"paci"`` holds ``microbatches - 1`` more
+            and its drift bound grows to ``ceil((N - 2 - s + microbatches) / accumulation)``. None (default): each
+            micro-batch's step computes its own loss.
 
     Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) uses the norm over every stage's gradients under
     the flush schedules, as one device; under ``"paci"`` every stage's latest norm as the pipeline's messages carry
@@ -196,6 +204,7 @@ class PACIConfig:
     placement: Placement = "loop"
     plan: Literal["off", "auto"] = "off"
     memory_budget: float | str | None = None  # bytes per process ("24GiB" accepted); a float once checked
+    whole_batch_loss: str | None = None  # a LightningModule method's name
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES + VIRTUAL_SCHEDULE_NAMES)
@@ -271,6 +280,7 @@ class PACIConfig:
         if self.memory_budget is not None and self.plan != "auto":
             raise ValueError(f"`memory_budget={self.memory_budget:.0f}` bounds the plan `plan='auto'` chooses; pass "
                              f"`plan='auto'` with it, or drop it.")
+        _check_whole_batch_loss(self)
         if self.recompute_stages is not None and self.recompute == "off":
             raise ValueError(f"`recompute_stages={self.recompute_stages}` needs `recompute='blocks'`: it chooses which "
                              f"stages recompute. Pass `PACIStrategy(recompute='blocks', recompute_stages=...)`.")
@@ -370,6 +380,26 @@ def _check_partition_options(config: PACIConfig) -> None:
     if not isinstance(config.timeout, timedelta) or config.timeout.total_seconds() <= 0:
         raise ValueError(f"`timeout={config.timeout!r}` must be a positive `datetime.timedelta` (the process groups' "
                          f"timeout), e.g. `timeout=timedelta(minutes=30)` (default).")
+
+
+def _check_whole_batch_loss(config: PACIConfig) -> None:
+    name = config.whole_batch_loss
+    if name is None:
+        return
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"`whole_batch_loss` names a method of the LightningModule, e.g. "
+                         f"`whole_batch_loss='contrastive_loss'`, got {name!r}.")
+    refused = [(bad, fix) for bad, fix in (
+        (config.schedule not in ("paci", "1f1b", "gpipe"), f"schedule={config.schedule!r}: use 'paci', '1f1b' or "
+                                                            f"'gpipe'"),
+        (config.virtual_stages > 1, f"virtual_stages={config.virtual_stages}: use 1"),
+        (config.model_parallel, f"tensor_parallel_size={config.tensor_parallel_size}: drop it"),
+        (config.plan == "auto", "plan='auto' (its search builds the lists without the whole-batch order): give the "
+                                "plan's options yourself")) if bad]
+    if refused:
+        raise ValueError(f"`whole_batch_loss={name!r}` computes the loss once per batch on the last stage, which "
+                         f"this release runs with one stage per process, unsharded, under 'paci', '1f1b' or "
+                         f"'gpipe'; got {'; '.join(fix for _, fix in refused)}.")
 
 
 def _check_virtual_stages(config: PACIConfig) -> None:

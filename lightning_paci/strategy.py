@@ -125,6 +125,7 @@ class PACIStrategy(ParallelStrategy):
         weights: str | os.PathLike[str] | None = None,
         virtual_stages: int = 1, placement: Placement = "loop",
         plan: Literal["off", "auto"] = "off", memory_budget: float | str | None = None,
+        whole_batch_loss: str | None = None,
     ) -> None:
         given = locals()  # the arguments above, by name: PACIConfig's fields and Lightning's (a test keeps them equal)
         self.config = PACIConfig(**{f.name: given[f.name] for f in dataclasses.fields(PACIConfig)})

@@ -75,7 +75,7 @@ def test_cursor_equals_full_builds(name, n, m, a):
         for tied in (False, True):
             # streams through the warm-up and a whole period after it (drains from exact builds), either side of
             # the template's horizon H, and every residue mod P past it (drains shifted from a template)
-            horizon = cursor_module._steady_horizon((name, n, m, a, offset, tied, 1, "loop"))
+            horizon = cursor_module._steady_horizon((name, n, m, a, offset, tied, 1, "loop", False))
             lengths = set(range(1, math.ceil(n / m) + period + 4)) | set(range(horizon - 1, horizon + period + 2))
             _check_streams(name, n, m, a, offset, tied, sorted(lengths | {40}))
 
@@ -95,6 +95,14 @@ def test_cursor_equals_full_builds_over_virtual_stages(name, placement, n, m, a)
     for offset in _offsets(a):
         _check_streams(name, n, m, a, offset, placement == "v", [1, 2, 7, 20], virtual_stages=2,
                        placement=placement)
+
+
+@pytest.mark.parametrize("name", ["paci", "1f1b", "gpipe"])
+@pytest.mark.parametrize(("n", "m", "a", "tied"), [(2, 2, 2, False), (4, 4, 4, True), (3, 5, 2, False)])
+def test_cursor_equals_full_builds_in_the_whole_batch_order(name, n, m, a, tied):
+    """[Note: whole-batch order]: every warm-up longer by m - 1, in rounds and drains as the full builds."""
+    for offset in _offsets(a):
+        _check_streams(name, n, m, a, offset, tied, [1, 2, 3, 9, 20], whole_batch=True)
 
 
 class _Rebuilding:

@@ -93,7 +93,8 @@ class DriftMonitor(StageMonitor):
         tied, config = bool(strategy.plan.tied), strategy.config
         schedule = build_schedule(config.schedule, strategy.num_stages, strategy.num_microbatches,
                                   strategy.accumulation, 4 + 2 * strategy.accumulation, tied=tied,
-                                  virtual_stages=config.virtual_stages, placement=config.placement)
+                                  virtual_stages=config.virtual_stages, placement=config.placement,
+                                  whole_batch=config.whole_batch_loss is not None)
         last, deferred = schedule.num_stages - 1, config.deferred_update
         # with virtual stages a stage's gaps are read off its actions in its process's order (the peak-based bound
         # assumes one backward between two forwards, which a process running several stages need not keep)

@@ -23,6 +23,15 @@ follows every ``a``-th backward, so at most ``ceil(w / a)`` optimizer steps fall
 ``"1f1b"`` is the same rule applied to each mini-batch separately (a flush at every mini-batch boundary: the
 paper's synchronous baseline); ``"gpipe"`` runs all forwards of a mini-batch, then all its backwards.
 
+[Note: whole-batch order]
+With a loss computed once over the whole batch ([Note: the whole-batch loss] in engine/runtime/whole_batch.py) the
+last stage cannot run a mini-batch's first backward before its last forward. Every stage's warm-up then grows by
+``m - 1`` forwards: ``w = N - 1 - s + m - 1``, the rest as above. Under ``"1f1b"`` (warm-up capped by ``m``) that is
+``"gpipe"``'s order: each stage holds all ``m`` micro-batches of the batch at its peak instead of ``N - s``, and
+the fill and drain bubbles are ``"gpipe"``'s. Under ``"paci"`` the backwards of one mini-batch interleave with
+the forwards of the next as before: stage ``s`` holds ``N - s + m - 1`` micro-batches at its peak and the drift
+bound is ``ceil((N - 1 - s + m - 1) / a)``, read off the lists like every other bound.
+
 [Note: layered backward]
 ``"layered"`` is ``"gpipe"`` with the backward of layered gradient accumulation (Lamy-Poirier, arXiv 2106.02679): a
 stage runs its mini-batch's backward block by block -- its last block for every micro-batch, then the block before
@@ -84,6 +93,7 @@ def build_schedule(
     tied: bool = False,
     virtual_stages: int = 1,
     placement: str = "loop",
+    whole_batch: bool = False,
 ) -> Schedule:
     """Build the action list of every stage.
 
@@ -103,6 +113,9 @@ def build_schedule(
             (with ``v = 1`` the same lists as ``"1f1b"`` and ``"gpipe"``), ``"paci"`` runs over the chunks too.
         placement: ``"loop"`` (chunk ``c`` on device ``c mod P``) or ``"v"`` (zig-zag: the first and last chunk on
             device 0).
+        whole_batch: the loss is computed once over each whole mini-batch on the last stage: every warm-up grows
+            by ``m - 1`` ([Note: whole-batch order]); ``"paci"``, ``"1f1b"`` and ``"gpipe"`` with one stage per
+            device.
 
     Raises:
         ValueError / TypeError: naming the argument, its value and the fix.
@@ -119,6 +132,10 @@ def build_schedule(
 
     _check_positive("virtual_stages", virtual_stages, "Use virtual_stages=1 for one stage per device.")
     devices = stage_devices(num_stages, virtual_stages, placement)
+    if whole_batch and (virtual_stages > 1 or name not in ("paci", "1f1b", "gpipe")):
+        raise ValueError(f"a whole-batch loss (`whole_batch_loss`) runs under schedule='paci', '1f1b' or 'gpipe' with "
+                         f"one stage per device, got schedule={name!r} with virtual_stages={virtual_stages}: use one "
+                         f"of those schedules and virtual_stages=1.")
     if virtual_stages > 1:
         return _build_virtual(name, num_stages, num_microbatches, accumulation, num_minibatches, backward_offset,
                               tied, devices, placement)
@@ -128,7 +145,8 @@ def build_schedule(
                          f"`microbatches` ({num_microbatches}), got {accumulation}.")
     with _collector_paused():
         lowered = [
-            _lower(_compute_order(name, num_stages, stage, num_microbatches, num_minibatches), num_stages,
+            _lower(_compute_order(name, num_stages, stage, num_microbatches, num_minibatches,
+                                  extra=num_microbatches - 1 if whole_batch else 0), num_stages,
                    accumulation, backward_offset)
             if name != "layered" else
             _lower_layered(stage, num_stages, num_microbatches, num_minibatches, accumulation, backward_offset)
@@ -222,9 +240,10 @@ def _add_tied_exchange(schedule: Schedule) -> Schedule:
                     tuple(lists))
 
 
-def _one_f_one_b(stage: int, num_stages: int, first: int, count: int) -> list[Unit]:
-    """1F1B of ``stage`` over micro-batches ``first .. first+count-1`` with warm-up ``N-1-s`` (capped by ``count``)."""
-    warmup = min(num_stages - 1 - stage, count)
+def _one_f_one_b(stage: int, num_stages: int, first: int, count: int, extra: int = 0) -> list[Unit]:
+    """1F1B of ``stage`` over micro-batches ``first .. first+count-1`` with warm-up ``N-1-s`` (``+ extra``: [Note:
+    whole-batch order]), capped by ``count``."""
+    warmup = min(num_stages - 1 - stage + extra, count)
     order: list[Unit] = [(stage, F, first + i) for i in range(warmup)]
     for i in range(count - warmup):
         order.append((stage, F, first + warmup + i))
@@ -233,14 +252,15 @@ def _one_f_one_b(stage: int, num_stages: int, first: int, count: int) -> list[Un
     return order
 
 
-def _compute_order(name: str, num_stages: int, stage: int, num_microbatches: int, num_minibatches: int) -> list[Unit]:
+def _compute_order(name: str, num_stages: int, stage: int, num_microbatches: int, num_minibatches: int, *,
+                   extra: int = 0) -> list[Unit]:
     if name == "paci":  # see [Note: PACI order]: one 1F1B over the whole stream, no flush
-        return _one_f_one_b(stage, num_stages, 0, num_microbatches * num_minibatches)
+        return _one_f_one_b(stage, num_stages, 0, num_microbatches * num_minibatches, extra)
     order: list[Unit] = []
     for minibatch in range(num_minibatches):
         first = minibatch * num_microbatches
         if name in ("1f1b", "interleaved"):  # one chunk per device: interleaved 1F1B is 1F1B, bfs is gpipe
-            order += _one_f_one_b(stage, num_stages, first, num_microbatches)
+            order += _one_f_one_b(stage, num_stages, first, num_microbatches, extra)
         else:  # gpipe
             order += [(stage, F, first + i) for i in range(num_microbatches)]
             order += [(stage, B, first + i) for i in range(num_microbatches)]

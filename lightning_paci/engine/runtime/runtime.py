@@ -36,6 +36,7 @@ from lightning_paci.engine.runtime.program import (
 from lightning_paci.engine.runtime.records import BackwardRecord, StageRecords
 from lightning_paci.engine.runtime.runtime_state import RuntimeState
 from lightning_paci.engine.runtime.updates import checked_update
+from lightning_paci.engine.runtime.whole_batch import LossCall, WholeBatch
 from lightning_paci.engine.transport.messages import flatten
 from lightning_paci.engine.transport.point_to_point import Comm
 from lightning_paci.engine.transport.receives_ahead import ReceivesAhead
@@ -96,6 +97,7 @@ class StageRuntime(RuntimeState):
             around each local backward (:class:`BackwardHooks`).
         seed: base of every forward's random stream (``torch.initial_seed()``; [Note: randomness per micro-batch]).
         prediction: the staleness compensation's weight prediction ([Note: weight prediction]), or None.
+        whole_batch: on the last stage, the loss computed once per mini-batch ([Note: the whole-batch loss]), or None.
 
     Its counters (runtime_state.py) change through their methods only, never by another module writing its fields
     (tests/test_layout.py checks).
@@ -118,6 +120,7 @@ class StageRuntime(RuntimeState):
         seed: int | None = None,
         hooks: BackwardHooks | None = None,
         prediction: WeightPrediction | None = None,
+        whole_batch: WholeBatch | None = None,
     ) -> None:
         self.stage, self.num_stages, self.program, self.comm = stage, num_stages, program, comm
         super().__init__(loss_scale)
@@ -132,6 +135,7 @@ class StageRuntime(RuntimeState):
         self.held: dict[int, _Held] = {}
         self.input_grads: dict[int, list[torch.Tensor]] = {}
         self.logs: dict[int, list[LogRecord]] = {}  # micro-batch -> log records not yet replayed (see logs.py)
+        self.upstream_logs: dict[int, list[LogRecord]] = {}  # a whole-batch loss's records until their SEND_B
         self.forward_version: dict[int, int] = {}  # micro-batch in flight -> version at its forward
         self.skip_nonfinite = skip_nonfinite
         self._skipping: set[int] = set()  # dropped micro-batches whose "skip" still has to travel upstream
@@ -139,6 +143,7 @@ class StageRuntime(RuntimeState):
         self.tied_version = 0  # updates of the tied weights applied here (stage 0: made, last stage: installed)
         # [Note: weight prediction]: a forward crossing ``crossings(mb)`` updates runs with the weights ahead
         self.prediction = prediction
+        self.whole = whole_batch
         self.current: tuple[Action, float] | None = None  # the action running and when it began
         # [Note: no host sync per micro-batch]: losses kept on the device (None: where the loss is) until the update
         self.device_losses: bool | None = None
@@ -203,8 +208,6 @@ class StageRuntime(RuntimeState):
         records = self.records
         key = mb + self.microbatch_base
         padding = weight == 0.0
-        if weight != 1.0 and not padding:
-            self.loss_weights[mb] = weight
         ahead: contextlib.AbstractContextManager[Any] = _NO_CONTEXT
         if self.prediction is not None and not padding:
             ahead = self.prediction.moved(self.crossings(mb), max(0.0, 1.0 - self.window_backwards * self.loss_scale))
@@ -222,12 +225,15 @@ class StageRuntime(RuntimeState):
         self.forward_version[mb] = self.version
         if self.tied and self.stage == self.num_stages - 1:
             records.tied_lags[key] = self.version - self.tied_version
-        if output.loss is not None and padding:  # no gradient, no logs: dropped on every stage
+        if padding and (output.loss is not None or isinstance(output.outgoing, LossCall)):
+            # no gradient, no logs: dropped on every stage
             self._skipping.add(key)
             self.logs[key] = []
             self.held[mb] = _Held(leaves, ForwardOutput(skipped=True))
             return
         if output.loss is not None:
+            if weight != 1.0:
+                self.loss_weights[mb] = weight
             loss = loss_value(output.loss.detach(), key, self.unchecked_losses,
                               keep=self.device_losses, skip=self.skip_nonfinite)
             if isinstance(loss, float) and not math.isfinite(loss):
@@ -247,6 +253,8 @@ class StageRuntime(RuntimeState):
             self.arm_reduction(group)  # the OPT follows these backwards
         if self.gradient_sync is not None and group:
             self.gradient_sync(self.window_backwards + group == self.window_size)
+        if self.whole is not None and (RECV_B, mb) not in self.inbox and not self.held[mb].output.skipped:
+            self.whole.backward(self, mb, lambda key, loss: _check_skipping(self, key, loss))
         held = self.held.pop(mb)
         self.records.activation_bytes.pop(mb, None)
         key = mb + self.microbatch_base
@@ -273,10 +281,11 @@ class StageRuntime(RuntimeState):
                 raise AssertionError(f"stage {self.stage}: {len(outputs)} outputs need grads, received {len(grads)}")
             elif outputs and self.layered is None:
                 torch.autograd.backward(outputs, grads)
-            self.logs[key] = own_values(payload["logs"])
-            carried = next((r.value for r in self.logs[key] if r.name == LOSS_KEY), None)
-            if carried is not None:
-                self.records.losses[key] = carried
+            if "logs" in payload:  # received (a whole-batch loss recorded its own: whole_batch.py)
+                self.logs[key] = own_values(payload["logs"])
+                carried = next((r.value for r in self.logs[key] if r.name == LOSS_KEY), None)
+                if carried is not None:
+                    self.records.losses[key] = carried
         if self.stage > 0:
             self.input_grads[mb] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in held.leaves]
         self.window_backwards += 1
@@ -322,7 +331,8 @@ class StageRuntime(RuntimeState):
 
     def _send_gradient(self, mb: int) -> None:
         key = mb + self.microbatch_base
-        message = {"grads": self.input_grads.pop(mb), "logs": self.logs.get(key, []), "skip": key in self._skipping}
+        logs = self.upstream_logs.pop(key) if key in self.upstream_logs else self.logs.get(key, [])
+        message = {"grads": self.input_grads.pop(mb), "logs": logs, "skip": key in self._skipping}
         self.comm.send(carried(self.norms, message), self.stage - 1)
         self._skipping.discard(key)
 

@@ -55,14 +55,14 @@ from lightning_paci.schedules import (
 
 __all__ = ["StreamCursor"]
 
-# name, devices, num_microbatches, accumulation, offset % a, tied, virtual stages, placement
-_Key = tuple[str, int, int, int, int, bool, int, str]
+# name, devices, num_microbatches, accumulation, offset % a, tied, virtual stages, placement, whole batch
+_Key = tuple[str, int, int, int, int, bool, int, str, bool]
 _MAX_TRIES = 4  # how often the template may grow before the schedule is declared not periodic
 
 
 def _steps(key: _Key) -> tuple[int, int, int]:
     """(P mini-batches per period, micro-batch shift, tied-weight index shift) of one period."""
-    _, _, m, a, _, _, _, _ = key
+    _, _, m, a, _, _, _, _, _ = key
     period = a // math.gcd(a, m)
     return period, period * m, period * m // a
 
@@ -94,9 +94,9 @@ def _starts(rounds: Sequence[int], count: int) -> tuple[int, ...]:
 @lru_cache(maxsize=4)
 def _built(key: _Key, num_minibatches: int) -> tuple[tuple[tuple[Action, ...], ...], tuple[tuple[int, ...], ...]]:
     """All stages' lists and rounds for one horizon (a few templates per process; the stage slices are kept)."""
-    name, n, m, a, offset, tied, v, placement = key
+    name, n, m, a, offset, tied, v, placement, whole = key
     schedule = build_schedule(name, n, m, a, num_minibatches, backward_offset=offset, tied=tied, virtual_stages=v,
-                              placement=placement)
+                              placement=placement, whole_batch=whole)
     return schedule.actions, assign_rounds(schedule)
 
 
@@ -131,11 +131,11 @@ def _steady_horizon(key: _Key) -> int:
     """The template's horizon ``H``: its stable rounds ``0 .. H-2`` hold two verified periods after the warm-up
     and cover the longest wait of a receive, so the induction in [Note: periodic schedules] applies to every
     later round. Starts at ``ceil(N/m) + 3P + 2`` (the warm-up is over by round ``ceil(N/m) + 1``)."""
-    name, n, m, a, offset, tied, v, placement = key
+    name, n, m, a, offset, tied, v, placement, whole = key
     period = _steps(key)[0]
     if tied and n > 1 and v == 1:
         # the last stage's RECV_T positions follow the untied lists' rounds: those must repeat too
-        _steady_horizon((name, n, m, a, offset, False, v, placement))
+        _steady_horizon((name, n, m, a, offset, False, v, placement, whole))
     first = math.ceil(n / m) + 1
     for _ in range(_MAX_TRIES):
         horizon = first + 3 * period + 1
@@ -229,12 +229,13 @@ class StreamCursor:
 
     def __init__(self, name: str, num_stages: int, num_microbatches: int, accumulation: int, stage: int,
                  *, backward_offset: int = 0, tied: bool = False, virtual_stages: int = 1,
-                 placement: str = "loop") -> None:
+                 placement: str = "loop", whole_batch: bool = False) -> None:
         self.args = (name, num_stages, num_microbatches, accumulation)
         self.stage = stage  # the device's list, with virtual stages (``num_stages``: the devices)
         self.backward_offset = backward_offset
         self.tied = tied
         self.virtual_stages, self.placement = virtual_stages, placement
+        self.whole_batch = whole_batch  # [Note: whole-batch order]
         self.position = 0  # actions of the stream's list already handed out
         self._key: _Key | None = None
         self._stage_template: _StageTemplate | None = None  # fetched at the first call
@@ -243,11 +244,12 @@ class StreamCursor:
         if self._stage_template is None:
             # the builder's own argument checks, with its messages, before anything is derived from the arguments
             build_schedule(*self.args, 1, backward_offset=self.backward_offset, tied=self.tied,
-                           virtual_stages=self.virtual_stages, placement=self.placement)
+                           virtual_stages=self.virtual_stages, placement=self.placement,
+                           whole_batch=self.whole_batch)
             name, n, m, a = self.args
             # only the offset mod a matters
             self._key = (name, n, m, a, self.backward_offset % a, bool(self.tied), self.virtual_stages,
-                         self.placement)
+                         self.placement, self.whole_batch)
             self._stage_template = _stage_template(self._key, self.stage)
         return self._stage_template
 
@@ -270,7 +272,8 @@ class StreamCursor:
             return []
         if isinstance(num_minibatches, bool) or not isinstance(num_minibatches, int) or num_minibatches < 1:
             build_schedule(*self.args, num_minibatches, backward_offset=self.backward_offset, tied=self.tied,
-                           virtual_stages=self.virtual_stages, placement=self.placement)  # raises
+                           virtual_stages=self.virtual_stages, placement=self.placement,
+                           whole_batch=self.whole_batch)  # raises
         template = self._template()
         cut = template.start(num_minibatches - 1)  # where the cool-down starts: rounds 0..K-2 are the stream's
         if self.position > cut:  # a call past the cool-down's start ran already: build and compare
@@ -299,7 +302,8 @@ class StreamCursor:
         """Drain after a call that ran part of round ``K-1`` or later: only correct if the list built for ``K``
         starts with what ran, which is checked against the full list (never the case in a strategy's stream)."""
         schedule = build_schedule(*self.args, num_minibatches, backward_offset=self.backward_offset, tied=self.tied,
-                                  virtual_stages=self.virtual_stages, placement=self.placement)
+                                  virtual_stages=self.virtual_stages, placement=self.placement,
+                           whole_batch=self.whole_batch)
         own = schedule.actions[self.stage]
         if tuple(own[:self.position]) != tuple(template.take(0, self.position)):
             raise AssertionError("drained list does not extend the executed prefix")

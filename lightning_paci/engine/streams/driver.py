@@ -35,12 +35,14 @@ class StreamDriver:
         tied: the first and last stage share tied weights.
         max_stream_batches: drain at least this often (bounds a stream's lists and the time between drains).
         on_drain: called after every drain (the stages' data check, fingerprint.py).
+        whole_batch: the lists of a whole-batch loss ([Note: whole-batch order] in schedules/build.py).
     """
 
     def __init__(self, runtime: StageRuntime, *, schedule: str, num_microbatches: int, accumulation: int,
                  tied: bool, max_stream_batches: int, on_drain: Callable[[], None] | None = None,
-                 device: DeviceRuntime | None = None) -> None:
+                 device: DeviceRuntime | None = None, whole_batch: bool = False) -> None:
         self.runtime = runtime
+        self.whole_batch = whole_batch
         # with virtual stages, ``device`` runs this process's chunks (``runtime`` is one of them): every chunk
         # begins, takes the micro-batches and ends each stream; the device's list interleaves their actions
         self.device = device
@@ -88,7 +90,7 @@ class StreamDriver:
         device, runtime, m = self.device, self.runtime, self.num_microbatches
         if device is None:
             return StreamCursor(self.schedule, runtime.num_stages, m, self.accumulation, runtime.stage,
-                                backward_offset=offset, tied=self.tied)
+                                backward_offset=offset, tied=self.tied, whole_batch=self.whole_batch)
         return StreamCursor(self.schedule, device.num_devices, m, self.accumulation, device.index,
                             backward_offset=offset, tied=self.tied, virtual_stages=device.virtual_stages,
                             placement=device.placement)

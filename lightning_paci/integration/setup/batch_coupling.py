@@ -15,7 +15,7 @@ and compares the whole batch's loss with the micro-batches' weighted mean. Where
 both figures and the choices. BatchNorm's batch statistics, the other batch-coupled case, are named by their own
 warning (trainer_checks.batch_norm_warning) and are in eval mode here. The cost: one forward of the first batch
 and one of each micro-batch on rank 0, once per ``fit``; a step that cannot run there (out of memory) is skipped
-with a line.
+with a line. With ``whole_batch_loss`` the same run checks that option instead (``check_whole_batch_loss``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from lightning_paci.integration.stage.lightning_program import extract_loss
 from lightning_paci.integration.stage.logs import recording_logs
 from lightning_paci.integration.stage.setup_probe import without_side_effects
 
-__all__ = ["TOLERANCE", "batch_coupling", "coupling_warning"]
+__all__ = ["TOLERANCE", "batch_coupling", "check_whole_batch_loss", "coupling_warning", "whole_batch_method"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,49 @@ def coupling_warning(module: LightningModule, batch: Any, num_microbatches: int,
             f"whole batch's loss is {whole:.6g}, the mean of its {num_microbatches} micro-batches' losses (weighted "
             f"by samples, as the pipeline computes it) {mean:.6g}, {difference:.1%} apart. Each micro-batch computes "
             f"the loss over its own samples (in-batch negatives, a batch-wide normalization, a batch-level "
-            f"regularizer), so the pipeline trains another objective than one device under every schedule. Use "
-            f"fewer micro-batches (`PACIStrategy(microbatches=...)`), or a loss that is a mean over samples, if the "
-            f"difference matters.")
+            f"regularizer), so the pipeline trains another objective than one device under every schedule. Where "
+            f"the step computes that loss by calling one method of the module on per-sample tensors, "
+            f"`PACIStrategy(whole_batch_loss='<method>')` computes it once over the whole batch, as one device; "
+            f"else use fewer micro-batches (`PACIStrategy(microbatches=...)`), or a loss that is a mean over "
+            f"samples, if the difference matters.")
+
+
+def whole_batch_method(module: LightningModule, method: str) -> Callable[..., Any]:
+    """The module's ``whole_batch_loss`` method, or a ``ValueError`` naming the option (every rank, at setup)."""
+    found = getattr(module, method, None)
+    if not callable(found):
+        raise ValueError(f"`PACIStrategy(whole_batch_loss={method!r})`: {type(module).__name__} has no method "
+                         f"{method!r}. Name the method `training_step` calls to compute the loss over the batch.")
+    return found
+
+
+def check_whole_batch_loss(module: LightningModule, method: str, batch: Any, *, context: Callable[[], Any],
+                           cuda_devices: list[int]) -> None:
+    """Refuse a ``whole_batch_loss`` the step does not compute its loss with: the step must call ``method`` once
+    and return its result (the last stage runs the step only up to that call, [Note: the whole-batch loss] in
+    engine/runtime/whole_batch.py). Run on the first batch whole, as ``batch_coupling`` runs it."""
+    found = whole_batch_method(module, method)
+    results: list[Any] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        results.append(found(*args, **kwargs))
+        return results[-1]
+
+    was_training = module.training
+    with without_side_effects(module, cuda_devices=cuda_devices), torch.no_grad():
+        module.eval()
+        module.__dict__[method] = counted
+        try:
+            with recording_logs(module, [], 1, "training_step"), context():
+                loss = extract_loss(module.training_step(batch, 0), "training_step")
+        finally:
+            module.__dict__.pop(method, None)
+            module.train(was_training)
+    fix = (f"The last stage runs each micro-batch's step up to that call and computes the loss once per batch, so "
+           f"the step must call `self.{method}(...)` once and return its result.")
+    if len(results) != 1:
+        raise ValueError(f"`PACIStrategy(whole_batch_loss={method!r})`: `training_step` called `self.{method}` "
+                         f"{len(results)} times on the first batch. {fix}")
+    if loss is not extract_loss(results[0], method):
+        raise ValueError(f"`PACIStrategy(whole_batch_loss={method!r})`: `training_step` returned a loss other than "
+                         f"the result of `self.{method}(...)` (computed after the call?). {fix}")

@@ -44,7 +44,11 @@ from torch import nn
 
 from lightning_paci.integration.checkpoints.checkpoint import recorded_cut
 from lightning_paci.integration.setup.auto_plan import choose_plan, plan_meta_built
-from lightning_paci.integration.setup.batch_coupling import coupling_warning
+from lightning_paci.integration.setup.batch_coupling import (
+    check_whole_batch_loss,
+    coupling_warning,
+    whole_batch_method,
+)
 from lightning_paci.integration.setup.trainer_checks import batch_norm_warning
 from lightning_paci.integration.stage.setup_probe import (
     Sample,
@@ -215,6 +219,8 @@ class StageBuilder:
         holding the whole model nears the host's memory); the setup's sample micro-batch is drawn here
         (setup_probe.py) and kept for the relays."""
         strategy = self.strategy
+        if strategy.config.whole_batch_loss is not None:
+            whole_batch_method(module, strategy.config.whole_batch_loss)
         whole = trainer.state.fn == TrainerFn.FITTING and strategy.is_global_zero
         if whole and (warning := batch_norm_warning(module, strategy.num_microbatches)) is not None:
             rank_zero_warn(warning)
@@ -231,11 +237,14 @@ class StageBuilder:
             if (warning := host_memory_warning(module, strategy.num_processes)) is not None:
                 rank_zero_warn(warning)
             trace, self.flops = trace_call_order(strategy, module, self.sample)
-            if whole and self.sample is not None and self.sample.whole is not None and (warning := coupling_warning(
-                    module, self.sample.whole, strategy.num_microbatches,
-                    context=strategy.precision_plugin.train_step_context,
-                    cuda_devices=cuda_devices(strategy.root_device))) is not None:
-                rank_zero_warn(warning)  # [Note: a loss that couples a batch's samples]
+            if whole and self.sample is not None and self.sample.whole is not None:
+                context, devices = strategy.precision_plugin.train_step_context, cuda_devices(strategy.root_device)
+                if config.whole_batch_loss is not None:  # [Note: the whole-batch loss]
+                    check_whole_batch_loss(module, config.whole_batch_loss, self.sample.whole, context=context,
+                                           cuda_devices=devices)
+                elif (warning := coupling_warning(module, self.sample.whole, strategy.num_microbatches,
+                                                  context=context, cuda_devices=devices)) is not None:
+                    rank_zero_warn(warning)  # [Note: a loss that couples a batch's samples]
             if strategy.config.plan == "auto" and trainer.state.fn == TrainerFn.FITTING:
                 choose_plan(strategy, trainer, module, self.sample, trace)  # replaces strategy.config
             elif timed:

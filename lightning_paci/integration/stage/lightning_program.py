@@ -18,6 +18,7 @@ from lightning.pytorch import Callback, LightningModule
 
 from lightning_paci.engine.runtime.microbatch import microbatch_size
 from lightning_paci.engine.runtime.program import ForwardOutput
+from lightning_paci.engine.runtime.whole_batch import LossCall
 from lightning_paci.integration.stage.logs import LogRecord, recording_logs
 from lightning_paci.partition import StageCarve, StageDone
 from lightning_paci.partition.crossing import CrossingCheck
@@ -47,8 +48,11 @@ class LightningStageProgram:
         *,
         step_name: str = "training_step",
         context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        whole_batch_loss: str | None = None,
     ) -> None:
         self.module = module
+        # [Note: the whole-batch loss]: on the last stage the step stops at this method's call, its arguments kept
+        self.whole_batch_loss = whole_batch_loss if carve.is_last and step_name == "training_step" else None
         self.carve = carve
         self.step_name = step_name
         self.context = context
@@ -65,6 +69,9 @@ class LightningStageProgram:
         records: list[LogRecord] = []
         step = getattr(self.module, self.step_name)
         check, self._check = self._check, None
+        calls: list[LossCall] = []
+        if self.whole_batch_loss is not None:
+            self.module.__dict__[self.whole_batch_loss] = partial(_keep_call, calls, microbatch_size(data))
         try:
             with recording_logs(self.module, records, microbatch_size(data), self.step_name,
                                 keep=self.device_logs), self.context(), self.carve.entered(), (
@@ -73,12 +80,16 @@ class LightningStageProgram:
                 if boundary.held is not None:  # a value to be made after the egress was not: relayed() names it
                     boundary.finish(self.carve.stage)
         except StageDone:
+            if calls:
+                return ForwardOutput(outgoing=calls[0], logs=records)
             if boundary.outgoing is None:
                 raise AssertionError("egress hook stopped the forward without capturing the block inputs") from None
             outgoing, boundary.outgoing = boundary.outgoing, None
             return ForwardOutput(outgoing=outgoing)
         finally:
             boundary.end()
+            if self.whole_batch_loss is not None:
+                self.module.__dict__.pop(self.whole_batch_loss, None)
             if check is not None:
                 self.carve.foreign_buffers |= check.foreign_buffers
         if not self.carve.is_last:
@@ -87,9 +98,29 @@ class LightningStageProgram:
                 f"`{self.carve.plan.block_names[self.carve.plan.boundaries[self.carve.stage + 1]]}`, where the next "
                 f"stage begins. Every step must run the model's forward through all blocks."
             )
+        if self.whole_batch_loss is not None:
+            raise RuntimeError(f"`training_step` returned without calling `self.{self.whole_batch_loss}(...)`, which "
+                               f"`PACIStrategy(whole_batch_loss={self.whole_batch_loss!r})` computes the loss with: "
+                               f"call it in every step, or drop `whole_batch_loss`.")
         if self.step_name == "training_step":
             return ForwardOutput(loss=extract_loss(output, self.step_name), logs=records)
         return ForwardOutput(result=output, logs=records)
+
+    def whole_loss(self, call: LossCall) -> tuple[torch.Tensor, list[LogRecord]]:
+        """The whole-batch loss method on a mini-batch's joined arguments, what it logs recorded for the batch."""
+        assert self.whole_batch_loss is not None
+        records: list[LogRecord] = []
+        with recording_logs(self.module, records, call.samples, self.step_name, keep=self.device_logs), \
+                self.context():
+            output = getattr(self.module, self.whole_batch_loss)(*call.args, **call.kwargs)
+        return extract_loss(output, self.whole_batch_loss), records
+
+
+def _keep_call(calls: list[LossCall], samples: int, *args: Any, **kwargs: Any) -> Any:
+    """Stands for the whole-batch loss method on the last stage during a micro-batch's step: keeps the call and ends
+    the step there (``StageDone``, as a stage's egress does)."""
+    calls.append(LossCall(args, kwargs, samples))
+    raise StageDone
 
 
 class LightningHooks:

@@ -31,6 +31,7 @@ from lightning_paci.engine.runtime.device_clock import DeviceClock
 from lightning_paci.engine.runtime.microbatch import loss_scale_for
 from lightning_paci.engine.runtime.runtime import StageRuntime
 from lightning_paci.engine.runtime.virtual_stages import DeviceRuntime
+from lightning_paci.engine.runtime.whole_batch import WholeBatch
 from lightning_paci.engine.streams.driver import StreamDriver
 from lightning_paci.engine.supervision.activity import Doing, runtime_activity
 from lightning_paci.engine.transport.collectives import gather_everywhere
@@ -139,8 +140,10 @@ class LocalStage:
         optimizer, carves = optimizers[0], list(self.carve)
         self.accumulation = accumulation
         # what the lists need (micro-batches per loop, tied weights' placement) fails here, not at the first batch
+        whole = self.config.whole_batch_loss is not None  # [Note: the whole-batch loss]
         build_schedule(self.config.schedule, self.plan.num_stages // len(carves), self.num_microbatches, accumulation,
-                       1, tied=bool(self.plan.tied), virtual_stages=len(carves), placement=self.config.placement)
+                       1, tied=bool(self.plan.tied), virtual_stages=len(carves), placement=self.config.placement,
+                       whole_batch=whole)
         chunk_hooks = {carve.stage: hooks(carve.stage) for carve in carves} if hooks is not None else {}
         self.hooks = chunk_hooks.get(carves[-1].stage)
         single = len(carves) == 1
@@ -167,11 +170,14 @@ class LocalStage:
                 prediction = None
             if prediction is not None and not single:
                 prediction.before = view.own_hyperparameters
-            runtime = StageRuntime(stage, self.plan.num_stages, LightningStageProgram(self.module, carve,
-                                   context=train_context), comms[stage], view,
+            program = LightningStageProgram(self.module, carve, context=train_context,
+                                            whole_batch_loss=self.config.whole_batch_loss)
+            whole_batch = WholeBatch(program.whole_loss, self.num_microbatches, program.whole_batch_loss) \
+                if program.whole_batch_loss is not None else None
+            runtime = StageRuntime(stage, self.plan.num_stages, program, comms[stage], view,
                                    loss_scale=loss_scale_for(accumulation), tied=carve.tied_params,
                                    skip_nonfinite=self.config.nonfinite == "skip", hooks=chunk_hook,
-                                   prediction=prediction)
+                                   prediction=prediction, whole_batch=whole_batch)
             _time_on_device(runtime, self.links.deliver, self.config.compensation)
             runtime.records.sharded_weights = tensor  # [Note: tensor parallelism in a stage]
             if self.config.schedule == "layered":  # [Note: layered backward]
@@ -188,7 +194,8 @@ class LocalStage:
         self.driver = StreamDriver(self.runtime, schedule=self.config.schedule, num_microbatches=self.num_microbatches,
                                    accumulation=accumulation, tied=bool(self.plan.tied),
                                    max_stream_batches=self.config.max_stream_batches,
-                                   on_drain=lambda: self.fingerprint.check(self._broadcast), device=device)
+                                   on_drain=lambda: self.fingerprint.check(self._broadcast), device=device,
+                                   whole_batch=whole)
         if self.links.replicas > 1 and self.config.model_parallel:  # the module's `fully_shard` reduces them
             sync = _GradientSync(self.module)
             for runtime in self.runtimes.values():

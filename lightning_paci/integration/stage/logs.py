@@ -47,8 +47,9 @@ _REDUCTIONS: dict[Any, str] = {"mean": "mean", "avg": "mean", torch.mean: "mean"
 def recording_logs(module: LightningModule, records: list[LogRecord], size: int, step_name: str, *,
                    keep: bool | None = None) -> Iterator[None]:
     """Shadow ``module.log`` with a recorder (an instance attribute; the method comes back on exit). A tensor
-    value stays a 0-dim tensor on an accelerator and becomes a float on the CPU; ``keep`` forces the tensor form
-    (True: tests of the device form on the CPU) or the float form."""
+    value stays a 0-dim tensor on an accelerator, and a float64 one on the CPU (Lightning logs it in float64), and
+    becomes a float otherwise; ``keep`` forces the tensor form (True: tests of the device form on the CPU) or the
+    float form."""
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if args:
@@ -70,8 +71,12 @@ def recording_logs(module: LightningModule, records: list[LogRecord], size: int,
             records.append(LogRecord(name, float("nan"), batch_size, options + ((METRIC_OPTION, path),)))
             return
         if isinstance(value, torch.Tensor):  # stays on an accelerator: see [Note: no host sync per micro-batch]
-            value = value.detach().float().mean()
-            value = value if (keep if keep is not None else value.device.type != "cpu") else float(value)
+            # float32 and float64 kept, other dtypes made float32: what Lightning's own `log` keeps
+            value = value.detach()
+            value = (value if value.dtype in (torch.float32, torch.float64) else value.float()).mean()
+            # a float64 value stays a tensor on the CPU too: replayed as a Python float, Lightning would log float32
+            kept = keep if keep is not None else value.device.type != "cpu" or value.dtype == torch.float64
+            value = value if kept else float(value)
         else:
             value = float(value)
         records.append(LogRecord(name, value, batch_size, options))

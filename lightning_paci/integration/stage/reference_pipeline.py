@@ -25,6 +25,7 @@ from lightning_paci.engine.runtime.reference import (
     run_lists,
 )
 from lightning_paci.engine.runtime.runtime import StageRuntime
+from lightning_paci.engine.runtime.whole_batch import WholeBatch
 from lightning_paci.engine.transport.local_mailbox import LocalComm
 from lightning_paci.integration.stage.lightning_program import LightningStageProgram
 from lightning_paci.integration.stage.setup_probe import Sample, run_sample, without_side_effects
@@ -51,7 +52,8 @@ class ReferencePipeline:
     (the reference runs no Lightning hooks). ``device_stages``: the stages each process holds (e.g. ``[[0, 3], [1,
     2]]`` for 2 devices x 2 chunks in a V, :attr:`Schedule.devices`): each process's stages are carved into one
     copy as the strategy carves a device ([Note: chunks of one device] in partition/chunks.py), one optimizer
-    stepped per chunk; None: one copy per stage.
+    stepped per chunk; None: one copy per stage. ``whole_batch_loss``: ``PACIStrategy``'s option ([Note: the
+    whole-batch loss]); run it with lists built ``whole_batch=True``.
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class ReferencePipeline:
         recompute_stages: int | None = None,
         gradient_clip_val: float | None = None,
         device_stages: Sequence[Sequence[int]] | None = None,
+        whole_batch_loss: str | None = None,
     ) -> None:
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"`recompute` must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}.")
@@ -81,8 +84,9 @@ class ReferencePipeline:
         self._shared = False  # tied weights shared by the first and last stage's copies (virtual stages in a V)
         factory = optimizer_factory or _configured_optimizer
         if device_stages is not None:
-            if replicas != 1 or recompute != "off" or gradient_clip_val is not None:
-                raise ValueError("`device_stages` runs one replica without recomputation or clipping")
+            if replicas != 1 or recompute != "off" or gradient_clip_val is not None or whole_batch_loss is not None:
+                raise ValueError("`device_stages` runs one replica without recomputation, clipping or a whole-batch "
+                                 "loss")
             self._carve_devices(module, plan, device_stages, factory, compensation)
             return
         for replica in range(replicas):
@@ -100,10 +104,13 @@ class ReferencePipeline:
                                                                                         copy_.parameters())
                 stage_optimizer = StageOptimizer(optimizer, list(copy_.parameters()), schedulers=schedulers,
                                                  exclude=tied_replica, before_step=_clipping(table, gradient_clip_val))
-                runtime = StageRuntime(stage, plan.num_stages, LightningStageProgram(copy_, carve), comms[stage],
+                program = LightningStageProgram(copy_, carve, whole_batch_loss=whole_batch_loss)
+                whole = None if program.whole_batch_loss is None else WholeBatch(
+                    program.whole_loss, 1, program.whole_batch_loss)  # m: the schedule's, set by `run`
+                runtime = StageRuntime(stage, plan.num_stages, program, comms[stage],
                                        stage_optimizer, loss_scale=1.0, tied=carve.tied_params,
                                        prediction=weight_prediction_for(compensation, optimizer, stage_optimizer.pairs,
-                                                               warn=None))
+                                                               warn=None), whole_batch=whole)
                 runtime.carry_norms(table)
                 if replicas > 1:
                     runtime.join_replicas(replica, None)
@@ -201,6 +208,8 @@ class ReferencePipeline:
         base = self.runtimes[0].microbatch_base
         everyone = [runtime for runtimes in self.replica_runtimes for runtime in runtimes]
         for runtime in everyone:
+            if runtime.whole is not None:
+                runtime.whole.num_microbatches = schedule.num_microbatches
             # crossings read from the list itself (the driver counts); the window's backwards carry on
             runtime.begin_stream(static_drift(lists[runtime.stage]).__getitem__, runtime.window_backwards,
                                  scale)
