@@ -10,6 +10,7 @@ lightning_paci.simulate``); any other launch form registers it (``python -m pkg.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -110,6 +111,20 @@ def _running_own_tool() -> bool:
     target = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
     return target == "lightning_paci" or target.startswith("lightning_paci.")
 
+
+def _console_logger() -> None:
+    """The package's own lines said at INFO (a model built on the meta device, the weights' key prefix, the plan's
+    prediction) reach the console as Lightning's own do: without a root handler, the ``lightning_paci`` logger gets
+    a stderr handler at INFO and does not propagate; with one (an application's logging, pytest), the records go to
+    it and its level decides."""
+    logger = logging.getLogger(__name__)
+    if not logger.handlers and not logging.getLogger().hasHandlers():
+        logger.setLevel(logging.INFO)
+        logger.addHandler(logging.StreamHandler())
+        logger.propagate = False
+
+
+_console_logger()
 
 if TYPE_CHECKING:
     from lightning_paci.callbacks import BubbleMonitor, DriftMonitor, MemoryMonitor, SavePretrained, TimelineMonitor

@@ -17,7 +17,7 @@ from lightning_paci.partition import PartitionSpec
 from lightning_paci.schedules import PLACEMENTS, SCHEDULE_NAMES, VIRTUAL_SCHEDULE_NAMES, ScheduleName
 from lightning_paci.schedules.virtual import Placement, stage_devices
 
-__all__ = ["PACIConfig"]
+__all__ = ["PACIConfig", "format_bytes"]
 
 
 def _positive_int(name: str, value: object, fix: str, *, optional: bool = False) -> None:
@@ -42,7 +42,8 @@ class PACIConfig:
             ``"1f1b"`` (synchronous 1F1B with a flush per batch: the baseline), ``"gpipe"``, or ``"layered"``
             (``"gpipe"`` with a layer-major backward, [Note: layered backward] in schedules/build.py: each block's
             data-parallel reduction overlaps the backward of every block before it over the whole batch; the
-            stages' backwards run one after the other).
+            stages' backwards run one after the other); with ``virtual_stages``, ``"interleaved"`` or ``"bfs"``
+            (accepted with ``virtual_stages=1`` too, where they run ``"1f1b"``'s and ``"gpipe"``'s lists).
         microbatches: micro-batches per Lightning batch (default: the number of stages). Batch sizes that do not
             divide evenly are allowed (the first ``B mod m`` micro-batches get one sample more).
         accumulation: local backwards per optimizer step on every stage (default: ``microbatches``, i.e. one step
@@ -52,7 +53,10 @@ class PACIConfig:
             that split makes the slowest stage at least 10% faster (timing noise cannot flip it), else parameters
             -- the split then depends on the machine, so it is logged at setup, saved in checkpoints and reused
             when a run resumes from one (``"balanced"``: the same, its name in 0.3.0); ``"uniform"``; or the block
-            indices where stages 1..N-1 start (the setup line prints the split as such a list).
+            indices where stages 1..N-1 start (the setup line prints the split as such a list). Whatever the
+            partition, the setup draws the training loader's first batch once more (the sample step that finds the
+            values crossing stages and a loss coupling the batch's samples): a ``collate_fn`` runs one more time
+            than on one device.
         block_container: dotted path of the ``nn.Sequential``/``nn.ModuleList`` holding the repeated blocks, or
             a tuple of such paths (an encoder's and a decoder's layers), cut as one row in the order the step runs
             them (default: found automatically, every container that runs so; see [Note: several containers]).
@@ -276,9 +280,10 @@ class PACIConfig:
                              "backward. Use one of them: `recompute='off'`, or `schedule='gpipe'`.")
         _check_virtual_stages(self)
         _choice("plan", self.plan, ("off", "auto"))
+        given = self.memory_budget
         object.__setattr__(self, "memory_budget", parse_bytes("memory_budget", self.memory_budget))
         if self.memory_budget is not None and self.plan != "auto":
-            raise ValueError(f"`memory_budget={self.memory_budget:.0f}` bounds the plan `plan='auto'` chooses; pass "
+            raise ValueError(f"`memory_budget={given!r}` bounds the plan `plan='auto'` chooses; pass "
                              f"`plan='auto'` with it, or drop it.")
         _check_whole_batch_loss(self)
         if self.recompute_stages is not None and self.recompute == "off":
@@ -332,6 +337,14 @@ def _resolve_checkpoint_layout(config: PACIConfig) -> None:
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
           "TIB": 2**40}
+
+
+def format_bytes(count: float) -> str:
+    """A byte count as a user writes one: ``24 GiB``, ``500 MiB`` (3 significant digits)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.3g} {unit}"
+    return f"{count:.0f} B"
 
 
 def parse_bytes(name: str, value: object) -> float | None:

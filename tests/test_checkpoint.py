@@ -140,6 +140,12 @@ def test_sharded_layout_writes_one_file_per_stage_resumes_and_consolidates(tmp_p
     loaded = SequentialMLP.load_from_checkpoint(tmp_path / "one.ckpt")
     for key, value in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0)
+    # the file resumes on one device (torch's optimizer form beside the pipeline's) as a consolidated save does
+    one = SequentialMLP(depth=4)
+    L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False).fit(one, loader, ckpt_path=tmp_path / "one.ckpt")
+    entry = torch.load(tmp_path / "one.ckpt", weights_only=False)["optimizer_states"][0]
+    assert "paci" in entry and len(entry["param_groups"][0]["params"]) == len(list(model.parameters()))
     # and the directory resumes directly
     resumed = SequentialMLP(depth=4)
     trainer(tmp_path / "again", 2).fit(resumed, loader, ckpt_path=str(directory))

@@ -45,7 +45,7 @@ from lightning_paci.config import PACIConfig
     ({"plan": "auto", "memory_budget": "lots"}, r"`memory_budget='lots'` must be a positive number of bytes or a "
                                                 r"size such as '24GiB'"),
     ({"plan": "auto", "memory_budget": -1}, r"`memory_budget=-1` must be a positive number of bytes"),
-    ({"memory_budget": "8GiB"}, r"`memory_budget=8589934592` bounds the plan `plan='auto'` chooses; pass "
+    ({"memory_budget": "8GiB"}, r"`memory_budget='8GiB'` bounds the plan `plan='auto'` chooses; pass "
                                 r"`plan='auto'` with it"),
 ])
 def test_bad_options_are_refused_at_construction(options, message):

@@ -115,8 +115,13 @@ def test_sizes_resolve_and_bad_splits_name_the_numbers():
     assert resolve_sizes(2, "auto", 8, devices=8, num_nodes=1) == (2, 4)
     assert resolve_sizes("auto", 2, 8, devices=4, num_nodes=2) == (4, 2)
     assert resolve_sizes(4, 2, 8, devices=8, num_nodes=1) == (4, 2)
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size=3 does not divide 8.*one of \[1, 2, 4, 8\]"):
+    # only accepted values are suggested: every one leaves 2 stages or more
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=3 does not divide 8.*one of \[2, 4, 8\] for"):
         resolve_sizes(3, "auto", 8, devices=8, num_nodes=1)
+    with pytest.raises(ValueError, match=r"data_parallel_size=3 does not divide 4.*one of \[1, 2\] for"):
+        resolve_sizes("auto", 3, 4, devices=4, num_nodes=1)
+    with pytest.raises(ValueError, match=r"data_parallel_size=3 does not divide 2.*Use one of \[1\] for"):
+        resolve_sizes("auto", 3, 2, devices=2, num_nodes=1)
     with pytest.raises(ValueError, match=r"pipeline_parallel_size=4 x data_parallel_size=4 = 16.*make the product 8"):
         resolve_sizes(4, 4, 8, devices=4, num_nodes=2)
     with pytest.raises(ValueError, match="`data_parallel_size` must be an int >= 1 or 'auto', got 0"):

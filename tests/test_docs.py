@@ -119,3 +119,20 @@ def test_every_figure_the_docs_state_is_in_the_results_or_a_dated_report() -> No
                     unknown.append(f"{page.relative_to(ROOT)}:{number}: {figure}")
     assert stated >= 100
     assert unknown == []
+
+
+def test_the_lines_the_package_says_at_info_reach_the_console() -> None:
+    """big-models.md, tuning.md and the fine-tuning example promise lines said at INFO (the meta-device build, the
+    weights' key prefix, the plan's prediction): with no logging configured they reach stderr, as Lightning's own
+    lines do; DEBUG stays quiet."""
+    import os
+    import sys
+
+    code = ("import logging, lightning_paci\n"
+            "logging.getLogger('lightning_paci.integration.setup.stage_build').info('lightning_paci: said at INFO')\n"
+            "logging.getLogger('lightning_paci.integration.setup.stage_build').debug('lightning_paci: DEBUG')\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                         env=dict(os.environ, PYTHONPATH=str(root)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "lightning_paci: said at INFO" in out.stderr and "DEBUG" not in out.stderr

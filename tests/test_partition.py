@@ -7,11 +7,13 @@ then exactly the configured ones, on any machine and under any load, and no test
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing import ProcessRaisedException
 
 from lightning_paci.partition import (
     BlockCosts,
@@ -22,33 +24,8 @@ from lightning_paci.partition import (
     stage_costs,
 )
 
-from models import HFCausalLM, LoopTransformer, SequentialMLP, no_block_container
-
-
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):
-        time.sleep(seconds)
-        ctx.seconds = seconds
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-class SleepyBlock(nn.Module):
-    """Same parameters as its siblings, a chosen forward/backward time in real sleep (for tests/test_strategy.py,
-    which measures through the strategy and so through the wall clock)."""
-
-    def __init__(self, dim: int, seconds: float) -> None:
-        super().__init__()
-        self.linear = nn.Linear(dim, dim)
-        self.seconds = seconds
-
-    def forward(self, x):
-        return _Sleep.apply(self.linear(x), self.seconds)
+from helpers import fit
+from models import HFCausalLM, LoopTransformer, SequentialMLP, no_block_container, regression_loader
 
 
 class FakeClock:
@@ -140,6 +117,20 @@ def test_container_detection_picks_the_largest_repeated_container():
 def test_module_without_container_names_the_module_and_the_fix():
     with pytest.raises(ValueError, match=r"Flat has no repeated-block container.*block_container="):
         find_block_container(no_block_container())
+
+
+@pytest.mark.distributed
+def test_a_run_without_container_is_refused_without_first_saying_it_falls_back_to_parameters(tmp_path):
+    # the package's log lines of the forked ranks, in a file (a handler installed before the fork)
+    logger, handler = logging.getLogger("lightning_paci"), logging.FileHandler(tmp_path / "log.txt")
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(ProcessRaisedException, match=r"ValueError: Flat has no repeated-block container"):
+            fit(no_block_container(), regression_loader(), devices=2, partition="time", max_steps=1)
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    assert "block timing not possible" not in (tmp_path / "log.txt").read_text()
 
 
 def test_fewer_blocks_than_stages_names_the_module_and_the_fix():

@@ -15,6 +15,7 @@ import torch
 
 from lightning_paci.integration.setup.auto_plan import PlanCheck
 from lightning_paci.planner import Fit, Layout, ModelCosts, Region, Space, search_plans
+from lightning_paci.schedules import build_schedule, chunk_drift_bounds
 
 from helpers import fit
 from models import HFCausalLM, SequentialMLP, reference_accumulation, regression_loader, token_loader
@@ -80,6 +81,21 @@ def test_options_given_are_kept_and_no_plan_drifts_more_than_the_default():
     fixed = search_plans(costs, Space(schedule="paci", batch_size=16, layouts=(Layout(4),), microbatches=8,
                                       bounds=(1, 2, 3), recompute_stages=1))
     assert {(p.microbatches, p.bounds, p.recompute_stages) for p in fixed} == {(8, (0, 1, 2, 3, 8), 1)}
+
+
+def test_no_plan_with_deferred_updates_drifts_more_than_the_default_and_ties_go_to_the_exact_update():
+    """With replicas, a deferred update's micro-batches cross one more update: read off the lists as the runtime
+    makes them, never above the default plan's bound; where plans tie on speed, the one updating in place wins."""
+    costs = _costs([1e-3] * 8, fixed=1e-3)
+    plans = search_plans(costs, Space(schedule="paci", batch_size=16, layouts=(Layout(2, replicas=2),)))
+    limit = max(chunk_drift_bounds(build_schedule("paci", 2, 2, 2, 4)))  # the default plan (m = stages)
+    assert {p.reduce for p in plans} >= {"buckets", "blocking"}
+    for plan in plans:
+        lists = build_schedule("paci", 2, plan.microbatches, plan.accumulation, 4)
+        assert plan.drift == max(chunk_drift_bounds(lists, deferred=plan.reduce == "deferred")) <= limit, plan
+    for a, b in zip(plans, plans[1:]):
+        if a.fits == b.fits and a.samples_per_s == b.samples_per_s:
+            assert (a.drift, a.reduce == "deferred") <= (b.drift, b.reduce == "deferred"), (a, b)
 
 
 def test_a_launch_bound_block_makes_fewer_larger_microbatches_faster_until_the_budget_says_otherwise():

@@ -18,8 +18,10 @@ at the step, or deferred). Each plan is predicted, never run:
   bytes one micro-batch of ``ceil(B / m)`` samples keeps there (costs.py, the rule the runtime's meter counts
   by; an uneven split's larger micro-batches come first and are in flight together). Allocator slack, kernels'
   workspaces and communication buffers are not in it: the budget is the model's memory, as MemoryMonitor reads it;
-* **drift**: the largest drift bound the simulated lists give (``static_drift``). Plans above ``max_drift`` (the
-  default: what the default micro-batches give, one update under ``"paci"``) are left out.
+* **drift**: the largest drift bound the simulated lists give (``static_drift``; with deferred updates read as
+  the runtime makes them, one forward later). Plans above ``max_drift`` (the default: what the default
+  micro-batches give with updates not deferred, one update under ``"paci"``) are left out; among equally fast
+  plans the one with less drift wins, then the one whose updates are not deferred.
 
 The cut points of each (``m``, recompute) pair are not enumerated: ``_cuts`` finds, by dynamic programming over
 contiguous block ranges, the cut whose slowest stage is fastest among those whose every stage fits the budget
@@ -36,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from lightning_paci.planner.costs import Fit, ModelCosts
-from lightning_paci.schedules import build_schedule
+from lightning_paci.schedules import build_schedule, chunk_drift_bounds
 from lightning_paci.schedules.virtual import stage_devices
 from lightning_paci.simulation import SimulationResult, simulate_schedule
 
@@ -241,12 +243,14 @@ def simulate_plan(costs: ModelCosts, plan: Plan, schedule: str, batch_size: int,
     return _simulate(schedule, (plan.layout, plan.microbatches, plan.accumulation, plan.reduce), inputs, batches)
 
 
-def _shape(space: Space, layout: Layout, m: int, a: int) -> tuple[list[int], int]:
-    """Peak micro-batches in flight per process, and the largest drift bound, read off the lists."""
+def _shape(space: Space, layout: Layout, m: int, a: int) -> tuple[list[int], int, int]:
+    """Peak micro-batches in flight per process, and the largest drift bound read off the lists, without and with
+    deferred updates (a deferred update is made one forward later: [Note: deferred update])."""
     schedule = build_schedule(space.schedule, layout.stages, m, a, 4, virtual_stages=layout.virtual_stages,
                               placement=layout.placement)
     result = simulate_schedule(schedule)
-    return [r.peak_inflight for r in result.stages], max(r.drift_bound for r in result.stages)
+    deferred = max(chunk_drift_bounds(schedule, deferred=True)) if space.schedule == "paci" else 0
+    return [r.peak_inflight for r in result.stages], max(r.drift_bound for r in result.stages), deferred
 
 
 def search_plans(costs: ModelCosts, space: Space, link: Link = Link()) -> list[Plan]:
@@ -261,15 +265,15 @@ def search_plans(costs: ModelCosts, space: Space, link: Link = Link()) -> list[P
         limit = space.max_drift
         if limit is None:
             p = layout.stages * layout.virtual_stages
-            limit = _shape(space, layout, p, space.accumulation or p)[1]
+            limit = _shape(space, layout, p, space.accumulation or p)[1]  # the default's, updates not deferred
         reduces = [space.reduce] if space.reduce is not None else (
             ["buckets"] if layout.replicas == 1 else
             [r for r in REDUCE_MODES if r != "deferred" or space.schedule == "paci"])
         ks = [space.recompute_stages] if space.recompute_stages is not None else list(range(layout.stages + 1))
         for m in _microbatch_choices(space, layout):
             a = space.accumulation or m
-            inflight, drift = _shape(space, layout, m, a)
-            if drift > limit:
+            inflight, exact_drift, deferred_drift = _shape(space, layout, m, a)
+            if exact_drift > limit:
                 continue
             samples = space.batch_size / m
             for k in ks:
@@ -284,9 +288,15 @@ def search_plans(costs: ModelCosts, space: Space, link: Link = Link()) -> list[P
                     bounds = _cuts(model, n, chunks, samples, recompute, [1] * chunks, None)
                 assert bounds is not None
                 for reduce in reduces:
+                    drift = deferred_drift if reduce == "deferred" else exact_drift
+                    if drift > limit:  # a deferred update's micro-batches cross one more: above the bound
+                        continue
                     plan = _predict(model, space, layout, m, a, bounds, k, reduce, link, inflight)
                     plans.append(replace(plan, drift=drift))
-    plans.sort(key=lambda p: (not p.fits, -p.samples_per_s, p.recompute_stages, p.microbatches))
+    # among equally fast plans the least drift, then updates made where the list puts them, then fewer recomputing
+    # stages and micro-batches
+    plans.sort(key=lambda p: (not p.fits, -p.samples_per_s, p.drift, p.reduce == "deferred", p.recompute_stages,
+                              p.microbatches))
     return plans
 
 

@@ -59,10 +59,13 @@ def resolve_sizes(pipeline: int | str, data: int | str, world: int, *, devices: 
         (d, "data_parallel_size", "pipeline_parallel_size")
     assert given is not None
     if world % given:
-        divisors = [k for k in range(1, world + 1) if world % k == 0]
+        # only values that leave at least 2 stages: one stage is refused (check_topology)
+        accepted = [k for k in range(1, world + 1)
+                    if world % k == 0 and (k if name == "pipeline_parallel_size" else world // k) >= 2]
+        choice = f"Use one of {accepted} for {name}" if accepted else "No value leaves 2 stages or more"
         raise ValueError(
-            f"{launched}, and {name}={given} does not divide {world}: {other} would not be whole. Use one of "
-            f"{divisors} for {name}, or change `devices`/`num_nodes`.")
+            f"{launched}, and {name}={given} does not divide {world}: {other} would not be whole. {choice}, or "
+            f"change `devices`/`num_nodes`.")
     return (given, world // given) if p is not None else (world // given, given)
 
 

@@ -31,6 +31,7 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch import nn
 
 from lightning_paci.engine.transport.collectives import gather_to_first
+from lightning_paci.integration.checkpoints.one_device_optimizer import ONE_DEVICE_KEY, OneDeviceOptimizer
 from lightning_paci.integration.lightning_callbacks.batch_outputs import load_callback_state
 from lightning_paci.integration.lightning_callbacks.pruning import parameter_names
 from lightning_paci.optim.stage_optimizer import StageOptimizer
@@ -169,7 +170,11 @@ def load_sharded(directory: str | Path, weights_only: bool | None = None, *, mma
         params.update(shard["optimizer"].get("params", {}))
         counters = {k: v for k, v in shard["optimizer"].items() if k != "params"}
     checkpoint["state_dict"] = state_dict
-    checkpoint["optimizer_states"] = [{"paci": {**counters, "params": params}}]
+    layout = counters.pop(ONE_DEVICE_KEY, None)
+    entry: dict[str, Any] = {"paci": {**counters, "params": params}}
+    if layout is not None:  # torch's form beside it, as a consolidated save writes it: resumable on one device
+        entry.update(OneDeviceOptimizer.from_layout(layout).to_torch(params))
+    checkpoint["optimizer_states"] = [entry]
     checkpoint.pop("paci_num_stages")
     return checkpoint
 

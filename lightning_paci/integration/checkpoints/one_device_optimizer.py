@@ -21,7 +21,16 @@ from typing import Any
 
 from lightning_paci.integration.trainer import lightning_api as api
 
-__all__ = ["OneDeviceOptimizer"]
+__all__ = ["ONE_DEVICE_KEY", "OneDeviceOptimizer", "one_optimizer_message"]
+
+# in a sharded checkpoint's optimizer entry: the layout, so that the file consolidated from it holds torch's form
+ONE_DEVICE_KEY = "one_device_layout"
+
+
+def one_optimizer_message(count: int) -> str:
+    return (f"`configure_optimizers` returned {count} optimizers; `PACIStrategy` steps exactly one optimizer per stage "
+            f"(under automatic optimization: manual optimization is not supported either). Return one optimizer; "
+            f"its param groups may differ per submodule (e.g. a group per part, each with its own lr).")
 
 
 @dataclass(frozen=True)
@@ -34,10 +43,17 @@ class OneDeviceOptimizer:
 
     @classmethod
     def of(cls, module: Any) -> OneDeviceOptimizer | None:
-        """The layout ``module.configure_optimizers()`` gives on the whole model; None when it is not one optimizer
-        over the module's own parameters (the strategy refuses several optimizers at setup anyway)."""
+        """The layout ``module.configure_optimizers()`` gives on the whole model; None when it gives none, or its
+        optimizer holds tensors other than the module's own parameters.
+
+        Raises:
+            ValueError: not one optimizer, before Lightning's own check would advise manual optimization, which
+                the strategy refuses.
+        """
         optimizers = api.configured_optimizers(module)
-        if len(optimizers) != 1:
+        if len(optimizers) > 1:
+            raise ValueError(one_optimizer_message(len(optimizers)))
+        if not optimizers:  # None: Lightning's warning, and a run without updates
             return None
         names = {id(p): n for n, p in module.named_parameters()}
         groups = optimizers[0].param_groups
@@ -45,6 +61,15 @@ class OneDeviceOptimizer:
             return None
         return cls(tuple(tuple(names[id(p)] for p in g["params"]) for g in groups),
                    tuple({k: v for k, v in g.items() if k != "params"} for g in groups))
+
+    def layout(self) -> dict[str, Any]:
+        """What a sharded checkpoint keeps of it: plain lists and dicts (``torch.load(weights_only=True)`` reads
+        them); :meth:`from_layout` makes it again."""
+        return {"groups": [list(g) for g in self.groups], "defaults": [dict(d) for d in self.defaults]}
+
+    @classmethod
+    def from_layout(cls, layout: Mapping[str, Any]) -> OneDeviceOptimizer:
+        return cls(tuple(tuple(g) for g in layout["groups"]), tuple(dict(d) for d in layout["defaults"]))
 
     def with_group(self, names: tuple[str, ...], hyper: Mapping[str, Any]) -> OneDeviceOptimizer:
         """The layout after ``optimizer.add_param_group`` of the parameters ``names`` (a fine-tuning schedule's,

@@ -37,6 +37,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_paci.config import format_bytes
 from lightning_paci.engine.runtime.microbatch import microbatch_size, split_microbatches
 from lightning_paci.engine.transport.messages import flatten
 from lightning_paci.integration.stage.lightning_program import extract_loss
@@ -168,8 +169,9 @@ def choose_plan(strategy: PipelineStrategy, trainer: Trainer, module: Any, sampl
     chosen = plans[0]
     if not chosen.fits:
         raise ValueError(
-            f"`memory_budget={config.memory_budget:.0f}` (bytes per process): no plan of {launched.describe()} fits; "
-            f"the smallest predicted peak is {min(p.peak_memory for p in plans):.0f} bytes. Raise the budget, or "
+            f"`memory_budget` ({format_bytes(config.budget_bytes or 0)} per process): no plan of "
+            f"{launched.describe()} fits; the smallest predicted peak is "
+            f"{format_bytes(min(p.peak_memory for p in plans))}. Raise the budget, or "
             f"launch more stages (`devices=`).")
     rank_zero_info(format_plans(plans, chosen, budget=config.budget_bytes))
     if strategy.is_global_zero:

@@ -36,7 +36,11 @@ from lightning_paci.engine.streams.driver import StreamDriver
 from lightning_paci.engine.supervision.activity import Doing, runtime_activity
 from lightning_paci.engine.transport.collectives import gather_everywhere
 from lightning_paci.integration.checkpoints.checkpoint import PipelineCheckpoints, cpu_state
-from lightning_paci.integration.checkpoints.one_device_optimizer import OneDeviceOptimizer
+from lightning_paci.integration.checkpoints.one_device_optimizer import (
+    ONE_DEVICE_KEY,
+    OneDeviceOptimizer,
+    one_optimizer_message,
+)
 from lightning_paci.integration.lightning_callbacks.batch_outputs import batch_outputs, needs_every_stage_loss
 from lightning_paci.integration.stage.evaluation import PipelineEvaluator
 from lightning_paci.integration.stage.lightning_program import LightningHooks, LightningStageProgram
@@ -133,10 +137,7 @@ class LocalStage:
         ``hooks(stage)`` (Lightning's backward and optimizer hooks, clipping) run at each local backward and update;
         with data parallelism every runtime joins its stage's replicas (engine/replicas/data_parallel.py)."""
         if len(optimizers) != 1:
-            raise ValueError(
-                f"`configure_optimizers` returned {len(optimizers)} optimizers; `PACIStrategy` steps exactly one "
-                f"optimizer per stage. Return a single optimizer (param groups may differ per submodule)."
-            )
+            raise ValueError(one_optimizer_message(len(optimizers)))
         optimizer, carves = optimizers[0], list(self.carve)
         self.accumulation = accumulation
         # what the lists need (micro-batches per loop, tied weights' placement) fails here, not at the first batch
@@ -313,6 +314,8 @@ class LocalStage:
                                             window_start=runtime.window_base, merge=merge)
         if self.one_device is not None and checkpoints.layout == "consolidated" and entry:  # rank 0: every stage's
             entry.update(self.one_device.to_torch(entry["paci"]["params"]))
+        elif self.one_device is not None and entry:  # sharded: the layout, for the file consolidated from it
+            entry["paci"][ONE_DEVICE_KEY] = self.one_device.layout()
         return entry
 
     def load_optimizer_state(self, checkpoints: PipelineCheckpoints, checkpoint: Mapping[str, Any]) -> None:

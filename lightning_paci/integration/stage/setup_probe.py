@@ -24,12 +24,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.module_tracker import ModuleTracker
 
+from lightning_paci import errors
 from lightning_paci.engine.runtime.microbatch import microbatch_size, split_microbatches
 from lightning_paci.integration.stage.lightning_program import extract_loss
 from lightning_paci.integration.stage.logs import recording_logs
 from lightning_paci.integration.trainer import lightning_api as api
 from lightning_paci.integration.trainer.pipeline_strategy import PipelineStrategy
 from lightning_paci.partition import BlockCosts, PartitionPlan, StageCarve, profile_block_costs
+from lightning_paci.partition.blocks import find_block_containers
 from lightning_paci.partition.plan import CallTrace, call_order
 from lightning_paci.partition.relay import RelayPlan, StageProbe, plan_relays, probe_crossings
 
@@ -135,13 +137,23 @@ def find_relays(strategy: PipelineStrategy, module: LightningModule, plan: Parti
                 with without_side_effects(module, cuda_devices=cuda_devices(strategy.root_device)), carve.entered():
                     probes[carve.stage] = probe_crossings(module, carve, run_sample(module, shifted, context))
             except (RuntimeError, ValueError, TypeError, AttributeError) as err:
-                probes[carve.stage] = f"stage {carve.stage}: {type(err).__name__}: {err}"
+                probes[carve.stage] = (carve.stage, type(err).__name__, str(err))
     everyone = {s: strategy.pipeline_broadcast(probes.get(s), devices[s]) for s in range(plan.num_stages)}
-    failed = [n for n in everyone.values() if isinstance(n, str)]
+    failed = [n for n in everyone.values() if isinstance(n, tuple)]
     if failed:
-        raise RuntimeError(f"lightning_paci: running the step on a sample batch to find the values crossing the "
-                           f"stages failed: {failed[0]}")
+        stage, name, message = failed[0]
+        raise _same_kind(name)(f"lightning_paci: running the step on a sample batch to find the values crossing the "
+                               f"stages failed: stage {stage}: {name}: {message}")
     return plan_relays(plan, {s: n for s, n in everyone.items() if isinstance(n, StageProbe)})
+
+
+def _same_kind(name: str) -> type[Exception]:
+    """The class of a stage's failed probe, raised on every process: the package's own errors (``except
+    CrossingError`` catches what the stage that found it raised) and the built-in kinds caught above; a class
+    only its module knows becomes a RuntimeError, its name kept in the message."""
+    found = getattr(errors, name, None) or {"ValueError": ValueError, "TypeError": TypeError,
+                                            "AttributeError": AttributeError}.get(name)
+    return found if isinstance(found, type) and issubclass(found, Exception) else RuntimeError
 
 
 def measure_block_costs(strategy: PipelineStrategy, trainer: Trainer, sample: Any,
@@ -155,6 +167,9 @@ def measure_block_costs(strategy: PipelineStrategy, trainer: Trainer, sample: An
         return None
     module = strategy.lightning_module
     assert module is not None
+    # a model without a container is refused here, on every rank, as the plan would refuse it: not first said to
+    # fall back to parameter counts
+    find_block_containers(module, strategy.config.block_container, trace)
     costs: BlockCosts | None = None
     with without_side_effects(module, cuda_devices=cuda_devices(strategy.root_device)):
         try:

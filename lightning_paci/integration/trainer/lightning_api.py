@@ -89,15 +89,15 @@ ChildProcessObserver: type = _require("lightning.fabric.strategies.launchers.sub
 for _method in ("get_extra_results", "update_main_process_results", "_wrapping_function", "_collect_rank_zero_results"):
     if not callable(getattr(MultiProcessingLauncher, _method, None)):
         raise _missing(f"lightning.pytorch.strategies.launchers._MultiProcessingLauncher.{_method}", "does not have")
-_init_optimizers: Callable[..., Any] = _require(
-    "lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers")
+_parse_optimizers: Callable[..., Any] = _require("lightning.pytorch.core.optimizer", "_configure_optimizers")
 
 
 def configured_optimizers(module: Any) -> list[Any]:
     """The optimizers ``module.configure_optimizers()`` returns, in whichever form it returns them (one, a list,
-    a tuple with schedulers, a dict), parsed as Lightning parses them."""
-    optimizers, _ = _init_optimizers(module)
-    return list(optimizers)
+    a tuple with schedulers, a dict), parsed as Lightning parses them (not validated: its check of several
+    optimizers advises manual optimization, which the strategy refuses too); none for ``None``."""
+    configured = module.configure_optimizers()
+    return [] if configured is None else list(_parse_optimizers(configured)[0])
 
 
 def multiprocessing_launcher(strategy: ParallelStrategy, start_method: str, *, send: Callable[[Any], Any],
