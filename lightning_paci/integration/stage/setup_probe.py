@@ -126,7 +126,8 @@ def find_relays(strategy: PipelineStrategy, module: LightningModule, plan: Parti
                 sample: Sample | None, devices: Sequence[int]) -> RelayPlan:
     """Probe this process's stages (``carves``) on ``sample`` and combine every stage's needs (one broadcast per
     stage from its process, ``devices[stage]`` in the pipeline); a failed probe is raised on every process."""
-    probes: dict[int, StageProbe | str] = {carve.stage: StageProbe({}, {}) for carve in carves}
+    # a stage whose probe failed: (stage, the error's class name, its message)
+    probes: dict[int, StageProbe | tuple[int, str, str]] = {carve.stage: StageProbe({}, {}) for carve in carves}
     if sample is not None:
         data = strategy.precision_plugin.convert_input(strategy.batch_to_device(sample.data))  # as the loops do
         shifted = Sample(data, sample.size, sample.step_name)
