@@ -254,9 +254,12 @@ class PACIStrategy(ParallelStrategy):
 
     @property
     def plan(self) -> PartitionPlan:
-        if self._stage is None:
-            raise RuntimeError("PACIStrategy.plan is only available after setup.")
-        return self._stage.plan
+        """The partition of the last ``fit`` (``validate``, ``test``, ``predict``): set at setup and kept after it,
+        also in the process that called ``fit`` under ``start_method="fork"``/``"spawn"`` (rank 0 sends it)."""
+        if self._life.plan is None:
+            raise RuntimeError("PACIStrategy.plan is known once `trainer.fit` (or `validate`, `test`, `predict`) has "
+                               "set up the stages.")
+        return self._life.plan
 
     @property
     def weights_read(self) -> dict[str, list[str]] | None:
@@ -327,6 +330,7 @@ class PACIStrategy(ParallelStrategy):
         try:
             self._trainer = trainer
             self._stage = build_stage(self, trainer, self._builder, self._stage)
+            self._life.plan = self._stage.plan  # kept after teardown
             super().setup(trainer)  # Lightning's: the optimizers hold the stage's own parameters
             start_stage(self, trainer, self._stage, self._builder, self._life.watchdog, self.optimizers)
         except (ValueError, TypeError, api.LightningAPIError) as err:  # the same on every rank: print it once

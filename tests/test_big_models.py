@@ -392,3 +392,13 @@ def test_a_model_built_in_init_that_nears_the_hosts_memory_is_warned_about() -> 
     assert host_memory_warning(model, local_ranks=8) is None
     warning = host_memory_warning(model, local_ranks=10**9)  # as if a billion processes each held it
     assert warning is not None and "Build it in `LightningModule.configure_model()`" in warning
+
+
+def test_save_pretrained_names_its_prefix_at_the_start_when_the_module_holds_no_such_attribute(tmp_path):
+    """A module holding its network as ``self.blocks`` (not ``self.model``): refused before training, naming
+    ``prefix=`` and the module's children, not an AttributeError after the run."""
+    with pytest.raises(ProcessRaisedException, match=r"ValueError: `SavePretrained\(prefix='model.'\)`: "
+                                                     r"LoopTransformer has no submodule 'model' \(its children: "
+                                                     r"\['tok_emb', 'pos_emb', 'blocks', 'ln_f', 'head'\]\)"):
+        fit(LoopTransformer(), token_loader(), devices=2, max_steps=1, callbacks=[SavePretrained(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

@@ -136,3 +136,25 @@ def test_the_lines_the_package_says_at_info_reach_the_console() -> None:
                          env=dict(os.environ, PYTHONPATH=str(root)))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "lightning_paci: said at INFO" in out.stderr and "DEBUG" not in out.stderr
+
+
+def test_the_virtual_stage_page_shows_the_lists_as_built() -> None:
+    """docs/virtual-stages.md's schedule block: its commented results are what the lines return."""
+    from lightning_paci import build_schedule, simulate_schedule
+
+    page = (DOCS / "virtual-stages.md").read_text()
+    schedule = build_schedule("interleaved", 4, 8, 8, 4, virtual_stages=2)
+    assert "schedule.num_stages, schedule.num_devices                               # (8, 4)" in page
+    assert (schedule.num_stages, schedule.num_devices) == (8, 4)
+    shown = re.search(r'compute_only=True\)\s+# "([^"]+)"', page)
+    assert shown is not None
+    text = schedule.stage_text(0, compute_only=True)
+    position = 0
+    for part in shown.group(1).split(" ... "):  # each shown run of actions appears, in this order
+        part = part.removesuffix(" ...")
+        found = text.find(part, position)
+        assert found >= 0, (part, text[position:position + 200])
+        position = found + len(part)
+    bubble = re.search(r"steady_bubble_fraction\s+# ([0-9.]+)", page)
+    assert bubble is not None
+    assert round(simulate_schedule(schedule).stages[0].steady_bubble_fraction, 3) == float(bubble.group(1))

@@ -329,3 +329,18 @@ def test_ema_under_paci_equals_the_reference_executor_averaging_each_stage_at_it
         module.load_state_dict(average.module.state_dict())
     _assert_same(model.state_dict(), reference.state_dict(), "averaged under paci")
     assert not all(torch.equal(trained[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(("callback", "options", "message"), [
+    (lambda: EMAWeightAveraging(), {"virtual_stages": 2, "schedule": "interleaved", "microbatches": 2},
+     r"`EMAWeightAveraging` under `PACIStrategy` needs one stage per process and consolidated checkpoints"),
+    (lambda: EMAWeightAveraging(), {"checkpoint_layout": "sharded"},
+     r"`EMAWeightAveraging` under `PACIStrategy` needs one stage per process and consolidated checkpoints"),
+    (lambda: EMAWeightAveraging(device="meta"), {},
+     r"`EMAWeightAveraging\(device=device\(type='meta'\)\)` is not supported by `PACIStrategy`: each stage keeps its "
+     r"averaged copy"),
+])
+def test_weight_averaging_refusals_name_the_option(callback, options, message):
+    """support.md's EMA row: what is refused, each with its own message, at setup."""
+    with pytest.raises(ProcessRaisedException, match=rf"ValueError: {message}"):
+        fit(SequentialMLP(), regression_loader(), devices=2, max_steps=1, callbacks=[callback()], **options)

@@ -189,14 +189,16 @@ def test_profile_reads_the_injected_clock_and_keeps_the_median_repetition():
 # 4 equal blocks on 2 stages: by parameters (0, 2, 4); with 10 ms blocks and a head of A ms the time split is
 # (0, 3, 4), slowest stage 20 + A ms by parameters and 10 + A ms by time: 10% faster exactly at A = 80
 @pytest.mark.parametrize(("head_ms", "expected", "note"), [
-    (79.0, (0, 3, 4), "by parameters [20.0, 99.0], by time [30.0, 89.0] -> using time"),  # 10.1% faster
-    (81.0, (0, 2, 4), "by parameters [20.0, 101.0], by time [30.0, 91.0] -> using parameters"),  # 9.9% faster
+    (79.0, (0, 3, 4), "by parameters [20.0, 99.0], by time [30.0, 89.0]; the time split's slowest stage faster by "
+                      "10% and 1 ms in 1 of 1 repetitions -> using time (time only when in all)"),  # 10.1% faster
+    (81.0, (0, 2, 4), "by parameters [20.0, 101.0], by time [30.0, 91.0]; the time split's slowest stage faster by "
+                      "10% and 1 ms in 0 of 1 repetitions -> using parameters (time only when in all)"),  # 9.9%
 ])
 def test_time_split_needs_ten_percent_of_the_slowest_stage(head_ms, expected, note):
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
     plan = plan_partition(model, 2, partition="balanced", measured=_ms([10.0] * 4, head_ms))
     assert plan.boundaries == expected
-    assert plan.note == f"measured F+B ms per stage: {note}"
+    assert plan.note == f"measured F+B ms per stage (median repetition): {note}"
 
 
 @pytest.mark.parametrize(("block_ms", "expected"), [
@@ -235,7 +237,8 @@ def test_time_balanced_split_gives_the_expensive_last_block_its_own_stage():
     assert max(times) < 0.8 * max(stage_costs(list(by_params.boundaries), measured))
     # the log line shows the measured per-stage times before and after balancing
     assert "by parameters [" in plan.describe() and "-> using time" in plan.describe()
-    assert plan.note.endswith("by parameters [16.0, 16.0, 16.0, 32.0], by time [24.0, 24.0, 8.0, 24.0] -> using time")
+    assert "by parameters [16.0, 16.0, 16.0, 32.0], by time [24.0, 24.0, 8.0, 24.0];" in plan.note
+    assert plan.note.endswith("-> using time (time only when in all)")
 
 
 def test_profiled_split_keeps_parameters_when_one_repetition_disagrees():
@@ -248,7 +251,8 @@ def test_profiled_split_keeps_parameters_when_one_repetition_disagrees():
     assert measured.blocks == pytest.approx((0.008,) * 7 + (0.024,), abs=1e-12)
     plan = plan_partition(model, 4, partition="time", measured=measured)
     assert plan.boundaries == (0, 2, 4, 6, 8)
-    assert plan.note.endswith("-> using parameters")
+    # the line shows why: the time split wins in the repetitions with the slow block, not in the uniform one
+    assert plan.note.endswith("in 2 of 3 repetitions -> using parameters (time only when in all)")
 
 
 def test_homogeneous_blocks_keep_the_parameter_split_despite_timing_noise():

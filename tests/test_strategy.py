@@ -315,6 +315,8 @@ def test_logged_metrics_reach_tensorboard_and_callback_metrics_on_rank_zero(tmp_
     # last ones arrive in the final (draining) call, so every batch is logged exactly once
     assert len(scalars) >= 5
     assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(scalars[-1].value, rel=1e-6)
+    # the partition stays known after fit, in the process that called it (rank 0 sent it back from the fork)
+    assert trainer.strategy.plan.num_stages == 4 and trainer.strategy.plan.boundaries == (0, 1, 3, 5, 7)
 
 
 def test_accumulate_grad_batches_multiplies_the_accumulation():
@@ -413,7 +415,8 @@ def test_setup_logs_the_time_balanced_split(tmp_path, monkeypatch):
     fit(Ticking(), regression_loader(num_batches=3), devices=4, max_steps=2, microbatches=4, partition="time",
         callbacks=[DumpStageRecords(tmp_path)])
     line = read_stage_records(tmp_path, 4)[0]["plan"]  # the text of the setup log line
-    assert "by parameters [8.0, 16.0, 16.0, 32.0], by time [24.0, 24.0, 24.0, 0.0] -> using time" in line
+    assert "by parameters [8.0, 16.0, 16.0, 32.0], by time [24.0, 24.0, 24.0, 0.0];" in line
+    assert "-> using time (time only when in all)" in line
     assert "stage 2: net[7:8]" in line  # the slow block alone on its stage
     assert line.endswith("; split partition=[4, 7, 8]")  # what to pass to reproduce it
 

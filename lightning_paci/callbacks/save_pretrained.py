@@ -33,6 +33,21 @@ class SavePretrained(L.Callback):
         self.directory = Path(directory)
         self.prefix = prefix
 
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Refuse a ``prefix`` the module has no submodule for at the start, on every rank, not after training."""
+        path = self.prefix.rstrip(".")
+        if not path:
+            return
+        try:
+            pl_module.get_submodule(path)
+        except AttributeError:
+            children = [name for name, _ in pl_module.named_children()]
+            raise ValueError(
+                f"`SavePretrained(prefix={self.prefix!r})`: {type(pl_module).__name__} has no submodule {path!r} "
+                f"(its children: {children}). Pass the attribute that holds the transformers model with its dot "
+                f"(`SavePretrained(directory, prefix='net.')` for `self.net`), or `prefix=''` for the whole "
+                f"module.") from None
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from safetensors.torch import save_file
 

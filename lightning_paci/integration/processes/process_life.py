@@ -50,6 +50,7 @@ class ProcessLife:
         self.groups: ProcessGroups | None = None  # after `join`
         # after `fit`: rank 0's gathered optimizer and scheduler states, for `trainer.save_checkpoint` after `fit`
         self.after_fit: dict[str, list[Any]] | None = None
+        self.plan: Any = None  # the partition of the last setup (PartitionPlan), also sent back after fit
         self.failed = False
         self._undo: list[Callable[[], None]] = []
         self._froze_gc = False
@@ -70,10 +71,11 @@ class ProcessLife:
         return None
 
     def _send_after_fit(self, trainer: Trainer) -> dict[str, Any]:
-        return after_fit_message(trainer, self.after_fit)
+        return {**after_fit_message(trainer, self.after_fit), "plan": self.plan}
 
     def _receive_after_fit(self, trainer: Trainer, sent: Mapping[str, Any]) -> None:
         self.after_fit = receive_after_fit(trainer, sent)
+        self.plan = sent.get("plan")
 
     def join(self, environment: ClusterEnvironment, topology: Topology, *, rank: int, device: torch.device,
              local_processes: int) -> ProcessGroups:
