@@ -158,3 +158,36 @@ def test_the_virtual_stage_page_shows_the_lists_as_built() -> None:
     bubble = re.search(r"steady_bubble_fraction\s+# ([0-9.]+)", page)
     assert bubble is not None
     assert round(simulate_schedule(schedule).stages[0].steady_bubble_fraction, 3) == float(bubble.group(1))
+
+
+def _command_outputs() -> list[tuple[str, str, str]]:
+    """Every ```bash block of one ``python -m lightning_paci...`` command followed at once by a ```text block: (page,
+    command, shown output)."""
+    found = []
+    for page in sorted(DOCS.glob("*.md")) + [ROOT / "README.md"]:
+        for match in re.finditer(r"```bash\n(python -m lightning_paci\.[^\n]+)\n```\n\n```text\n(.*?)```",
+                                 page.read_text(), re.S):
+            found.append((page.name, match.group(1), match.group(2)))
+    return found
+
+
+def test_every_shown_output_of_a_package_command_is_what_the_command_prints() -> None:
+    """The output blocks that follow a ``python -m lightning_paci.<tool>`` command: each shown line (``...`` elides
+    lines) is a line the command prints now, in order."""
+    import os
+    import shlex
+    import sys
+
+    blocks = _command_outputs()
+    assert any(command.startswith("python -m lightning_paci.simulate") for _, command, _ in blocks)
+    for page, command, shown in blocks:
+        out = subprocess.run([sys.executable, *shlex.split(command)[1:]], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert out.returncode == 0, (page, command, out.stderr[-2000:])
+        printed = out.stdout.splitlines()
+        position = 0
+        for line in shown.splitlines():
+            if line.strip() == "...":
+                continue
+            assert line in printed[position:], (page, command, line)
+            position = printed.index(line, position) + 1

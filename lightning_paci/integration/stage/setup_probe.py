@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.module_tracker import ModuleTracker
 
-from lightning_paci import errors
+import lightning_paci.errors as errors
 from lightning_paci.engine.runtime.microbatch import microbatch_size, split_microbatches
 from lightning_paci.integration.stage.lightning_program import extract_loss
 from lightning_paci.integration.stage.logs import recording_logs
