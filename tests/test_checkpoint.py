@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import lightning as L
 import pytest
@@ -85,31 +84,34 @@ def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     path = tmp_path / "last.ckpt"
     atomic_save({"version": 1, "weights": torch.ones(4)}, path)
     script = textwrap.dedent(f"""
-        import io, time, torch
+        import io, sys, torch
         import lightning_paci.integration.checkpoints.checkpoint as ckpt
         real_save = torch.save
 
-        def slow_save(obj, fh):  # the real bytes, written in chunks slowly: the kill lands mid-write
+        def held_save(obj, fh):  # the real bytes in 50 chunks; after the fifth the writer waits, mid-write
             buffer = io.BytesIO()
             real_save(obj, buffer)
             data = buffer.getvalue()
-            print("writing", flush=True)
-            for i in range(0, len(data), len(data) // 50 + 1):
-                fh.write(data[i:i + len(data) // 50 + 1])
-                time.sleep(0.1)
+            step = len(data) // 50 + 1
+            for n, i in enumerate(range(0, len(data), step), start=1):
+                fh.write(data[i:i + step])
+                if n == 5:
+                    fh.flush()
+                    print("written", len(data), fh.tell(), flush=True)
+                    sys.stdin.readline()  # held here until killed: no timing decides where the kill lands
 
-        ckpt.torch.save = slow_save
+        ckpt.torch.save = held_save
         ckpt.atomic_save({{"version": 2, "weights": torch.ones(1_000_000)}}, {str(path)!r})
     """)
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    assert child.stdout.readline().strip() == "writing"
-    time.sleep(0.5)  # about 5 of the 50 chunks are written
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    word, total, written = child.stdout.readline().split()
+    assert word == "written" and 0 < int(written) < int(total)
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     assert torch.load(path)["version"] == 1
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "last.ckpt"]
-    for name in leftovers:  # a partial temporary file may remain; it is never mistaken for the checkpoint
-        assert name.startswith(".last.ckpt.tmp-")
+    # the partial temporary file stays beside it, never mistaken for the checkpoint
+    (leftover,) = [p for p in tmp_path.iterdir() if p.name != "last.ckpt"]
+    assert leftover.name == f".last.ckpt.tmp-{child.pid}" and leftover.stat().st_size == int(written)
 
 
 def test_sharded_layout_writes_one_file_per_stage_resumes_and_consolidates(tmp_path):

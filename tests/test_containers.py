@@ -102,7 +102,7 @@ def test_an_encoder_decoder_at_four_stages_puts_its_encoders_layers_first_and_eq
     assert ".encoder." in encoder and ".decoder." in decoder
     assert [plan.block_names[plan.blocks(s).start].startswith(encoder) for s in range(4)] == [True, True, False, False]
     mean = sum(plan.stage_params) / 4
-    assert max(plan.stage_params) <= 1.3 * mean, plan.describe()
+    assert max(plan.stage_params) <= 1.12 * mean, plan.describe()  # README: within 1.12x of the mean
     # the decoder's input embedding is stage 0's (it is tied there), made after its own part and relayed
     late = [r for r in pipeline.relays.relays if r.late]
     assert [(r.owner, r.module.endswith(("decoder.embed_tokens", "shared"))) for r in late] == [(0, True)]
@@ -114,7 +114,7 @@ def _clip():
 
 
 @pytest.mark.parametrize("stages", [2, 4])
-def test_a_two_tower_contrastive_model_with_a_learned_temperature_equals_one_device(stages):
+def test_a_two_tower_contrastive_model_equals_one_device_accumulating_its_micro_batches(stages):
     # its contrastive loss couples the batch's samples: against one device accumulating the same micro-batches
     module, batch = _clip()
     plan, pipeline = _pipeline_equals_one_device(module, batch, stages, reference_step=_accumulated)
@@ -201,11 +201,12 @@ def test_an_encoder_decoder_on_virtual_stages_equals_one_device(tmp_path):
     model, _ = _seq2seq("bart")
     torch.manual_seed(63)
     batches = [{"input_ids": torch.randint(3, 64, (4, 10)), "labels": torch.randint(3, 64, (4, 7))} for _ in range(2)]
-    module = HFModel(model)
-    reference = copy.deepcopy(module).double()
+    module = HFModel(model).double()  # float64 here too: the weights come back unrounded
+    reference = copy.deepcopy(module)
     fit(module, dict_loader(batches), devices=2, max_steps=-1, schedule="bfs", placement="v", virtual_stages=2,
         microbatches=2, partition=[2, 5, 7], trainer_kwargs={"max_epochs": 1, "precision": "64-true"})
-    hf_model_reference(reference, batches, num_microbatches=2)
-    state = module.double().state_dict()
+    hf_model_reference(reference, batches, num_microbatches=2)  # BART's loss: a mean over equal token counts
+    state = module.state_dict()
     for key, value in reference.state_dict().items():
-        torch.testing.assert_close(state[key], value, rtol=1e-7, atol=1e-9, msg=lambda m: f"{key}: {m}")
+        assert state[key].dtype == torch.float64, key
+        torch.testing.assert_close(state[key], value, rtol=1e-10, atol=1e-12, msg=lambda m: f"{key}: {m}")

@@ -35,15 +35,17 @@ class _FailsAtBatch3(SequentialMLP):
         return loss
 
 
-def test_an_exception_in_the_last_stage_stops_every_stage_naming_it():
+def test_an_exception_in_the_last_stage_stops_every_stage_naming_it(capfd):
     # forked ranks (the default launcher's path is the killed-stage test above): the failing stage reports its error
-    # to the others at once, not only through a heartbeat that stops (60 s here); its own exception is the one the
-    # launcher raises
-    start = time.monotonic()
+    # to the others, each of which says it in one line -- its reason, which a stopped heartbeat (after 600 s here,
+    # past the test's timeout) could not give; its own exception is the one the launcher raises
     with pytest.raises(ProcessRaisedException, match=r"ValueError: boom in the user's training_step"):
         fit(_FailsAtBatch3(depth=8), regression_loader(num_batches=50), devices=4, max_steps=50,
-            partition="parameters", failure_timeout=60.0)
-    assert time.monotonic() - start < 40  # far below the 60 s a stopped heartbeat would take
+            partition="parameters", failure_timeout=600.0)
+    err = capfd.readouterr().err
+    told = sorted(set(re.findall(r"lightning_paci: stage 3 failed: ValueError: boom in the user's training_step -- "
+                                 r"stopping stage (\d)", err)))
+    assert told == ["0", "1", "2"], err[-3000:]
 
 
 def test_watchdog_declares_a_silent_stage_dead():
@@ -55,7 +57,7 @@ def test_watchdog_declares_a_silent_stage_dead():
     silent.start()
     time.sleep(0.5)
     silent.stop(done=False)  # stage 1 stops beating without saying it is done: as if SIGKILLed
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a hang guard: the loop ends as soon as stage 1 is declared dead
     while not exits and time.monotonic() < deadline:
         time.sleep(0.1)
     alive.stop()
@@ -118,6 +120,12 @@ def test_optimizer_over_parameters_that_are_not_the_modules():
 def test_unsupported_precision():
     with pytest.raises(ProcessRaisedException, match=r"`Trainer\(precision='16-true'\)` is not supported.*bf16-mixed"):
         fit(SequentialMLP(), regression_loader(), devices=2, trainer_kwargs={"precision": "16-true"})
+    # "16-mixed" reaches the same rule only on a GPU (on a CPU Lightning turns it into "bf16-mixed" first): the
+    # rule's table, which the check above reads, leaves it out
+    from lightning_paci.integration.setup.trainer_checks import SUPPORTED_PRECISION
+
+    assert "16-mixed" not in SUPPORTED_PRECISION and "16-true" not in SUPPORTED_PRECISION
+    assert {"32-true", "64-true", "bf16-mixed", "bf16-true"} <= set(SUPPORTED_PRECISION)
 
 
 def test_cuda_requested_without_a_gpu():
@@ -177,11 +185,11 @@ def test_a_stage_hung_inside_an_action_is_named_though_its_heartbeat_goes_on(cap
     # 1 stays inside its forward while stage 2's receive waits for it, and every rank stops naming stage 1
     from torch.multiprocessing import ProcessExitedException
 
-    start = time.monotonic()
+    # the line names the hang (no progress inside stage 1's forward), which neither the sleep's end nor the 60 s
+    # process-group timeout would say: no wall-clock bound needed
     with pytest.raises((ProcessExitedException, ProcessRaisedException)):
         fit(_HangsOnStage1(depth=6), regression_loader(num_batches=20), devices=3, max_steps=20,
             partition="parameters", failure_timeout=3.0)
-    assert time.monotonic() - start < 60  # far below the sleep and the 60 s process-group timeout
     err = capfd.readouterr().err
     assert re.search(r"lightning_paci: stage 1 failed: made no progress for \d+ s: inside 1F\d+ while stage "
                      r"(0 waits for it at 0RECV_B|2 waits for it at 2RECV_F)\d+", err), err[-2000:]
@@ -224,11 +232,9 @@ def test_a_rank_held_at_setup_is_named_by_the_others(capfd):
     # setup while stages 0 and 2 wait for it at the barrier; setup work is patient (10 x failure_timeout = 10 s)
     from torch.multiprocessing import ProcessExitedException
 
-    start = time.monotonic()
     with pytest.raises((ProcessExitedException, ProcessRaisedException)):
         fit(SequentialMLP(depth=6), regression_loader(), devices=3, partition="parameters", failure_timeout=1.0,
             callbacks=[_HoldRank1InSetup()])
-    assert time.monotonic() - start < 60
     err = capfd.readouterr().err
     assert re.search(r"lightning_paci: stage 1 failed: made no progress for \d+ s: inside setup while stage [02] "
                      r"waits for it at a barrier #\d+ .*past the patience given to setup", err), err[-2000:]
@@ -308,7 +314,9 @@ def test_watchdogs_end_a_run_together_and_a_failure_reaches_one_waiting_at_the_e
     # line and ends, and stage 1's report returns once stage 0 heard it. Then a clean end: both leave, no exit
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     exits: list[int] = []
-    waiting, failing = (StageWatchdog(s, 2, store, interval=0.1, dead_after=2.0, exit_fn=exits.append, run=1)
+    # dead_after: long enough that no thread starved on a busy machine looks dead; stage 0 follows the failed
+    # stage's end at most that long after hearing it
+    waiting, failing = (StageWatchdog(s, 2, store, interval=0.1, dead_after=5.0, exit_fn=exits.append, run=1)
                         for s in (0, 1))
     waiting.start()
     failing.start()
@@ -318,13 +326,13 @@ def test_watchdogs_end_a_run_together_and_a_failure_reaches_one_waiting_at_the_e
     assert end.is_alive() and exits == []  # stage 1 is not done: stage 0 stays
     failing.fail("RuntimeError: boom in a teardown hook")
     assert waiting.said  # before stage 1's report returned
-    end.join(timeout=10)
+    end.join(timeout=60)
     atexit.unregister(failing._at_exit)
     failing.stop(done=False)
     assert exits == [1]
     assert capfd.readouterr().err == ("lightning_paci: stage 1 failed: RuntimeError: boom in a teardown hook -- "
                                       "stopping stage 0\n")
-    together = [StageWatchdog(s, 2, store, interval=0.1, dead_after=2.0, exit_fn=exits.append, run=2)
+    together = [StageWatchdog(s, 2, store, interval=0.1, dead_after=5.0, exit_fn=exits.append, run=2)
                 for s in (0, 1)]
     for watchdog in together:
         watchdog.start()
@@ -332,7 +340,7 @@ def test_watchdogs_end_a_run_together_and_a_failure_reaches_one_waiting_at_the_e
     for thread in ends:
         thread.start()
     for thread in ends:
-        thread.join(timeout=10)
+        thread.join(timeout=60)
     assert exits == [1] and not any(thread.is_alive() for thread in ends)
     assert store.check(["paci/2/left/1"])  # stage 0, which hosts the store, waited for stage 1's last read
 

@@ -41,7 +41,7 @@ def test_without_a_device_it_says_so_and_exits_at_once_from_any_directory(tmp_pa
     assert done.stdout.splitlines() == [json.dumps({"device": None, "note": "gpu_smoke: no CUDA device found; nothing "
                                                     "to check (run with --rehearse to exercise it on the CPU)"})]
     assert list(tmp_path.iterdir()) == []  # no figures file where nothing was measured
-    assert time.monotonic() - began < 60
+    assert time.monotonic() - began < 60  # a hang guard: nothing is started, a busy machine imports in seconds
 
 
 @pytest.mark.distributed
@@ -102,7 +102,7 @@ def test_worker_processes_are_killed_when_their_time_is_up(tmp_path):
     with pytest.raises(TimeUp, match="2 of 2 worker processes still running"):
         run_processes([sleeper, sleeper], [dict(os.environ)] * 2, [tmp_path / "a.log", tmp_path / "b.log"],
                       deadline=time.monotonic() + 1.0)
-    assert time.monotonic() - began < 10
+    assert time.monotonic() - began < 50  # a hang guard, not a speed: unkilled, the sleepers would hold it 60 s
 
 
 def test_one_failing_worker_stops_the_others_and_its_output_is_reported(tmp_path):
@@ -114,4 +114,4 @@ def test_one_failing_worker_stops_the_others_and_its_output_is_reported(tmp_path
     with pytest.raises(RuntimeError, match=r"(?s)process 0 exited with 3:\nthe failing rank.*processes \[1\] killed"):
         run_processes([failing, sleeper], [dict(os.environ)] * 2, [tmp_path / "a.log", tmp_path / "b.log"],
                       deadline=time.monotonic() + 50)
-    assert time.monotonic() - began < 10
+    assert time.monotonic() - began < 45  # a hang guard, not a speed: unkilled, the sleeper would hold it 50-60 s

@@ -259,9 +259,12 @@ def _one_device_ema(model, val_losses: Path, *, ckpt_path=None, checkpoints: Pat
 
 
 def _assert_same(actual: dict, expected: dict, what: str) -> None:
+    """Float64 states equal within float64 rounding (another summation order: 1e-11 relative, far below float32's
+    resolution, so a value that passed through float32 fails)."""
     assert actual.keys() == expected.keys(), what
     for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, msg=lambda m: f"{what} {key}: {m}")
+        assert actual[key].dtype == value.dtype, (what, key)
+        torch.testing.assert_close(actual[key], value, rtol=1e-11, atol=1e-13, msg=lambda m: f"{what} {key}: {m}")
 
 
 @pytest.mark.parametrize("stages", [2, 4])
@@ -307,8 +310,9 @@ def test_ema_trains_under_paci_and_validates_with_the_averaged_weights(tmp_path)
 def test_ema_under_paci_equals_the_reference_executor_averaging_each_stage_at_its_updates(stages):
     """Under "paci" (m = a = stages, the default compensation) each stage's average is updated after each of its
     own updates from the weights that update left: the reference executor of the same lists, with one
-    ``AveragedModel`` per carved stage updated by its runtime's update hook, ends with the same averaged weights,
-    bit for bit in float64 -- and they are not the trained weights."""
+    ``AveragedModel`` per carved stage updated by its runtime's update hook, ends with the same averaged weights
+    in float64 within a few units in the last place (2e-16 relative measured: the weight prediction's way back is
+    exact to one unit in the last place, [Note: weight prediction]) -- and they are not the trained weights."""
     torch.manual_seed(8)
     model = SequentialMLP(depth=4, lr=0.2).double()
     initial = copy.deepcopy(model)

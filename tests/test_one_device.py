@@ -298,13 +298,6 @@ def test_a_window_left_open_at_the_epoch_end_is_stepped_as_on_one_device(tied):
     assert_same_weights(model, expected)
 
 
-class _BatchNormMLP(SequentialMLP):
-    def __init__(self) -> None:
-        super().__init__(depth=4)
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
-                                       torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
-
-
 def test_batch_norm_with_micro_batches_is_warned_about_naming_the_modules_and_the_choices(tmp_path):
     record = RecordSetupWarnings(tmp_path / "warnings.json")
     fit(_BatchNormMLP(), regression_loader(), devices=2, max_steps=1, partition="parameters", callbacks=[record])

@@ -55,12 +55,15 @@ def test_backward_and_optimizer_hooks_run_per_stage_and_training_equals_one_devi
     # would not: the pipeline has no global norm)
     torch.manual_seed(70)
     model = Hooked(tmp_path)
-    single = copy.deepcopy(model)
+    single, unclipped = copy.deepcopy(model), copy.deepcopy(model)
     first_bias = model.net[0].bias.detach().clone()
     loader = regression_loader(num_batches=3)
-    L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.05,
-              gradient_clip_algorithm="value").fit(single, loader)
+    for one, clip in ((single, 0.05), (unclipped, None)):
+        L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip,
+                  gradient_clip_algorithm="value").fit(one, loader)
+    # the value clipping is active: without it one device ends elsewhere (far beyond the tolerance below)
+    assert max(float((a - b).abs().max()) for a, b in zip(single.parameters(), unclipped.parameters())) > 1e-3
     fit(model, loader, devices=2, max_steps=3, schedule="1f1b", microbatches=4, partition="parameters",
         trainer_kwargs={"gradient_clip_val": 0.05, "gradient_clip_algorithm": "value"})
     stages = [json.loads((tmp_path / f"hooks{s}.json").read_text()) for s in range(2)]

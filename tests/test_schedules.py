@@ -209,9 +209,11 @@ def test_paci_installs_tied_weights_without_waiting_for_a_later_call():
     schedule = build_schedule("paci", 4, 4, 4, 6, tied=True)
     rounds = assign_rounds(schedule)
     sent = {message_key(a, 4): r for a, r in zip(schedule.actions[0], rounds[0]) if a.kind == "SEND_T"}
-    for action, rnd in zip(schedule.actions[3], rounds[3]):
-        if action.kind == "RECV_T" and action.microbatch < 5:
-            assert rnd > sent[message_key(action, 4)]  # sent in an earlier call
+    installs = [(action, rnd) for action, rnd in zip(schedule.actions[3], rounds[3])
+                if action.kind == "RECV_T" and action.microbatch < 5]
+    assert [action.microbatch for action, _ in installs] == [1, 2, 3, 4]  # the updates of the first 4 mini-batches
+    for action, rnd in installs:
+        assert rnd > sent[message_key(action, 4)]  # sent in an earlier call
 
 
 def test_build_pauses_the_garbage_collector_only_while_it_runs():
