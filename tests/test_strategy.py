@@ -465,8 +465,13 @@ def test_the_default_split_is_the_same_on_every_machine_and_a_measured_one_is_re
     assert resumed.endswith("; split partition=[4, 7, 8]")
 
 
-def test_torchmetrics_object_logged_in_validation_reaches_every_rank():
+def test_torchmetrics_object_logged_in_validation_reaches_every_rank(tmp_path):
     import torchmetrics
+
+    class EveryRank(L.Callback):  # each rank's own value, written where the test reads it
+        def on_fit_end(self, trainer, pl_module):
+            value = float(trainer.callback_metrics["val_mse"])
+            (tmp_path / f"val_mse{trainer.global_rank}.txt").write_text(repr(value))
 
     class WithMetric(SequentialMLP):
         def __init__(self):
@@ -484,7 +489,7 @@ def test_torchmetrics_object_logged_in_validation_reaches_every_rank():
     trainer = L.Trainer(
         strategy=PACIStrategy(start_method="fork", microbatches=4), accelerator="cpu", devices=4, max_epochs=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, num_sanity_val_steps=0,
+        use_distributed_sampler=False, num_sanity_val_steps=0, callbacks=[EveryRank()],
     )
     trainer.fit(model, regression_loader(num_batches=3), val)
     with torch.no_grad():
@@ -492,6 +497,8 @@ def test_torchmetrics_object_logged_in_validation_reaches_every_rank():
         y = torch.cat([b[1] for b in val])
         expected = torch.nn.functional.mse_loss(model(x), y)
     assert float(trainer.callback_metrics["val_mse"]) == pytest.approx(float(expected), rel=1e-5)
+    ranks = [float((tmp_path / f"val_mse{r}.txt").read_text()) for r in range(4)]
+    assert ranks == pytest.approx([float(expected)] * 4, rel=1e-5)  # every rank's own callback_metrics
 
 
 def test_long_streams_drain_every_max_stream_batches_and_equal_the_reference():
