@@ -149,3 +149,18 @@ def test_the_option_is_refused_where_the_step_does_not_return_the_method_s_loss(
         PACIStrategy(whole_batch_loss="contrastive_loss", virtual_stages=2, schedule="interleaved")
     with pytest.raises(ValueError, match="`whole_batch_loss` names a method"):
         PACIStrategy(whole_batch_loss="self.loss")
+
+
+def test_a_batch_whose_whole_loss_is_not_finite_is_dropped_whole_under_skip(tmp_path):
+    """``nonfinite="skip"``: one NaN image makes the batch's contrastive loss NaN; every micro-batch of that batch
+    is dropped (no gradient on any stage), so the run ends where one device trained on the other batches ends."""
+    module, batches = _towers()
+    poisoned = [batches[0], {**batches[1], "pixel_values": batches[1]["pixel_values"].clone()}, batches[2]]
+    poisoned[1]["pixel_values"][5, 0, 0, 0] = float("nan")
+    reference, _ = _one_device(module, [batches[0], batches[2]])
+    pipeline = copy.deepcopy(module)
+    fit(pipeline, dict_loader(poisoned), devices=2, max_steps=3, schedule="1f1b", microbatches=2,
+        whole_batch_loss="contrastive_loss", nonfinite="skip")
+    expected = reference.state_dict()
+    for name, got in pipeline.state_dict().items():
+        torch.testing.assert_close(got, expected[name], rtol=1e-12, atol=1e-13, msg=name)
