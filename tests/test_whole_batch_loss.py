@@ -104,6 +104,11 @@ def test_micro_batch_losses_are_not_the_whole_batch_loss():
         assert abs(float(module.contrastive_loss(*whole.args)) - float(split)) > 1e-2
     assert [len(o) for o in outgoing] == [2, 2] and whole.args[0].shape == (8, 16) and whole.samples == 8
     assert all(leaf.is_leaf and leaf.requires_grad for group in leaves for leaf in group)
+    # arguments joined position by position: a call whose other arguments differ is refused, naming the method
+    odd = [calls[0], LossCall(calls[1].args, {"temperature": 0.5}, 4)]
+    with pytest.raises(ValueError, match=r"`contrastive_loss` was called with other arguments by different "
+                                         r"micro-batches"):
+        joined(odd, "contrastive_loss")
 
 
 def test_whole_batch_loss_under_paci_equals_the_reference_executor_and_trains(tmp_path):

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from lightning_paci.engine.runtime.program import LOSS_KEY, LogRecord, loss_value
-from lightning_paci.engine.transport.messages import flatten, unflatten
+from lightning_paci.engine.transport.messages import TensorMeta, flatten, map_leaves, unflatten
 from lightning_paci.schedules import RECV_B
 
 if TYPE_CHECKING:
@@ -55,11 +55,11 @@ def joined(calls: list[LossCall], method: str) -> tuple[LossCall, list[list[torc
     tensor per micro-batch, (sum b_j, ...) whole); a tensor that is the same object in every call is passed once.
     Non-tensor arguments must be equal in every call."""
     skeletons, tensors = zip(*(flatten((c.args, c.kwargs)) for c in calls), strict=True)
-    counts = {len(t) for t in tensors}
-    if len(counts) != 1:
-        raise ValueError(f"`{method}` was called with {sorted(counts)} tensors by different micro-batches of one "
-                         f"batch: the whole-batch loss joins its arguments position by position, so every call must "
-                         f"pass the same structure.")
+    shapes = [map_leaves(skeleton, TensorMeta, lambda _: None) for skeleton in skeletons]  # the rest, tensors out
+    if any(shape != shapes[0] for shape in shapes):
+        raise ValueError(f"`{method}` was called with other arguments by different micro-batches of one batch: the "
+                         f"whole-batch loss joins the tensors position by position and needs every other argument "
+                         f"equal in every call (got {shapes[0]!r} and {next(x for x in shapes if x != shapes[0])!r}).")
     whole: list[torch.Tensor] = []
     outgoing: list[list[torch.Tensor]] = [[] for _ in calls]
     leaves: list[list[torch.Tensor]] = [[] for _ in calls]
