@@ -20,8 +20,9 @@ with a line. With ``whole_batch_loss`` the same run checks that option instead (
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,23 +40,33 @@ log = logging.getLogger(__name__)
 TOLERANCE = 1e-4  # relative difference between the whole batch's loss and the micro-batches' weighted mean
 
 
-def batch_coupling(module: LightningModule, batch: Any, num_microbatches: int, *, context: Callable[[], Any],
-                   cuda_devices: list[int]) -> tuple[float, float]:
-    """``(the whole batch's loss, its micro-batches' weighted mean)`` of the user's ``training_step`` on ``batch``
-    ([Note: a loss that couples a batch's samples])."""
-    def loss(data: Any) -> float:
+@contextlib.contextmanager
+def _steps_at_setup(module: LightningModule, context: Callable[[], Any],
+                    cuda_devices: list[int]) -> Iterator[Callable[[Any], torch.Tensor]]:
+    """The user's ``training_step`` as a function of the data, run as the setup runs it here: without gradients,
+    in eval mode (dropout's masks would differ between runs), the RNG, the buffers, ``self.log`` and the mode left
+    as they were."""
+    def step(data: Any) -> torch.Tensor:
         with recording_logs(module, [], 1, "training_step"), context():
-            return float(extract_loss(module.training_step(data, 0), "training_step").detach().double())
+            return extract_loss(module.training_step(data, 0), "training_step")
 
-    parts = split_weighted(batch, num_microbatches)
     was_training = module.training
     with without_side_effects(module, cuda_devices=cuda_devices), torch.no_grad():
         module.eval()
         try:
-            whole = loss(batch)
-            mean = sum(weight * loss(part) for part, weight in parts if weight) / num_microbatches
+            yield step
         finally:
             module.train(was_training)
+
+
+def batch_coupling(module: LightningModule, batch: Any, num_microbatches: int, *, context: Callable[[], Any],
+                   cuda_devices: list[int]) -> tuple[float, float]:
+    """``(the whole batch's loss, its micro-batches' weighted mean)`` of the user's ``training_step`` on ``batch``
+    ([Note: a loss that couples a batch's samples])."""
+    parts = split_weighted(batch, num_microbatches)
+    with _steps_at_setup(module, context, cuda_devices) as step:
+        whole = float(step(batch).double())
+        mean = sum(weight * float(step(part).double()) for part, weight in parts if weight) / num_microbatches
     return whole, mean
 
 
@@ -106,16 +117,12 @@ def check_whole_batch_loss(module: LightningModule, method: str, batch: Any, *, 
         results.append(found(*args, **kwargs))
         return results[-1]
 
-    was_training = module.training
-    with without_side_effects(module, cuda_devices=cuda_devices), torch.no_grad():
-        module.eval()
+    with _steps_at_setup(module, context, cuda_devices) as step:
         module.__dict__[method] = counted
         try:
-            with recording_logs(module, [], 1, "training_step"), context():
-                loss = extract_loss(module.training_step(batch, 0), "training_step")
+            loss = step(batch)
         finally:
             module.__dict__.pop(method, None)
-            module.train(was_training)
     fix = (f"The last stage runs each micro-batch's step up to that call and computes the loss once per batch, so "
            f"the step must call `self.{method}(...)` once and return its result.")
     if len(results) != 1:
